@@ -1,0 +1,17 @@
+"""stemlm: STEM (Scaling Transformers with Embedding Modules) in plain PyTorch.
+
+``import stemlm`` registers ``StemConfig``/``StemForCausalLM`` with Hugging Face's Auto classes
+when transformers is installed.
+"""
+
+from .config import FFN_KINDS, ConfigError, ModelConfig, resolve_stem_layers
+from .model import StemLM
+from .presets import PRESETS, model_config
+
+__version__ = "0.1.0"
+__all__ = ["FFN_KINDS", "ConfigError", "ModelConfig", "PRESETS", "StemLM", "model_config", "resolve_stem_layers"]
+
+try:  # optional: Hugging Face interop
+    from . import hf as _hf  # noqa: F401  (registers the Auto classes)
+except ImportError:  # transformers missing (or the module not built yet)
+    pass

@@ -1,0 +1,7 @@
+"""``python -m stemlm`` = the ``stemlm`` command."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

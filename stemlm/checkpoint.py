@@ -1,0 +1,176 @@
+"""Model checkpoints: a Hugging Face-style directory written atomically, loaded without executing code.
+
+Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_pretrained`` after
+``import stemlm``)::
+
+    config.json          {"model_type": "stemlm", "architectures": [...], <ModelConfig fields>}
+    model.safetensors    keys "model.<StemLM parameter name>" (a tied LM head is not stored)
+    tokenizer.json ...   optional, copied in by the caller
+
+A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
+newest complete one, so every command taking ``--ckpt`` accepts a run or a checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import safe_open, save_file
+
+from .config import ConfigError, ModelConfig
+from .model import StemLM
+
+CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not match the model it is loaded into."""
+
+
+@contextlib.contextmanager
+def atomic_directory(final: str | os.PathLike):
+    """Yield a temporary directory beside ``final``; on success it replaces ``final`` by rename.
+
+    If the block raises, the temporary directory is removed and ``final`` is untouched.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        yield tmp
+        for f in tmp.rglob("*"):  # make the bytes durable before the rename publishes them
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        if final.exists():
+            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The ``config.json`` content for a model config."""
+    return {"model_type": "stemlm", "architectures": ["StemForCausalLM"], **cfg.to_dict()}
+
+
+def model_state_for_save(model: StemLM) -> dict[str, torch.Tensor]:
+    """State dict with the ``model.`` prefix, tied LM head dropped, tensors contiguous on CPU."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if model.cfg.tie_embeddings and name == "lm_head.weight":
+            continue
+        state[KEY_PREFIX + name] = tensor.detach().to("cpu").contiguous()
+    return state
+
+
+def write_model_files(model: StemLM, directory: Path, extra_config: dict | None = None) -> None:
+    """Write ``config.json`` and ``model.safetensors`` into an existing directory (not atomic)."""
+    (directory / CONFIG_FILE).write_text(json.dumps({**hf_config_dict(model.cfg), **(extra_config or {})}, indent=2))
+    save_file(model_state_for_save(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def save_model(model: StemLM, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Atomically write a checkpoint directory (weights, config, optional tokenizer files)."""
+    out_dir = Path(out_dir)
+    with atomic_directory(out_dir) as tmp:
+        write_model_files(model, tmp)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+    return out_dir
+
+
+def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None:
+    """Copy tokenizer files (``tokenizer.json``, ``tokenizer_config.json`` ...) from ``src``."""
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, Path(dst) / name)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, or the newest complete checkpoint of a training run directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint path {path} does not exist")
+    if (path / CONFIG_FILE).exists():
+        return path
+    steps = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / CONFIG_FILE).exists()) \
+        if (path / "checkpoints").is_dir() else []
+    if not steps:
+        raise CheckpointError(f"{path} is neither a checkpoint (no {CONFIG_FILE}) nor a run with checkpoints/step_*")
+    return steps[-1]
+
+
+def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
+    """The ``ModelConfig`` stored in a checkpoint directory."""
+    file = Path(ckpt_dir) / CONFIG_FILE
+    try:
+        data = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"missing {file}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt {file}: {e}") from None
+    if data.get("model_type") != "stemlm":
+        raise CheckpointError(f"{file} has model_type={data.get('model_type')!r}, expected 'stemlm' "
+                              "(convert a Llama checkpoint with `stemlm convert --from-hf`)")
+    fields = {k: v for k, v in data.items() if k in ModelConfig.__dataclass_fields__ and ModelConfig.__dataclass_fields__[k].init}
+    try:
+        return ModelConfig.from_dict(fields)
+    except ConfigError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+
+
+def load_state_into(model: StemLM, weights_file: str | os.PathLike, skip_tables: bool = False) -> None:
+    """Load a ``model.safetensors`` into ``model`` with key and shape checks (clear errors)."""
+    weights_file = Path(weights_file)
+    if not weights_file.exists():
+        raise CheckpointError(f"missing weights file {weights_file}")
+    expected = {KEY_PREFIX + k: v for k, v in model.state_dict().items()
+                if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
+    if skip_tables:
+        expected = {k: v for k, v in expected.items() if not k.startswith(KEY_PREFIX + "tables.")}
+    try:
+        with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+            keys = set(f.keys())
+            missing = sorted(set(expected) - keys)
+            if missing:
+                raise CheckpointError(f"{weights_file} lacks {len(missing)} tensors, e.g. {missing[0]!r}")
+            extra = sorted(k for k in keys - set(expected) if not (skip_tables and k.startswith(KEY_PREFIX + "tables.")))
+            if extra:
+                raise CheckpointError(f"{weights_file} has unexpected tensor {extra[0]!r} for this config")
+            loaded = {}
+            for key, ref in expected.items():
+                t = f.get_tensor(key)
+                if t.shape != ref.shape:
+                    raise CheckpointError(f"{weights_file}: {key} has shape {tuple(t.shape)}, model expects {tuple(ref.shape)}")
+                loaded[key[len(KEY_PREFIX):]] = t
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"corrupt weights file {weights_file}: {e}") from None
+    model.load_state_dict(loaded, strict=False, assign=False)
+
+
+def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               skip_tables: bool = False) -> StemLM:
+    """Load a checkpoint (or a run's newest checkpoint) into a new ``StemLM``.
+
+    ``skip_tables`` leaves the tables uninitialised, for callers that serve them from another
+    tier (host, disk) straight from the checkpoint file.
+    """
+    ckpt = resolve_checkpoint(path)
+    cfg = read_config(ckpt)
+    model = StemLM(cfg)
+    load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)
+    model.eval()
+    return model.to(device=device, dtype=dtype) if dtype else model.to(device)

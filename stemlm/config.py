@@ -1,0 +1,176 @@
+"""Model configuration: one frozen dataclass; every derived size is computed once, here.
+
+Placement rule for ratio specs (``stem_layers``):
+
+* ``"1/k"`` or a float ``r`` in (0, 1]: ``n = floor(n_layers * r)`` layers are replaced, the
+  ``j``-th (0-based) at index ``ceil((j + 1) / r) - 1``, i.e. the last layer of each block of
+  ``1/r`` layers. For ``1/3`` that is layers 2, 5, 8, ...: 16 layers -> [2, 5, 8, 11, 14];
+  30 layers -> [2, 5, ..., 29] (10 layers); 32 layers -> [2, 5, ..., 29] (10 layers).
+  For ``1/2``: 1, 3, 5, ... (every second layer).
+* ``"full"`` (or ratio 1): every layer but the first (layer 0 stays dense).
+* ``"none"``: no layer.
+* an explicit list ``[2, 5]`` or string ``"2,5"`` (or ``"7"``) of 0-based layer indices.
+
+Layer 0 is never chosen by a ratio rule: the first layer has to build the contextual state the
+token-indexed tables of later layers are gated by.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+FFN_KINDS = ("dense", "stem", "stem_dagger", "stem_gate", "hash_moe")
+TABLE_KINDS = ("stem", "stem_dagger", "stem_gate")  # FFN kinds that own a token-indexed table
+TABLE_INITS = ("xavier_normal", "matched", "normal")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the problem."""
+
+
+def swiglu_hidden_dim(d_model: int, multiple_of: int = 256) -> int:
+    """Llama's SwiGLU width rule: 2/3 of 4*d, rounded up to ``multiple_of``."""
+    hidden = int(2 * (4 * d_model) / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def resolve_stem_layers(spec: str | float | list[int] | tuple[int, ...] | None, n_layers: int) -> tuple[int, ...]:
+    """Turn a placement spec (see module docstring) into sorted 0-based layer indices."""
+    if spec is None:
+        return ()
+    if isinstance(spec, (list, tuple)):
+        layers = [int(i) for i in spec]
+    else:
+        text = str(spec).strip().lower()
+        if text in ("none", ""):
+            return ()
+        if text == "full":
+            return tuple(range(1, n_layers))
+        if "/" not in text and "." not in text:  # "2,5" or a single index "7"
+            try:
+                layers = [int(p) for p in text.split(",") if p.strip()]
+            except ValueError:
+                raise ConfigError(f"stem_layers: cannot parse {spec!r}; use '1/3', '1/2', 'full', 'none' or a list like '2,5'") from None
+        else:
+            try:
+                ratio = Fraction(text).limit_denominator(1000)
+            except (ValueError, ZeroDivisionError):
+                raise ConfigError(f"stem_layers: cannot parse {spec!r}; use '1/3', '1/2', 'full', 'none' or a list like '2,5'") from None
+            if not 0 < ratio <= 1:
+                raise ConfigError(f"stem_layers: ratio {spec!r} must be in (0, 1]")
+            if ratio == 1:
+                return tuple(range(1, n_layers))
+            count = math.floor(n_layers * ratio)
+            layers = [i for i in (math.ceil((j + 1) / ratio) - 1 for j in range(count)) if i != 0]
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise ConfigError(f"stem_layers: layer index {bad[0]} out of range for n_layers={n_layers} (valid 0..{n_layers - 1})")
+    if len(set(layers)) != len(layers):
+        raise ConfigError(f"stem_layers: duplicate layer index in {sorted(layers)}")
+    return tuple(sorted(layers))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a STEM (or plain Llama) decoder.
+
+    ``ffn`` is the FFN kind used in the layers chosen by ``stem_layers``; every other layer is
+    dense. Derived fields (``layer_kinds``, ``head_dim``, ``n_experts`` ...) are filled in
+    ``__post_init__`` and are not constructor arguments.
+    """
+
+    d_model: int = 64
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None -> n_heads (plain multi-head attention)
+    d_ff: int | None = None  # None -> swiglu_hidden_dim(d_model)
+    vocab_size: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 256
+    tie_embeddings: bool = False  # the STEM paper unties input embedding and LM head
+    ffn: str = "stem"
+    stem_layers: str | tuple[int, ...] = "1/3"
+    n_experts: int | None = None  # hash_moe only; None -> matched to the STEM parameter count
+    hash_seed: int = 0  # hash_moe: seed of the fixed token -> expert hash
+    init_std: float = 0.02
+    table_init: str = "xavier_normal"
+
+    # derived (not constructor arguments)
+    head_dim: int = field(init=False)
+    stem_layer_ids: tuple[int, ...] = field(init=False)
+    layer_kinds: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self):
+        for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+        if self.d_model % self.n_heads:
+            raise ConfigError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}")
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        if self.n_kv_heads is None:
+            set_("n_kv_heads", self.n_heads)
+        if self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            raise ConfigError(f"n_kv_heads={self.n_kv_heads} must be positive and divide n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2:
+            raise ConfigError(f"head_dim={self.d_model // self.n_heads} must be even for RoPE")
+        if self.d_ff is None:
+            set_("d_ff", swiglu_hidden_dim(self.d_model))
+        if self.d_ff <= 0:
+            raise ConfigError(f"d_ff must be positive, got {self.d_ff}")
+        if self.ffn not in FFN_KINDS:
+            raise ConfigError(f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
+        if self.table_init not in TABLE_INITS:
+            raise ConfigError(f"unknown table_init {self.table_init!r}; choose one of {', '.join(TABLE_INITS)}")
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigError("rope_theta, norm_eps and init_std must be positive")
+        if isinstance(self.stem_layers, list):
+            set_("stem_layers", tuple(self.stem_layers))
+        layers = () if self.ffn == "dense" else resolve_stem_layers(self.stem_layers, self.n_layers)
+        set_("head_dim", self.d_model // self.n_heads)
+        set_("stem_layer_ids", layers)
+        set_("layer_kinds", tuple(self.ffn if i in layers else "dense" for i in range(self.n_layers)))
+        if self.ffn == "hash_moe":
+            if self.n_experts is None:
+                set_("n_experts", matched_expert_count(self.d_model, self.vocab_size))
+            if self.n_experts < 1:
+                raise ConfigError(f"n_experts must be >= 1, got {self.n_experts}")
+
+    # -- helpers -------------------------------------------------------------------------
+    @property
+    def table_layers(self) -> tuple[int, ...]:
+        """Indices of layers that own a token-indexed table (STEM, STEM†, gate ablation)."""
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in TABLE_KINDS)
+
+    def to_dict(self) -> dict:
+        """Constructor arguments only (derived fields are recomputed on load)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        if isinstance(out["stem_layers"], tuple):
+            out["stem_layers"] = list(out["stem_layers"])
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        """Build from a dict, rejecting unknown keys with a clear error."""
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ConfigError(f"unknown model config field {unknown[0]!r}; valid fields: {', '.join(sorted(names))}")
+        return cls(**data)
+
+    def replace(self, **changes) -> "ModelConfig":
+        """A copy with some constructor fields changed (derived fields recomputed)."""
+        return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+
+def matched_expert_count(d_model: int, vocab_size: int) -> int:
+    """Experts per Hash-MoE layer whose parameters match one STEM layer.
+
+    A STEM layer holds W_g, W_d (2·d·d_ff) plus its table (V·d_ff); an expert holds 3·d·d_ff,
+    so E = round((2d + V) / 3d), independent of d_ff.
+    """
+    return max(1, round((2 * d_model + vocab_size) / (3 * d_model)))

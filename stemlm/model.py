@@ -1,0 +1,177 @@
+"""The STEM decoder: a Llama (RMSNorm, RoPE, GQA attention, SwiGLU) whose chosen FFN layers take a
+token-indexed table row instead of (or added to) the up-projection.
+
+Differences from a plain Llama:
+* ``cfg.layer_kinds[i]`` selects the FFN of layer ``i`` (see ``ffn.py``);
+* every table layer ``i`` has a table ``self.tables[str(i)]`` queried by token id through
+  ``lookup(ids)``; this file does not know where the rows are stored;
+* input embedding and LM head are untied unless ``cfg.tie_embeddings``.
+
+RoPE uses the rotate-half convention of Hugging Face Llama, so HF weights load unpermuted.
+Attention goes through ``F.scaled_dot_product_attention``. Parallelism, offload and compile are
+applied from outside.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import TABLE_KINDS, ModelConfig
+from .ffn import FFN_CLASSES, HashMoEFFN
+from .tables import StemTable, check_ids, init_table_
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in fp32, as in HF Llama."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables ``(T, head_dim)`` for the given positions (rotate-half layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[:, None] * inv_freq[None, :]  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` of shape ``(B, nh, T, hd)``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with an optional KV cache (``cache.update(layer, k, v, start)``)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.d_model, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=False)
+
+    def forward(self, x, cos, sin, start_pos: int, cache=None, mask=None):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v, start_pos)  # (B, nkv, S, hd), S = start_pos + T
+        gqa = self.n_heads != self.n_kv_heads
+        if mask is None and start_pos == 0 and T > 1:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # decode (T == 1 sees everything cached) or an explicit mask
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d)
+        return self.wo(y)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block; ``rows`` are the layer's table rows (table layers only)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.kind = cfg.layer_kinds[layer_idx]
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg, layer_idx)
+        self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.ffn = FFN_CLASSES[self.kind](cfg)
+
+    def forward(self, x, cos, sin, start_pos, ids, rows=None, cache=None, mask=None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, cache, mask)
+        return x + self.ffn(self.ffn_norm(x), rows=rows, ids=ids)
+
+
+def attention_mask(doc_ids: torch.Tensor | None, start_pos: int, q_len: int, device) -> torch.Tensor | None:
+    """Boolean mask ``(B|1, 1, T, S)``, True = may attend; None when plain causal suffices.
+
+    ``doc_ids (B, T)`` restricts attention to the same document (cross-document masking).
+    """
+    if doc_ids is None and (start_pos == 0 or q_len == 1):
+        return None
+    q_pos = torch.arange(start_pos, start_pos + q_len, device=device)
+    k_pos = torch.arange(start_pos + q_len, device=device)
+    mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # (1, 1, T, S)
+    if doc_ids is not None:
+        if start_pos != 0:
+            raise ValueError("doc_ids masking is supported for full-sequence forward passes only")
+        same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+        mask = mask & same_doc[:, None]
+    return mask
+
+
+class StemLM(nn.Module):
+    """A STEM language model; ``forward(ids) -> logits (B, T, V)``."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.tables = nn.ModuleDict({str(i): StemTable(cfg.vocab_size, cfg.d_ff) for i in cfg.table_layers})
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_embeddings.weight
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Normal(0, init_std) weights, unit norms, tables per ``cfg.table_init``."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=self.cfg.init_std)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+            elif isinstance(module, HashMoEFFN):
+                for w in (module.w_gate, module.w_up, module.w_down):
+                    nn.init.normal_(w, std=self.cfg.init_std)
+            elif isinstance(module, StemTable):
+                init_table_(module.weight, self.cfg.table_init, self.cfg.d_model, self.cfg.init_std)
+
+    def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
+                return_hidden: bool = False) -> torch.Tensor:
+        """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
+
+        ``cache`` (optional) keeps keys/values across calls (see ``kv_cache.KVCache``);
+        ``doc_ids (B, T)`` masks attention across documents; ``return_hidden`` returns the
+        final normed hidden states ``(B, T, d)`` instead of logits.
+        """
+        cfg = self.cfg
+        if ids.dim() != 2:
+            raise ValueError(f"ids must have shape (batch, seq), got {tuple(ids.shape)}")
+        B, T = ids.shape
+        check_ids(ids, cfg.vocab_size)
+        if start_pos + T > cfg.max_seq_len:
+            raise ValueError(f"sequence of {start_pos + T} positions exceeds max_seq_len={cfg.max_seq_len}")
+        x = self.tok_embeddings(ids)  # (B, T, d)
+        cos, sin = rope_cos_sin(torch.arange(start_pos, start_pos + T, device=ids.device), cfg.head_dim,
+                                cfg.rope_theta, x.dtype)
+        mask = attention_mask(doc_ids, start_pos, T, ids.device)
+        for i, block in enumerate(self.layers):
+            rows = self.tables[str(i)].lookup(ids) if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
+            x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
+        h = self.norm(x)
+        return h if return_hidden else self.lm_head(h)
+
+    def table_parameters(self) -> list[nn.Parameter]:
+        """Parameters of the in-memory tables (empty when tables live elsewhere)."""
+        return [p for t in self.tables.values() for p in t.parameters()]
+
+    def num_parameters(self) -> int:
+        """Distinct parameters held by this module (tied weights counted once)."""
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
