@@ -1,0 +1,11 @@
+"""Data: the default offline corpus, the tokenizer, flat token files and deterministic batches.
+
+See docs/data.md. ``prepare_default_corpus()`` builds the default data dir once;
+``TokenDataset.open(dir, split)`` + ``get_batch(ds, step, ...)`` feed training.
+"""
+
+from .tokenizer import EOS_TOKEN, PAD_TOKEN, load_tokenizer, train_bpe
+from .tokens import Batch, TokenDataset, get_batch, iter_eval_batches, read_meta, write_token_split
+
+__all__ = ["EOS_TOKEN", "PAD_TOKEN", "Batch", "TokenDataset", "get_batch", "iter_eval_batches", "load_tokenizer",
+           "read_meta", "train_bpe", "write_token_split"]
