@@ -1,0 +1,1 @@
+"""Distribution applied from outside the model: process groups, DDP/FSDP wrapping, sharded tables."""

@@ -1,0 +1,104 @@
+"""A STEM table sharded across the ranks of a process group: each rank stores 1/N of the rows.
+
+Split: **by row, token id modulo world size** (rank r stores ids r, r+N, r+2N, ...), not by layer.
+Token frequencies are Zipfian, so a contiguous or per-layer split would put the hot rows (and their
+optimizer traffic) on one rank; the modulo split spreads hot tokens evenly and keeps memory equal
+for any number of table layers (a layer split needs N to divide the number of table layers).
+
+A lookup is collective (every rank must call it, in the same order):
+
+1. every rank's unique ids are all-gathered and merged into the step's union ``u`` (sorted);
+2. each rank fills the rows of ``u`` it owns, zeros elsewhere; an all-reduce (sum) gives every rank
+   all rows of ``u`` (each row has exactly one owner, so the sum is exact);
+3. with ``sparse_grad``, the ``(len(u), dim)`` result is a leaf; after backward, ``pop_touched``
+   all-reduces its gradient, divides by the world size (the mean over ranks, as DDP does for the
+   backbone) and keeps the owner's rows. Ids it returns are *local* row indices, so the sparse
+   optimizer runs unchanged on the shard.
+
+All collectives are plain all_gather / all_reduce, available on gloo (CPU) and NCCL (GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..tables import check_ids
+
+
+class ShardedTable(nn.Module):
+    """Rows ``id % world == rank`` of a ``num_rows × dim`` table, with the table lookup protocol."""
+
+    def __init__(self, full_num_rows: int, dim: int, rank: int, world_size: int, group=None):
+        super().__init__()
+        self.full_num_rows, self.dim = full_num_rows, dim
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.num_rows = len(range(rank, full_num_rows, world_size))  # local rows
+        self.weight = nn.Parameter(torch.empty(self.num_rows, dim), requires_grad=False)
+        self.sparse_grad = True
+        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @classmethod
+    def from_full(cls, full: torch.Tensor, rank: int, world_size: int, group=None) -> "ShardedTable":
+        """This rank's shard of a full ``(V, dim)`` table."""
+        table = cls(full.shape[0], full.shape[1], rank, world_size, group)
+        with torch.no_grad():
+            table.weight.copy_(full[rank::world_size])
+        return table
+
+    def _union_ids(self, local_unique: torch.Tensor) -> torch.Tensor:
+        sizes = [torch.zeros(1, dtype=torch.long, device=local_unique.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([local_unique.numel()], device=local_unique.device), group=self.group)
+        longest = int(max(s.item() for s in sizes))
+        padded = torch.full((longest,), -1, dtype=torch.long, device=local_unique.device)
+        padded[: local_unique.numel()] = local_unique
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        union = torch.unique(torch.cat(gathered))
+        return union[union >= 0]
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` (collective: all ranks call it together)."""
+        check_ids(ids, self.full_num_rows)
+        local_unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        union = self._union_ids(local_unique)  # (U,) sorted
+        owned = union % self.world_size == self.rank
+        rows = torch.zeros(union.numel(), self.dim, dtype=self.weight.dtype, device=self.weight.device)
+        rows[owned] = self.weight.detach()[union[owned] // self.world_size]
+        dist.all_reduce(rows, group=self.group)  # (U, dim): every row from its owner
+        if self.sparse_grad and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self.touched.append((union, rows))
+        position = torch.searchsorted(union, local_unique)  # local unique id -> row of the union
+        return rows[position][inverse].view(*ids.shape, self.dim)
+
+    def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Owned ``(local_row_ids, rows_leaf with .grad)`` pairs, gradients averaged over ranks."""
+        out = []
+        for union, rows in self.touched:
+            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+            dist.all_reduce(grad, group=self.group)
+            grad /= self.world_size
+            owned = union % self.world_size == self.rank
+            leaf = rows.detach()[owned].requires_grad_(True)
+            leaf.grad = grad[owned]
+            out.append((union[owned] // self.world_size, leaf))
+        self.touched = []
+        return out
+
+    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Copy of local rows ``ids`` (local indices)."""
+        return self.weight.detach()[ids].clone()
+
+    @torch.no_grad()
+    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite local rows ``ids`` (local indices)."""
+        self.weight[ids] = rows.to(self.weight.dtype)
+
+    def gather_full(self) -> torch.Tensor:
+        """The full ``(V, dim)`` table on every rank (collective), e.g. for saving a checkpoint."""
+        full = torch.zeros(self.full_num_rows, self.dim, dtype=self.weight.dtype, device=self.weight.device)
+        full[self.rank::self.world_size] = self.weight.detach()
+        dist.all_reduce(full, group=self.group)
+        return full
