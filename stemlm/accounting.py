@@ -1,0 +1,267 @@
+"""Exact parameter, FLOP and byte accounting of a ``ModelConfig``: the one place that counts.
+
+Nothing here builds a model; the tests check every count against a real ``StemLM``.
+
+Conventions (see docs/accounting.md for the derivations and the paper's numbers):
+
+* **Parameters.** Every table is counted in ``total_params`` (``V × d_ff`` each); tied
+  embeddings are counted once; RMSNorm weights are counted. This equals
+  ``StemLM(cfg).num_parameters()``.
+* **Active parameters per token.** A STEM-family layer uses one table row (``d_ff``), a
+  Hash-MoE layer one expert (``3·d·d_ff``). The input embedding is counted as the *whole*
+  ``V × d`` matrix by default (``embedding="table"``), the convention under which the paper's
+  Table 3 gives 1.41B active parameters for STEM-1/3 Llama-3.2-1B; ``embedding="row"`` counts
+  only the ``d`` values a token reads (what a decode step actually loads).
+* **FLOPs.** Matrix multiplications only, ``FLOPs = 2 · MACs``; norms, RoPE, SiLU, softmax, the
+  gating product and STEM†'s row addition (``d_ff`` adds per layer) are not counted; a table
+  lookup is 0 FLOPs. Projections are exact under GQA (``K``/``V`` have ``n_kv_heads`` heads).
+  Attention scores ``QK^T`` and ``AV`` cost ``n_heads · head_dim · L`` MACs each per token with
+  the **full-L** convention (what the paper's saving fraction uses, and exactly the cost of
+  decoding the token at position ``L``); ``causal=True`` averages over a causal sequence
+  instead (``(L + 1) / 2`` keys per query).
+* **Training FLOPs** = 3 × forward: every matmul's backward is two matmuls of the same size
+  (gradient of the input and of the weight; for attention, ``dQ, dK`` and ``dV, dP``).
+* **Decode bytes** = active parameters with ``embedding="row"`` × bytes per value, for a
+  batch of one: dense weights, LM head, one embedding row, one row per table, one expert.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import TABLE_KINDS, ModelConfig
+
+FLOPS_PER_MAC = 2
+TRAIN_FLOPS_MULTIPLIER = 3  # forward + backward (2 × forward) for matmuls
+EMBEDDING_CONVENTIONS = ("table", "row")
+# FFN kinds that drop one d -> d_ff projection (the paper's per-layer saving of d·d_ff MACs)
+SAVING_KINDS = ("stem", "stem_gate")
+
+
+# -- parameters ------------------------------------------------------------------------------
+def attention_params(cfg: ModelConfig) -> int:
+    """Weights of one attention block: ``W_q, W_o`` (d × nh·hd) and ``W_k, W_v`` (d × nkv·hd)."""
+    return 2 * cfg.d_model * cfg.n_heads * cfg.head_dim + 2 * cfg.d_model * cfg.n_kv_heads * cfg.head_dim
+
+
+def ffn_params(cfg: ModelConfig, kind: str) -> dict[str, int]:
+    """Parameters of one FFN layer of ``kind``: ``weights`` (projections/experts) and ``table``."""
+    d, f = cfg.d_model, cfg.d_ff
+    if kind == "dense" or kind == "stem_dagger":
+        weights = 3 * d * f
+    elif kind in ("stem", "stem_gate"):
+        weights = 2 * d * f
+    elif kind == "hash_moe":
+        weights = _n_experts(cfg) * 3 * d * f
+    else:
+        raise ValueError(f"unknown ffn kind {kind!r}")
+    return {"weights": weights, "table": cfg.vocab_size * f if kind in TABLE_KINDS else 0}
+
+
+def _n_experts(cfg: ModelConfig) -> int:
+    if cfg.n_experts is None:
+        raise ValueError("a hash_moe layer needs n_experts (set ffn='hash_moe' so it is derived)")
+    return cfg.n_experts
+
+
+def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts by component; the values sum to ``total_params(cfg)``."""
+    ffn = [ffn_params(cfg, kind) for kind in cfg.layer_kinds]
+    emb = cfg.vocab_size * cfg.d_model
+    return {
+        "embedding": emb,
+        "lm_head": 0 if cfg.tie_embeddings else emb,  # a tied head is the embedding, counted once
+        "attention": cfg.n_layers * attention_params(cfg),
+        "norms": (2 * cfg.n_layers + 1) * cfg.d_model,
+        "ffn_weights": sum(p["weights"] for p in ffn),
+        "tables": sum(p["table"] for p in ffn),
+    }
+
+
+def total_params(cfg: ModelConfig) -> int:
+    """All parameters, tables included, tied embeddings once (== ``StemLM(cfg).num_parameters()``)."""
+    return sum(param_breakdown(cfg).values())
+
+
+def active_params(cfg: ModelConfig, embedding: str = "table") -> int:
+    """Parameters one token uses: one row per table, one expert per Hash-MoE layer.
+
+    ``embedding="table"`` counts the whole input embedding (the paper's Table 3 convention);
+    ``"row"`` counts only the row the token reads (a tied embedding is the LM head, used whole).
+    """
+    if embedding not in EMBEDDING_CONVENTIONS:
+        raise ValueError(f"embedding must be one of {EMBEDDING_CONVENTIONS}, got {embedding!r}")
+    d, f = cfg.d_model, cfg.d_ff
+    parts = param_breakdown(cfg)
+    parts["tables"] = len(cfg.table_layers) * f
+    parts["ffn_weights"] = sum(3 * d * f if k == "hash_moe" else ffn_params(cfg, k)["weights"] for k in cfg.layer_kinds)
+    if embedding == "row" and not cfg.tie_embeddings:
+        parts["embedding"] = d
+    return sum(parts.values())
+
+
+# -- FLOPs -----------------------------------------------------------------------------------
+def ffn_macs_per_token(cfg: ModelConfig, kind: str) -> int:
+    """Multiply-accumulates of one FFN layer per token (a Hash-MoE token runs one expert)."""
+    d, f = cfg.d_model, cfg.d_ff
+    if kind in ("dense", "stem_dagger", "hash_moe"):
+        return 3 * d * f
+    if kind in ("stem", "stem_gate"):
+        return 2 * d * f  # the table row replaces one projection: d·d_ff MACs saved
+    raise ValueError(f"unknown ffn kind {kind!r}")
+
+
+def attention_score_macs_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """MACs of ``QK^T`` plus ``AV`` for one token: ``2 · nh · hd · L`` (full-L convention).
+
+    ``causal=True`` averages over the ``L`` queries of a causal sequence (query ``t`` sees
+    ``t`` keys): ``2 · nh · hd · (L + 1) / 2``.
+    """
+    if seq_len <= 0:
+        raise ValueError(f"seq_len must be positive, got {seq_len}")
+    keys = (seq_len + 1) / 2 if causal else seq_len
+    return 2 * cfg.n_heads * cfg.head_dim * keys
+
+
+def layer_flops_per_token(cfg: ModelConfig, layer: int, seq_len: int, causal: bool = False) -> dict[str, float]:
+    """Forward FLOPs of layer ``layer`` for one token: projections, attention scores, FFN, total."""
+    kind = cfg.layer_kinds[layer]
+    out = {
+        "attn_proj": FLOPS_PER_MAC * attention_params(cfg),
+        "attn_scores": FLOPS_PER_MAC * attention_score_macs_per_token(cfg, seq_len, causal),
+        "ffn": FLOPS_PER_MAC * ffn_macs_per_token(cfg, kind),
+    }
+    out["total"] = sum(out.values())
+    return {"layer": layer, "kind": kind, **out}
+
+
+def forward_flops_per_layer(cfg: ModelConfig, seq_len: int, causal: bool = False) -> list[dict]:
+    """``layer_flops_per_token`` for every layer."""
+    return [layer_flops_per_token(cfg, i, seq_len, causal) for i in range(cfg.n_layers)]
+
+
+def lm_head_flops_per_token(cfg: ModelConfig) -> int:
+    """``2 · d · V``: the output projection (the input embedding lookup is free)."""
+    return FLOPS_PER_MAC * cfg.d_model * cfg.vocab_size
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """Forward matmul FLOPs per token at sequence length ``seq_len`` (all layers + LM head)."""
+    return sum(r["total"] for r in forward_flops_per_layer(cfg, seq_len, causal)) + lm_head_flops_per_token(cfg)
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
+    """Forward + backward matmul FLOPs per token: ``3 ×`` forward."""
+    return TRAIN_FLOPS_MULTIPLIER * forward_flops_per_token(cfg, seq_len, causal)
+
+
+def saving_fraction(d_model: int, d_ff: int, seq_len: int) -> float:
+    """The paper's per-layer FLOP saving of STEM: ``d·d_ff / (4d² + 2Ld + 3d·d_ff)``.
+
+    Full-L MAC convention with multi-head attention projections (``4d²``); equals
+    ``d_ff / (4d + 2L + 3d_ff)``.
+    """
+    return d_ff / (4 * d_model + 2 * seq_len + 3 * d_ff)
+
+
+def layer_saving_fraction(cfg: ModelConfig, seq_len: int, kind: str | None = None) -> float:
+    """Exact per-layer saving of ``kind`` (default ``cfg.ffn``) against a dense layer, GQA included."""
+    kind = kind or cfg.ffn
+    attn = attention_params(cfg) + attention_score_macs_per_token(cfg, seq_len)
+    dense = attn + ffn_macs_per_token(cfg, "dense")
+    return (dense - attn - ffn_macs_per_token(cfg, kind)) / dense
+
+
+def roi(accuracy: float, flops: float, base_accuracy: float, base_flops: float) -> float:
+    """Accuracy per FLOP normalised to a baseline: ``(acc / flops) / (base_acc / base_flops)``."""
+    if min(flops, base_flops, base_accuracy) <= 0:
+        raise ValueError("flops, base_flops and base_accuracy must be positive")
+    return (accuracy / flops) / (base_accuracy / base_flops)
+
+
+# -- bytes -----------------------------------------------------------------------------------
+def decode_param_bytes(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
+    """Parameter bytes read by one decode step of a batch of one (see module docstring)."""
+    return active_params(cfg, embedding="row") * dtype_bytes
+
+
+def kv_cache_bytes(cfg: ModelConfig, batch: int, seq_len: int, dtype_bytes: int = 2) -> int:
+    """Keys and values of every layer for ``batch`` sequences of ``seq_len`` positions."""
+    return 2 * cfg.n_layers * batch * seq_len * cfg.n_kv_heads * cfg.head_dim * dtype_bytes
+
+
+# -- token statistics (for the offload planner) ----------------------------------------------
+def zipf_probabilities(vocab: int, zipf_s: float = 1.0) -> np.ndarray:
+    """``p_i ∝ i^{-s}`` over ranks ``i = 1..vocab`` (most frequent first)."""
+    if vocab <= 0 or zipf_s < 0:
+        raise ValueError(f"need vocab > 0 and zipf_s >= 0, got vocab={vocab}, zipf_s={zipf_s}")
+    weights = np.arange(1, vocab + 1, dtype=np.float64) ** -zipf_s
+    return weights / weights.sum()
+
+
+def unique_rows_estimate(n_tokens: float, vocab: int, zipf_s: float = 1.0, skip_top: int = 0) -> float:
+    """Expected number of distinct tokens among ``n_tokens`` i.i.d. Zipf draws over ``vocab`` ranks.
+
+    Exact expectation ``Σ_i 1 - (1 - p_i)^n``. ``skip_top`` leaves out the ``skip_top`` most
+    frequent ranks: the expected misses of a cache holding exactly those rows.
+    """
+    if n_tokens < 0 or not 0 <= skip_top <= vocab:
+        raise ValueError(f"need n_tokens >= 0 and 0 <= skip_top <= vocab, got {n_tokens}, {skip_top}")
+    p = zipf_probabilities(vocab, zipf_s)[skip_top:]
+    # 1 - (1 - p)^n computed as -expm1(n·log1p(-p)) to stay exact for tiny p and large n
+    return float(-np.expm1(n_tokens * np.log1p(-p)).sum())
+
+
+# -- one report ------------------------------------------------------------------------------
+def hash_moe_match(cfg: ModelConfig) -> dict:
+    """Parameters of one Hash-MoE layer (matched expert count) against one STEM layer."""
+    moe = cfg.replace(ffn="hash_moe", n_experts=cfg.n_experts if cfg.ffn == "hash_moe" else None)
+    stem, hm = sum(ffn_params(cfg, "stem").values()), ffn_params(moe, "hash_moe")["weights"]
+    return {"n_experts": moe.n_experts, "hash_moe_layer_params": hm, "stem_layer_params": stem,
+            "ratio": hm / stem}
+
+
+def summarize(cfg: ModelConfig, seq_len: int | None = None, dtype_bytes: int = 2) -> dict:
+    """Every count above for ``cfg`` (and ratios to its dense counterpart) as one JSON-able dict."""
+    seq_len = seq_len or cfg.max_seq_len
+    if dtype_bytes <= 0:
+        raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
+    dense = cfg.replace(ffn="dense")
+    fwd, dense_fwd = forward_flops_per_token(cfg, seq_len), forward_flops_per_token(dense, seq_len)
+    return {
+        "config": cfg.to_dict(),
+        "seq_len": seq_len,
+        "dtype_bytes": dtype_bytes,
+        "layer_kinds": list(cfg.layer_kinds),
+        "stem_layers": list(cfg.stem_layer_ids),
+        "param_breakdown": param_breakdown(cfg),
+        "total_params": total_params(cfg),
+        "active_params": active_params(cfg),
+        "active_params_embedding_row": active_params(cfg, embedding="row"),
+        "flops_per_token_forward": fwd,
+        "flops_per_token_forward_causal": forward_flops_per_token(cfg, seq_len, causal=True),
+        "flops_per_token_train": train_flops_per_token(cfg, seq_len),
+        "flops_per_layer": forward_flops_per_layer(cfg, seq_len),
+        "lm_head_flops_per_token": lm_head_flops_per_token(cfg),
+        "decode_param_bytes": decode_param_bytes(cfg, dtype_bytes),
+        "kv_cache_bytes_per_sequence": kv_cache_bytes(cfg, 1, seq_len, dtype_bytes),
+        "saving_fraction_per_stem_layer": saving_fraction(cfg.d_model, cfg.d_ff, seq_len),
+        "layer_saving_fraction": layer_saving_fraction(cfg, seq_len),
+        "model_flop_saving": 1 - fwd / dense_fwd,
+        "vs_dense": {
+            "total_params": total_params(cfg) / total_params(dense),
+            "active_params": active_params(cfg) / active_params(dense),
+            "flops_per_token_forward": fwd / dense_fwd,
+            "decode_param_bytes": decode_param_bytes(cfg) / decode_param_bytes(dense),
+        },
+        "hash_moe_match": hash_moe_match(cfg),
+    }
+
+
+def human(n: float, unit: str = "") -> str:
+    """``1498482688`` -> ``'1.50B'`` (K, M, B, T; bytes use the same decimal prefixes)."""
+    for scale, suffix in ((1e12, "T"), (1e9, "B" if not unit else "G"), (1e6, "M"), (1e3, "K")):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{suffix}{unit}"
+    return f"{n:.0f}{unit}" if float(n).is_integer() else f"{n:.3g}{unit}"
+
