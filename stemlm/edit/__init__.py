@@ -1,0 +1,18 @@
+"""Knowledge editing on STEM tables (see docs/editing.md).
+
+Every edit rewrites rows of token-indexed tables through the table protocol, returns an
+``EditRecord`` that restores them exactly, and works as a context manager::
+
+    from stemlm.edit import swap
+    with swap(model, " Spain", " Germany", tokenizer=tok):
+        ...  # prompts about Spain now get Germany's answers
+"""
+
+from .ops import copy, edit, forget, inject, mean_row, plan, swap
+from .rows import EditRecord, resolve_layers, table_layers, undo_all
+from .strategies import ALIGNS, STRATEGIES, map_rows, source_index_map
+from .tokens import entity_ids, eos_id, load_tokenizer
+
+__all__ = ["ALIGNS", "EditRecord", "STRATEGIES", "copy", "edit", "entity_ids", "eos_id", "forget", "inject",
+           "load_tokenizer", "map_rows", "mean_row", "plan", "resolve_layers", "source_index_map", "swap",
+           "table_layers", "undo_all"]

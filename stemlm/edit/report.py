@@ -1,0 +1,116 @@
+"""Edit report (paper Fig. 5): top-k next-token probabilities before and after an edit.
+
+Three panels: the original model on the original prompt ("The capital of Spain is"), the
+original model on the target-entity prompt ("The capital of Germany is"), and the edited model
+on the original prompt. A successful edit makes the third panel look like the second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .ops import edit
+from .tokens import contains, decode_token, encode_prompt, entity_ids
+
+
+@dataclass
+class TopK:
+    """Top-k next tokens of one (model, prompt) pair."""
+
+    label: str
+    prompt: str
+    tokens: list[str]
+    ids: list[int]
+    probs: list[float]
+
+
+@dataclass
+class EditReport:
+    """The three panels plus what was edited."""
+
+    edit: str
+    layers: list[int]
+    panels: list[TopK] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def next_token_probs(model, ids: list[int]) -> torch.Tensor:
+    """Next-token distribution ``(V,)`` after the prompt ids."""
+    device = next(model.parameters()).device
+    logits = model(torch.tensor([ids], device=device))[0, -1]  # (V,)
+    return torch.softmax(logits.float(), dim=-1).cpu()
+
+
+def topk(model, tokenizer, prompt: str, k: int = 5, label: str = "") -> TopK:
+    """Top-k next tokens of ``prompt`` (EOS-led, like the training documents)."""
+    probs = next_token_probs(model, encode_prompt(tokenizer, prompt))
+    p, idx = probs.topk(k)
+    ids = idx.tolist()
+    return TopK(label, prompt, [decode_token(tokenizer, i) for i in ids], ids, [float(x) for x in p])
+
+
+def target_prompt(prompt: str, source: str, target: str) -> str:
+    """The prompt with the source entity replaced by the target entity."""
+    if source.strip() not in prompt:
+        raise ValueError(f"the prompt {prompt!r} does not mention the source entity {source.strip()!r}")
+    return prompt.replace(source.strip(), target.strip())
+
+
+def edit_report(model, tokenizer, prompt: str, source: str, target: str, *, k: int = 5, **edit_kwargs) -> EditReport:
+    """Top-k before/after an edit of ``source`` towards ``target`` (undone before returning).
+
+    ``edit_kwargs`` go to ``ops.edit`` (``mode``, ``strategy``, ``layers``, ``align``, ``filler``).
+    """
+    if k < 1:
+        raise ValueError(f"top-k must be >= 1, got {k}")
+    vocab = model.cfg.vocab_size
+    src_ids = entity_ids(tokenizer, source, vocab)
+    warnings = []
+    if not contains(encode_prompt(tokenizer, prompt), src_ids):
+        warnings.append(f"the prompt's tokens do not contain the source entity's tokens {src_ids}; "
+                        "the edit cannot change this prompt (check spacing/casing)")
+    before = topk(model, tokenizer, prompt, k, "original model, original prompt")
+    other = topk(model, tokenizer, target_prompt(prompt, source, target), k, "original model, target prompt")
+    with edit(model, source, target, tokenizer=tokenizer, **edit_kwargs) as record:
+        after = topk(model, tokenizer, prompt, k, "edited model, original prompt")
+    return EditReport(record.description, record.layers, [before, other, after], warnings)
+
+
+def format_report(report: EditReport) -> str:
+    """Markdown tables, one per panel."""
+    lines = [f"edit: {report.edit}  (layers {', '.join(map(str, report.layers))})"]
+    lines += [f"warning: {w}" for w in report.warnings]
+    for panel in report.panels:
+        lines += ["", f"{panel.label}: {panel.prompt!r}", "| rank | token | prob |", "|---:|---|---:|"]
+        lines += [f"| {r + 1} | {t!r} | {p:.4f} |" for r, (t, p) in enumerate(zip(panel.tokens, panel.probs))]
+    return "\n".join(lines)
+
+
+def plot_report(report: EditReport, path: str | Path) -> Path:
+    """Bar chart PNG of the three panels (matplotlib Agg, no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(report.panels), figsize=(4.2 * len(report.panels), 3.4), sharey=True)
+    for ax, panel in zip(axes, report.panels):
+        ax.bar(range(len(panel.probs)), panel.probs, color="#4C72B0")
+        ax.set_xticks(range(len(panel.tokens)), [repr(t)[1:-1] for t in panel.tokens], rotation=45, ha="right")
+        ax.set_title(f"{panel.label}\n{panel.prompt!r}", fontsize=8)
+        ax.set_ylim(0, 1)
+    axes[0].set_ylabel("next-token probability")
+    fig.suptitle(report.edit, fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
