@@ -27,6 +27,9 @@ Conventions (see docs/accounting.md for the derivations and the paper's numbers)
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import numpy as np
 
 from .config import TABLE_KINDS, ModelConfig
@@ -210,6 +213,16 @@ def unique_rows_estimate(n_tokens: float, vocab: int, zipf_s: float = 1.0, skip_
     p = zipf_probabilities(vocab, zipf_s)[skip_top:]
     # 1 - (1 - p)^n computed as -expm1(n·log1p(-p)) to stay exact for tiny p and large n
     return float(-np.expm1(n_tokens * np.log1p(-p)).sum())
+
+
+def stored_param_count(ckpt_dir) -> int:
+    """Values stored in a checkpoint's ``model.safetensors`` (read from the header, no tensor loaded)."""
+    from safetensors import safe_open
+
+    from .checkpoint import WEIGHTS_FILE
+
+    with safe_open(str(Path(ckpt_dir) / WEIGHTS_FILE), framework="pt", device="cpu") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 # -- one report ------------------------------------------------------------------------------

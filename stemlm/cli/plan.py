@@ -1,0 +1,85 @@
+"""Memory and transfer plan for STEM tables kept in host RAM or on disk.
+
+Prints accelerator memory (backbone, hot-row cache, KV cache), host/disk memory (tables, plus
+optimizer state with --train), the table rows and bytes moved per step under a Zipf token law
+(the cache holds the most frequent rows), and whether the transfer hides under the step's compute,
+for decode (batch tokens per step) and for prefill or training (batch x seq tokens per step).
+Model and assumptions: stemlm/planner.py and docs/accounting.md.
+
+Examples:
+  stemlm plan --preset 7b-class --tables host --cache-frac 0.05 --batch 8 --seq 4096
+  stemlm plan --preset llama3.2-1b --tables disk --train --batch 16 --seq 2048 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..accounting import human
+from ..config import FFN_KINDS
+from ..planner import TIERS, Hardware, plan, preset_names, resolve_model_config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    hw = Hardware()
+    parser.add_argument("--preset", default="debug", choices=preset_names(), help="model shape (default: debug)")
+    parser.add_argument("--ffn", default="stem", choices=FFN_KINDS, help="FFN kind of the chosen layers (default: stem)")
+    parser.add_argument("--stem-layers", default=None, help="placement: '1/3', '1/2', 'full', 'none' or '2,5'")
+    parser.add_argument("--tables", default="host", choices=TIERS, help="where the tables live (default: host)")
+    parser.add_argument("--cache-frac", type=float, default=0.0, help="fraction of each table's rows cached on the accelerator, most frequent first")
+    parser.add_argument("--batch", type=int, default=1, help="sequences per step (default: 1)")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length / decode context (default: max_seq_len)")
+    parser.add_argument("--train", action="store_true", help="plan a training step (gradients back, optimizer state)")
+    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per value of weights, rows and KV (default: 2)")
+    parser.add_argument("--optimizer-bytes", type=int, default=8, help="optimizer state bytes per trained value (default: 8, Adam fp32 moments)")
+    parser.add_argument("--zipf-s", type=float, default=1.0, help="exponent of the Zipf law of token frequencies (default: 1.0)")
+    parser.add_argument("--link-gbps", type=float, default=hw.link_gbps, help=f"host-accelerator bandwidth in GB/s (gigabytes; default {hw.link_gbps}: PCIe 4.0 x16 effective)")
+    parser.add_argument("--disk-gbps", type=float, default=hw.disk_gbps, help=f"disk read bandwidth in GB/s (default {hw.disk_gbps})")
+    parser.add_argument("--flops", type=float, default=hw.flops, help=f"accelerator matmul FLOP/s (default {hw.flops:.0e})")
+    parser.add_argument("--mem-gbps", type=float, default=hw.mem_gbps, help=f"accelerator memory bandwidth in GB/s (default {hw.mem_gbps})")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("overrides", nargs="*", metavar="model.FIELD=VALUE", help="override model config fields")
+
+
+def run(args) -> int:
+    cfg = resolve_model_config(args.preset, args.ffn, args.stem_layers, args.overrides)
+    hw = Hardware(link_gbps=args.link_gbps, disk_gbps=args.disk_gbps, flops=args.flops, mem_gbps=args.mem_gbps)
+    result = plan(cfg, tables=args.tables, cache_frac=args.cache_frac, batch=args.batch, seq_len=args.seq,
+                  dtype_bytes=args.dtype_bytes, train=args.train, zipf_s=args.zipf_s,
+                  optimizer_bytes=args.optimizer_bytes, hardware=hw)
+    result = {"preset": args.preset, **result}
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.3f} ms"
+
+
+def format_plan(p: dict) -> str:
+    """Readable summary of a ``planner.plan`` result."""
+    c = p["config"]
+    where = "tables on device (every row resident)" if p["tables"] == "device" else \
+        f"tables on {p['tables']}, cache {100 * p['cache_frac']:.1f}% ({p['cache_rows']} rows/table)"
+    lines = [
+        f"preset {p['preset']}: ffn {c['ffn']}, {len(p['table_layers'])} table layers {p['table_layers']}, {where}, "
+        f"batch {p['batch']} x {p['seq_len']}, {'training' if p['train'] else 'inference'}",
+        f"row = {c['d_ff']} values = {human(p['row_bytes'], 'B')}; tokens ~ Zipf(s={p['zipf_s']}) over {c['vocab_size']} ids",
+        "",
+        "accelerator memory: " + ", ".join(f"{k} {human(v, 'B')}" for k, v in p["accelerator_bytes"].items()),
+        f"host memory: tables{' + optimizer state' if p['train'] else ''} {human(p['host_bytes']['tables_and_state'], 'B')}",
+        f"disk: tables{' + optimizer state' if p['train'] else ''} {human(p['disk_bytes']['tables_and_state'], 'B')}",
+    ]
+    for name, s in p["steps"].items():
+        lines += [
+            "",
+            f"{name}: {s['tokens']} tokens/step -> {s['unique_rows_per_layer']:.1f} distinct rows/layer, "
+            f"{s['cache_hits_per_layer']:.1f} cache hits, {s['rows_to_move_per_layer']:.1f} to move "
+            f"({s['rows_to_move']:.1f} rows, {human(s['bytes_to_move'], 'B')} per step"
+            + (f", {human(s['disk_bytes'], 'B')} disk traffic" if s["disk_bytes"] else "") + ")",
+            f"  transfer {_ms(s['transfer_s'])} vs step {_ms(s['step_s'])} (compute {_ms(s['compute_s'])}, "
+            f"memory {_ms(s['memory_s'])}): {'hidden' if s['transfer_hidden'] else 'NOT hidden'} "
+            f"(transfer/step = {s['transfer_over_step']:.3f})",
+        ]
+    return "\n".join(lines)
