@@ -7,6 +7,7 @@ running text and in the fact prompts) is the unit that may become a single token
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -63,27 +64,84 @@ def eos_id_of(tok: Tokenizer) -> int:
 
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, extra_tokens: Iterable[str] = (),
               min_frequency: int = 2, length: int | None = None) -> Tokenizer:
-    """Train a byte-level BPE on ``texts``.
+    """Train a byte-level BPE of at most ``vocab_size`` ids on ``texts``.
 
-    ``extra_tokens`` (e.g. " Spain", " Madrid") are added as whole tokens on top of the trained
-    merges, so they always encode to one id; they count toward ``vocab_size``.
+    ``extra_tokens`` (e.g. " Spain", " Buenos Aires") are made single tokens, see
+    ``with_single_tokens``; they count toward ``vocab_size``.
     """
-    extra = sorted(set(extra_tokens))
-    n_base = vocab_size - len(extra)
-    if n_base < 256 + len(SPECIAL_TOKENS) + 1:
-        raise ValueError(f"vocab_size {vocab_size} is too small: the 256 bytes, {len(SPECIAL_TOKENS)} special tokens "
-                         f"and {len(extra)} added words need more")
+    if vocab_size < 256 + len(SPECIAL_TOKENS) + 1:
+        raise ValueError(f"vocab_size {vocab_size} is too small: it must exceed the 256 bytes and "
+                         f"{len(SPECIAL_TOKENS)} special tokens")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(vocab_size=n_base, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer=trainer, length=length)
-    if extra:
-        # normalized=False: the word is matched in the raw text, before byte-level mapping.
-        tok.add_tokens([AddedToken(w, single_word=True, normalized=False) for w in extra if tok.token_to_id(w) is None])
-    return tok
+    extra = sorted(set(extra_tokens))
+    return with_single_tokens(tok, extra, vocab_size) if extra else tok
+
+
+def with_single_tokens(tok: Tokenizer, words: list[str], vocab_size: int) -> Tokenizer:
+    """A copy of BPE ``tok`` in which every word of ``words`` encodes to one token.
+
+    A word that the pre-tokenizer keeps whole (" Madrid") gets extra merges appended at the lowest
+    priority ("ĠMad" + "rid"), so it stays ordinary BPE: " Madridista" still shares the piece.
+    A multi-word name (" Buenos Aires") cannot be one BPE piece and becomes an added token, matched
+    in the raw text before pre-tokenization. To stay within ``vocab_size`` the least frequent
+    trained merges (the last ones) are dropped first.
+    """
+    spec = json.loads(tok.to_str())
+    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in spec["model"]["merges"]]
+    vocab = spec["model"]["vocab"]
+    whole = [w for w in words if len(tok.pre_tokenizer.pre_tokenize_str(w)) == 1]
+    multi = [w for w in words if w not in set(whole)]
+    drop = 0
+    while True:
+        # Merge i creates the token with id len(vocab) - len(merges) + i, so dropping the last
+        # merges drops the highest ids and keeps ids contiguous.
+        keep = len(merges) - drop
+        if keep < 0:
+            raise ValueError(f"vocab_size {vocab_size} is too small for {len(words)} single-token words")
+        limit = len(vocab) - drop
+        cut = _bpe_tokenizer(spec, {t: i for t, i in vocab.items() if i < limit}, merges[:keep])
+        out = _merge_words(cut, spec, whole)
+        out.add_tokens([AddedToken(w, single_word=False, normalized=False) for w in multi])
+        over = out.get_vocab_size() - vocab_size
+        if over <= 0:
+            return out
+        drop += over
+
+
+def _bpe_tokenizer(spec: dict, vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokenizer:
+    spec = json.loads(json.dumps(spec))
+    spec["model"]["vocab"], spec["model"]["merges"] = vocab, [list(m) for m in merges]
+    return Tokenizer.from_str(json.dumps(spec))
+
+
+def _merge_words(tok: Tokenizer, spec: dict, words: list[str], rounds: int = 8) -> Tokenizer:
+    """Append merges until each of ``words`` (single pre-tokens) is one token."""
+    for _ in range(rounds):
+        split = [tok.encode(w, add_special_tokens=False).tokens for w in words]
+        split = [pieces for pieces in split if len(pieces) > 1]
+        if not split:
+            return tok
+        state = json.loads(tok.to_str())["model"]
+        vocab, merges = state["vocab"], [tuple(m) for m in state["merges"]]
+        known = set(merges)
+        for pieces in split:  # join left to right: ((a b) c) d
+            cur = pieces[0]
+            for p in pieces[1:]:
+                if (cur, p) not in known:
+                    merges.append((cur, p))
+                    known.add((cur, p))
+                cur += p
+                vocab.setdefault(cur, len(vocab))
+        # A new merge may also fire inside another word; the next round fixes what is still split.
+        tok = _bpe_tokenizer(spec, vocab, merges)
+    still = [w for w in words if len(tok.encode(w, add_special_tokens=False).ids) > 1]
+    raise ValueError(f"could not make {len(still)} words single tokens, e.g. {still[:3]}")
 
 
 def encode_batch(tok: Tokenizer, texts: list[str], chunk: int = 2048, progress: bool = False,
