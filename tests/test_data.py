@@ -127,3 +127,99 @@ def test_seq_len_longer_than_split(data_dir):
     ds = TokenDataset.open(data_dir, "val")
     with pytest.raises(ValueError, match="needs"):
         get_batch(ds, 0, 2, ds.n_tokens)
+
+
+# ---- tokenizer, user corpora, facts -------------------------------------------------------------
+
+from stemlm.cli import main as cli_main  # noqa: E402
+from stemlm.data import load_facts, load_tokenizer, prepare_corpus, prepare_default_corpus  # noqa: E402
+from stemlm.data import facts as facts_mod  # noqa: E402
+from stemlm.data.tokenizer import single_token_words, train_bpe  # noqa: E402
+
+TEXT = ["The capital of Spain is Madrid and the capital of France is Paris.",
+        "In Buenos Aires people speak Spanish; Madridistas love football.",
+        "Trains run from Paris to Madrid every day, and planes fly to Buenos Aires."] * 20
+
+
+def test_bpe_single_tokens_within_vocab():
+    words = [" Spain", " Madrid", " Buenos Aires", " Argentina", " Paris"]
+    tok = train_bpe(TEXT, vocab_size=300, extra_tokens=words, min_frequency=1)
+    assert tok.get_vocab_size() <= 300
+    assert sorted(tok.get_vocab().values()) == list(range(tok.get_vocab_size()))  # contiguous ids
+    assert single_token_words(tok, words) == words
+    for text in TEXT[:3] + ["Madridistas visit Argentina's Buenos Aires."]:
+        assert tok.decode(tok.encode(text).ids) == text
+    # A whole-word name stays ordinary BPE: it is shared by longer words, not an added token.
+    assert tok.encode(" Madridistas").tokens[0] == tok.encode(" Madrid").tokens[0]
+
+
+def test_prepare_user_corpus(tmp_path):
+    (tmp_path / "src").mkdir()
+    for i in range(30):
+        (tmp_path / "src" / f"doc{i}.txt").write_text(f"Document number {i}. " + TEXT[i % 3])
+    (tmp_path / "extra.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in TEXT[:3]))
+    out = prepare_corpus([tmp_path / "src", tmp_path / "extra.jsonl"], tmp_path / "out", vocab_size=300, progress=False)
+    assert (out / "COMPLETE").exists() and (out / "tokenizer.json").exists()
+    tok = load_tokenizer(out)
+    train, val = TokenDataset.open(out, "train"), TokenDataset.open(out, "val")
+    assert train.vocab_size == tok.get_vocab_size() and train.eos_id == tok.token_to_id("<|endoftext|>")
+    decode = lambda ds: set(tok.decode(ds.tokens.astype(np.int64).tolist()).split("<|endoftext|>")) - {""}  # noqa: E731
+    assert val.n_docs >= 1 and not decode(train) & decode(val)  # validation documents never in train
+    mtime = (out / "train.bin").stat().st_mtime_ns
+    prepare_corpus([tmp_path / "src", tmp_path / "extra.jsonl"], out, vocab_size=300, progress=False)
+    assert (out / "train.bin").stat().st_mtime_ns == mtime  # complete and same settings: skipped
+    with pytest.raises(ValueError, match="vocab_size"):
+        prepare_corpus([tmp_path / "src", tmp_path / "extra.jsonl"], out, vocab_size=400, progress=False)
+    (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
+    with pytest.raises(ValueError, match="'text'"):
+        prepare_corpus([tmp_path / "bad.jsonl"], tmp_path / "bad", progress=False)
+    assert cli_main(["data", "info", "--dir", str(out)]) == 0
+    assert cli_main(["data", "info", "--dir", str(tmp_path / "missing")]) == 2
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return facts_mod.build_facts(facts_mod.load_countries())
+
+
+def test_facts_are_well_formed_and_deterministic(facts):
+    assert facts == facts_mod.build_facts(facts_mod.load_countries())
+    for f in facts:
+        assert f["prompt"] + f["answer"] == f["text"][:-1] and f["answer"].startswith(" ")
+        assert not f["text"].startswith(f["subject"])  # names always follow a space
+    spain = {(f["relation"], f["template_id"]): f for f in facts if f["country"] == "Spain"}
+    assert spain[("capital", 0)]["prompt"] == "The capital of Spain is" and spain[("capital", 0)]["answer"] == " Madrid"
+    assert {f["split"] for f in facts} == set(facts_mod.SPLITS)
+
+
+def test_heldout_facts_never_reach_training_text(facts):
+    countries = facts_mod.load_countries()
+    held = facts_mod.heldout_countries(countries)
+    assert 0.08 * len(countries) <= len(held) <= 0.12 * len(countries)
+    docs = facts_mod.fact_documents(facts, repeats=2)
+    train_text = " ".join(docs)
+    for name in held:
+        assert not facts_mod._mentions(train_text, name), name
+    last = {r: len(t) - 1 for r, t in facts_mod.TEMPLATES.items()}
+    for f in facts:
+        in_train = f["text"] in train_text
+        assert in_train == (f["split"] == "train"), f
+        assert (f["template_id"] == last[f["relation"]]) <= (f["split"] != "train")
+    spaced = " " + train_text
+    assert all(spaced.count(" " + f["text"]) == 2 for f in facts if f["split"] == "train")  # `repeats` times
+
+
+@pytest.mark.slow
+def test_default_corpus_build(tmp_path):
+    out = prepare_default_corpus(tmp_path / "default", progress=False)
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["single_token_countries"] == meta["n_countries"] > 200
+    assert meta["excluded_benchmarks"] == ["boolq"]
+    tok, train = load_tokenizer(out), TokenDataset.open(out, "train")
+    text = tok.decode(train.tokens.astype(np.int64).tolist(), skip_special_tokens=False)
+    facts = load_facts(out)
+    assert sum(f["split"] == "train" for f in facts) == meta["facts"]["train"]
+    for f in facts:
+        assert (f["text"] in text) == (f["split"] == "train") or f["split"] == "train", f
+    b = get_batch(train, 0, 8, 256)
+    assert b.inputs.max() < meta["vocab_size"]
