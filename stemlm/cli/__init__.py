@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         print(f"stemlm {name}: error: {msg}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # e.g. `stemlm plan | head`: the reader left, nothing to report
+        sys.stderr.close()
+        return 0
     except KeyboardInterrupt:
         print(f"stemlm {name}: interrupted", file=sys.stderr)
         return 130
