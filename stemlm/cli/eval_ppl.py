@@ -1,0 +1,41 @@
+"""Validation loss and perplexity of a checkpoint (or of a training run's newest checkpoint).
+
+The data dir, batch size and sequence length default to the run's config.yaml beside the
+checkpoint; evaluation reads consecutive windows from the start of the validation split, so the
+numbers of different checkpoints are comparable.
+
+examples:
+  stemlm eval-ppl --ckpt runs/default
+  stemlm eval-ppl --ckpt runs/default/checkpoints/step_00000400 --batches 100 --json
+  stemlm eval-ppl --ckpt runs/default --data my_data --seq-len 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ckpt", required=True, help="checkpoint dir, or a run dir (its newest checkpoint)")
+    parser.add_argument("--data", default=None, help="prepared data dir (default: the run's data.dir, else the default corpus)")
+    parser.add_argument("--batches", type=int, default=50, help="validation batches to average over (default: 50)")
+    parser.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's data.batch_size)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's data.seq_len)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args) -> int:
+    from ..train.evaluate import evaluate_checkpoint
+
+    if args.batches <= 0:
+        raise ValueError(f"--batches must be positive, got {args.batches}")
+    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"checkpoint {out['checkpoint']}\ndata       {out['data']}\n"
+              f"val loss   {out['loss']:.4f} nats/token over {out['tokens']} tokens\nperplexity {out['ppl']:.2f}")
+    return 0

@@ -1,0 +1,85 @@
+"""Train a dense / STEM / Hash-MoE model (the main job).
+
+With no arguments: builds the default corpus if it is missing, trains the default small STEM
+model (tiny preset, STEM in 1/3 of the layers) into runs/default, resuming it if it is already
+there, and prints its validation loss next to the unigram entropy of the corpus.
+
+Settings resolve as: preset defaults -> --config YAML -> the flags below -> section.field=value
+overrides. The final config is written to <run.out>/config.yaml.
+
+examples:
+  stemlm train                                       # the default run (a few minutes on 2 cores)
+  stemlm train --preset debug --steps 20 --out runs/debug
+  stemlm train --ffn dense --out runs/dense          # the dense baseline of the default run
+  stemlm train --compare dense                       # STEM and dense, same budget, both val losses
+  stemlm train --data my_data --ffn stem_dagger --stem-layers 1/2 optim.lr=1e-3 run.dtype=bfloat16
+  stemlm train --out runs/debug --resume             # continue the newest checkpoint exactly
+  stemlm train run.stage=midtrain run.init_from=runs/converted model.max_seq_len=512
+  python -m stemlm.train ...                         # the same command
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..config import FFN_KINDS
+from ..presets import PRESETS
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..train.config import describe_fields
+
+    parser.add_argument("--preset", default=None, choices=list(PRESETS),
+                        help="model shape and its recommended run settings (default: tiny; debug = seconds-long run)")
+    parser.add_argument("--ffn", default=None, choices=FFN_KINDS, help="FFN kind of the chosen layers (default: stem)")
+    parser.add_argument("--stem-layers", default=None, help="placement: '1/3' (default), '1/2', 'full', 'none' or '2,5'")
+    parser.add_argument("--data", default=None, help="prepared data dir (default: the default corpus, built if missing)")
+    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (= run.steps)")
+    parser.add_argument("--out", default=None, help="run directory (= run.out, default runs/default)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run directory")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below")
+    parser.add_argument("--stop-at", type=int, default=None, metavar="N",
+                        help="pause after step N with a checkpoint (the schedule still spans run.steps)")
+    parser.add_argument("--compare", default=None, choices=FFN_KINDS, metavar="KIND",
+                        help="also train model.ffn=KIND with the same budget into <out>-KIND and print both")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides (listed below)")
+    parser.epilog = "config overrides (section.field=default  meaning):\n" + describe_fields()
+
+
+def _flag_overrides(args) -> list[str]:
+    pairs = [("model.ffn", args.ffn), ("model.stem_layers", args.stem_layers), ("data.dir", args.data),
+             ("run.steps", args.steps), ("run.out", args.out)]
+    return [f"{k}={v}" for k, v in pairs if v is not None]
+
+
+def run(args) -> int:
+    from ..train import TrainingDiverged, load_train_config, train
+    from ..train.loop import resolve_data_dir
+    from ..train.report import summary_lines, unigram_entropy
+
+    default_run = not _given(args)
+    overrides = _flag_overrides(args) + list(args.overrides)
+    cfg = load_train_config(args.preset, args.config, overrides)
+    runs = {args.ffn or cfg.model.ffn or "stem": cfg}
+    if args.compare:
+        runs[args.compare] = load_train_config(args.preset, args.config, overrides + [
+            f"model.ffn={args.compare}", f"run.out={cfg.run.out.rstrip('/')}-{args.compare}"])
+    cfg.data.dir = str(resolve_data_dir(cfg.data.dir))  # build the default corpus once, up front
+    for other in runs.values():
+        other.data.dir = cfg.data.dir
+    results = {}
+    try:
+        for label, run_cfg in runs.items():
+            results[label] = train(run_cfg, resume=args.resume or default_run, stop_at=args.stop_at)
+    except (TrainingDiverged, FileExistsError) as e:
+        print(f"stemlm train: error: {e}", file=sys.stderr)
+        return 1
+    print("\n".join(summary_lines(results, unigram_entropy(cfg.data.dir))))
+    return 0
+
+
+def _given(args) -> bool:
+    """True when any option or override was given (the no-argument run resumes automatically)."""
+    return bool(_flag_overrides(args) or args.overrides or args.preset or args.resume or args.config
+                or args.stop_at or args.compare)

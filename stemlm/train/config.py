@@ -1,0 +1,242 @@
+"""Training configuration: one nested dataclass, resolved as defaults -> YAML -> ``section.field=value``.
+
+Sections: ``model`` (a preset name plus ``ModelConfig`` overrides), ``data``, ``optim``, ``run``.
+Every field carries a ``help`` string in its metadata; ``describe_fields()`` turns them into the
+``--help`` text of ``stemlm train``, so the documentation cannot drift from the code.
+
+The dataclass defaults are the default run of ``stemlm train`` with no arguments (a small STEM
+model on the default corpus, a few minutes on 2 CPU cores). ``train_defaults("debug")`` gives the
+seconds-long debug run used by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import yaml
+
+from ..args import dataclass_to_dict, resolve_config
+from ..config import ConfigError, ModelConfig
+from ..presets import PRESETS, model_config
+
+STAGES = ("pretrain", "midtrain", "context_extend")
+DECAYS = ("cosine", "linear")
+TABLE_OPTIMIZERS = ("sparse", "dense")
+DTYPES = ("float32", "bfloat16")
+# Sections whose change makes a resumed run a different run (run.* may change, e.g. run.steps).
+RESUME_CHECKED = ("model", "data", "optim")
+
+
+def _f(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+def _model_section_cls():
+    """``ModelSection``: ``preset`` plus every ``ModelConfig`` constructor field, default None."""
+    fields = [("preset", str, _f("tiny", f"model shape preset: {', '.join(PRESETS)}"))]
+    for f in dataclasses.fields(ModelConfig):
+        if f.init:
+            fields.append((f.name, Optional[Any], _f(None, f"ModelConfig.{f.name} (None = preset / ModelConfig default)")))
+
+    def build(self, vocab_size: int | None = None) -> ModelConfig:
+        """The ``ModelConfig``: preset, then the non-None overrides; vocab from the data if unset."""
+        overrides = {k: v for k, v in dataclass_to_dict(self).items() if k != "preset" and v is not None}
+        if "vocab_size" not in overrides and vocab_size is not None:
+            overrides["vocab_size"] = vocab_size
+        return model_config(self.preset, **overrides)
+
+    def overrides(self) -> dict:
+        """The explicitly set ModelConfig fields (used on top of an ``init_from`` checkpoint)."""
+        return {k: v for k, v in dataclass_to_dict(self).items() if k != "preset" and v is not None}
+
+    def check(self):
+        if self.preset not in PRESETS:
+            raise ConfigError(f"model.preset: unknown preset {self.preset!r}; choose one of {', '.join(PRESETS)}")
+
+    return dataclasses.make_dataclass(
+        "ModelSection", fields,
+        namespace={"__doc__": "Model section: a preset plus ModelConfig field overrides (None = keep).",
+                   "__post_init__": check, "build": build, "overrides": overrides, "__module__": __name__})
+
+
+ModelSection = _model_section_cls()
+
+
+@dataclass
+class DataSection:
+    """Where the tokens come from and how batches are cut."""
+
+    dir: Optional[str] = _f(None, "prepared data dir (stemlm data); None = default corpus, built on first use")
+    batch_size: int = _f(16, "sequences per micro-batch")
+    seq_len: int = _f(128, "tokens per sequence")
+    doc_masking: bool = _f(False, "mask attention across document boundaries inside a sequence")
+    seed: int = _f(0, "seed of the batch offsets (get_batch is a pure function of seed and step)")
+
+    def __post_init__(self):
+        _positive(self, "data", ("batch_size", "seq_len"))
+
+
+@dataclass
+class OptimSection:
+    """AdamW for the backbone, a table optimizer for the STEM tables, a warmup + decay schedule."""
+
+    lr: float = _f(3e-3, "peak learning rate of the backbone")
+    table_lr: Optional[float] = _f(None, "peak learning rate of the STEM tables (None = lr, as the official pretraining)")
+    betas: Any = _f((0.9, 0.95), "AdamW betas (beta1, beta2) for backbone and tables")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    weight_decay: float = _f(0.1, "decoupled weight decay of backbone matrices (norm gains are never decayed)")
+    table_weight_decay: float = _f(0.0, "decoupled weight decay of the STEM tables (see docs/training.md)")
+    warmup_ratio: float = _f(0.05, "fraction of run.steps with linear warmup from 0 to the peak")
+    decay: str = _f("cosine", f"decay after warmup: {', '.join(DECAYS)}")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
+    grad_clip: float = _f(1.0, "clip the global gradient norm (tables included); 0 disables")
+    grad_accum: int = _f(1, "micro-batches per optimizer step")
+    table_optimizer: str = _f("sparse", f"{' | '.join(TABLE_OPTIMIZERS)}: row-sparse AdamW, or torch AdamW on whole tables")
+    decay_untouched: str = _f("lazy", "sparse tables: 'lazy' (decay touched rows only) or 'catchup' (apply missed decay on next touch)")
+
+    def __post_init__(self):
+        if isinstance(self.betas, (list, tuple)) and len(self.betas) == 2:
+            self.betas = (float(self.betas[0]), float(self.betas[1]))
+        else:
+            raise ConfigError(f"optim.betas must be two numbers, got {self.betas!r}")
+        if not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"optim.betas must lie in [0, 1), got {self.betas}")
+        _choice(self.decay, "optim.decay", DECAYS)
+        _choice(self.table_optimizer, "optim.table_optimizer", TABLE_OPTIMIZERS)
+        _choice(self.decay_untouched, "optim.decay_untouched", ("lazy", "catchup"))
+        _positive(self, "optim", ("lr", "grad_accum", "eps"))
+        if self.table_lr is not None and self.table_lr <= 0:
+            raise ConfigError(f"optim.table_lr must be positive, got {self.table_lr}")
+        if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError("optim.warmup_ratio must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
+        if self.weight_decay < 0 or self.table_weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("optim.weight_decay, optim.table_weight_decay and optim.grad_clip must be >= 0")
+
+    @property
+    def table_peak_lr(self) -> float:
+        return self.lr if self.table_lr is None else self.table_lr
+
+
+@dataclass
+class RunSection:
+    """Length, output, checkpoints, evaluation, logging and numerics of a run."""
+
+    steps: int = _f(1200, "optimizer steps")
+    out: str = _f("runs/default", "run directory (metrics, plots, checkpoints/step_XXXXXXXX)")
+    ckpt_every: int = _f(400, "write a checkpoint every N steps (and always at the end)")
+    keep_last: int = _f(2, "checkpoints kept on disk (older ones are deleted)")
+    eval_every: int = _f(200, "validation loss every N steps (and at the end); 0 = only at the end")
+    eval_batches: int = _f(16, "validation batches per evaluation")
+    log_every: int = _f(10, "progress-bar refresh every N steps (metrics.jsonl gets every step)")
+    seed: int = _f(0, "seed of the model initialisation")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = _f("float32", f"compute dtype: {' | '.join(DTYPES)} (bfloat16 = autocast, fp32 weights)")
+    compile: bool = _f(False, "torch.compile the model")
+    stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
+    init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
+    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = measured once by a fp32 matmul probe")
+    spike_factor: float = _f(3.0, "a step is a loss spike when loss > spike_factor x running median")
+    spike_window: int = _f(50, "steps in the running median of the spike detector")
+    progress: bool = _f(True, "show a tqdm progress bar")
+    plots: bool = _f(True, "write loss-vs-tokens and loss-vs-FLOPs PNGs at the end")
+
+    def __post_init__(self):
+        _positive(self, "run", ("steps", "ckpt_every", "keep_last", "eval_batches", "log_every", "spike_window"))
+        _choice(self.dtype, "run.dtype", DTYPES)
+        _choice(self.stage, "run.stage", STAGES)
+        if self.eval_every < 0:
+            raise ConfigError(f"run.eval_every must be >= 0, got {self.eval_every}")
+        if self.stage != "pretrain" and not self.init_from:
+            raise ConfigError(f"run.stage={self.stage} needs run.init_from (a checkpoint to continue from)")
+
+
+@dataclass
+class TrainConfig:
+    """Everything a training run needs; written to ``<run.out>/config.yaml``."""
+
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    run: RunSection = field(default_factory=RunSection)
+
+    def to_dict(self) -> dict:
+        return dataclass_to_dict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def resume_hash(self) -> str:
+        """sha256 of the sections that must not change on resume."""
+        data = {k: v for k, v in self.to_dict().items() if k in RESUME_CHECKED}
+        return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+# Recommended settings per model preset; the CLI resolves defaults -> YAML -> overrides on top.
+PRESET_DEFAULTS: dict[str, dict] = {
+    "debug": {"data": {"batch_size": 4, "seq_len": 32},
+              "run": {"steps": 20, "ckpt_every": 10, "eval_every": 10, "eval_batches": 2, "log_every": 5}},
+    "tiny": {},
+}
+
+
+def train_defaults(preset: str | None = None) -> dict:
+    """Defaults dict for ``resolve_config``: the dataclass defaults plus the preset's run settings."""
+    preset = preset or ModelSection().preset
+    base = {"model": {"preset": preset}}
+    extra = PRESET_DEFAULTS.get(preset, {})
+    return {k: {**base.get(k, {}), **extra.get(k, {})} for k in set(base) | set(extra)}
+
+
+def load_train_config(preset: str | None = None, yaml_file: str | None = None,
+                      overrides: list[str] | None = None) -> TrainConfig:
+    """Resolve a ``TrainConfig``: preset defaults, then a YAML file, then dotted overrides."""
+    return resolve_config(TrainConfig, train_defaults(preset), yaml_file, overrides)
+
+
+def config_from_yaml_text(text: str) -> TrainConfig:
+    """A ``TrainConfig`` from the ``config.yaml`` written into a run or checkpoint."""
+    return resolve_config(TrainConfig, yaml.safe_load(text) or {})
+
+
+def config_differences(old: TrainConfig, new: TrainConfig) -> list[str]:
+    """Dotted names of the resume-checked fields that differ between two configs."""
+    out = []
+    a, b = old.to_dict(), new.to_dict()
+    for section in RESUME_CHECKED:
+        for key in sorted(set(a[section]) | set(b[section])):
+            if a[section].get(key) != b[section].get(key):
+                out.append(f"{section}.{key}: {a[section].get(key)!r} -> {b[section].get(key)!r}")
+    return out
+
+
+def describe_fields() -> str:
+    """Every configurable field with its default and help, grouped by section (for ``--help``)."""
+    lines = []
+    for section in dataclasses.fields(TrainConfig):
+        cls = section.default_factory
+        lines.append(f"{section.name}.*  ({cls.__doc__.strip().splitlines()[0]})")
+        for f in dataclasses.fields(cls):
+            if cls is ModelSection and f.name != "preset":
+                continue
+            default = f.default if f.default is not dataclasses.MISSING else None
+            lines.append(f"  {f'{section.name}.{f.name}={default}':<28} {f.metadata.get('help', '')}")
+        if cls is ModelSection:
+            names = [f.name for f in dataclasses.fields(ModelConfig) if f.init]
+            lines.append(f"  {'model.FIELD=VALUE':<28} override a ModelConfig field of the preset: {', '.join(names)}")
+    return "\n".join(lines)
+
+
+def _positive(obj, section: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{section}.{name} must be a positive number, got {value!r}")
+
+
+def _choice(value, name: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name}: {value!r} is not one of {', '.join(choices)}")

@@ -1,0 +1,86 @@
+"""Validation loss and perplexity: of a model in memory (during training) or of a checkpoint.
+
+Evaluation reads consecutive, non-overlapping windows from the start of the validation split
+(``stemlm.data.iter_eval_batches``), so every evaluation of a run sees the same tokens and the
+numbers of different checkpoints and runs are comparable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import yaml
+
+from ..checkpoint import load_model, resolve_checkpoint
+from ..data import TokenDataset, iter_eval_batches
+
+
+def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of ``batch``; logits are flattened to ``(B·T, V)``."""
+    logits = model(batch.inputs, doc_ids=batch.doc_ids if doc_masking else None)  # (B, T, V)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch.targets.view(-1))
+
+
+def autocast(device: torch.device, dtype: str):
+    """bf16 autocast context for ``dtype="bfloat16"``, else a no-op."""
+    if dtype == "bfloat16":
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model, ds: TokenDataset, batch_size: int, seq_len: int, max_batches: int,
+             dtype: str = "float32", doc_masking: bool = False) -> dict:
+    """Token-weighted mean loss over the first ``max_batches`` eval batches: ``{loss, ppl, tokens}``."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, tokens = 0.0, 0
+    for batch in iter_eval_batches(ds, batch_size, seq_len, max_batches):
+        batch = batch.to(device)
+        with autocast(device, dtype):
+            loss = compute_loss(model, batch, doc_masking)
+        n = batch.targets.numel()
+        total += float(loss) * n
+        tokens += n
+    model.train(was_training)
+    if tokens == 0:
+        raise ValueError(f"validation split of {ds.path} yields no batch of seq_len {seq_len}")
+    mean = total / tokens
+    return {"loss": mean, "ppl": math.exp(min(mean, 50.0)), "tokens": tokens}
+
+
+def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int = 50,
+                        batch_size: int | None = None, seq_len: int | None = None,
+                        device: str = "cpu", dtype: str = "float32") -> dict:
+    """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
+
+    ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
+    checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
+    """
+    path = resolve_checkpoint(ckpt)
+    run_cfg = _stored_run_config(path)
+    data_dir = data_dir or run_cfg.get("data", {}).get("dir")
+    if data_dir is None:
+        from ..data import default_data_dir
+        data_dir = default_data_dir()
+    batch_size = batch_size or run_cfg.get("data", {}).get("batch_size", 8)
+    seq_len = seq_len or run_cfg.get("data", {}).get("seq_len", 128)
+    model = load_model(path, device=device)
+    ds = TokenDataset.open(Path(data_dir), "val")
+    if ds.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")
+    doc_masking = bool(run_cfg.get("data", {}).get("doc_masking", False))
+    out = evaluate(model, ds, batch_size, min(seq_len, model.cfg.max_seq_len), batches, dtype, doc_masking)
+    return {**out, "checkpoint": str(path), "data": str(data_dir)}
+
+
+def _stored_run_config(ckpt: Path) -> dict:
+    for candidate in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml"):
+        if candidate.exists():
+            return yaml.safe_load(candidate.read_text()) or {}
+    return {}

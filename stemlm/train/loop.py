@@ -1,0 +1,262 @@
+"""The training loop: one loop for every FFN kind; tables are reached only through ``model.tables``.
+
+Per optimizer step: ``grad_accum`` micro-batches from ``get_batch(ds, step·accum + i)`` (stateless,
+so the data position is the step), backward, then the table optimizer coalesces the sparse table
+gradients, the global norm over backbone *and* table gradients is clipped, and both optimizers
+step. The loop never asks where table rows live: ``SparseRowAdamW`` talks to every table object
+through the lookup protocol, so host/disk tables installed in ``model.tables`` train unchanged.
+
+Distributed training is applied from outside: a ``parallelize(model)`` wrapper and a
+``(rank, world_size)`` slice of ``get_batch`` are the two seams (``Trainer.model`` /
+``Trainer.batch``); nothing else in the loop assumes a single process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..accounting import train_flops_per_token
+from ..checkpoint import load_model
+from ..config import ConfigError
+from ..data import TokenDataset, get_batch
+from ..model import StemLM
+from . import evaluate as evaluate_mod
+from . import state as ckpt_io
+from .config import TrainConfig, config_differences, config_from_yaml_text
+from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
+from .optim import build_optimizers, clip_grad_norm, set_lr
+from .schedule import lr_factor
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or gradient norm became NaN/inf; training stopped before updating the weights."""
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports."""
+
+    run_dir: Path
+    steps: int
+    train_loss: float | None
+    val_loss: float | None
+    tokens_seen: int
+    flops_seen: float
+    seconds: float
+    checkpoint: Path | None
+    loss_spikes: int
+
+
+def resolve_data_dir(data_dir: str | None) -> Path:
+    """``data_dir``, or the default corpus (prepared on first use)."""
+    if data_dir:
+        return Path(data_dir)
+    try:
+        from ..data import prepare_default_corpus
+    except ImportError:
+        raise FileNotFoundError("no data.dir given and the default corpus builder is unavailable; "
+                                "pass --data DIR (a dir made by `stemlm data`)") from None
+    return Path(prepare_default_corpus())
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
+    """A fresh model from ``cfg.model`` (vocab from the data unless set), or ``run.init_from``
+    with the explicitly set ``model.*`` fields applied (e.g. ``max_seq_len`` for context extension)."""
+    if not cfg.run.init_from:
+        torch.manual_seed(cfg.run.seed)
+        return StemLM(cfg.model.build(vocab_size=vocab_size))
+    base = load_model(cfg.run.init_from)
+    overrides = cfg.model.overrides()
+    if not overrides:
+        return base
+    model = StemLM(base.cfg.replace(**overrides))
+    try:
+        model.load_state_dict(base.state_dict())
+    except RuntimeError as e:
+        raise ConfigError(f"model overrides {sorted(overrides)} change tensor shapes of run.init_from: {str(e).splitlines()[0]}") from None
+    return model
+
+
+class Trainer:
+    """Holds the model, optimizers, data and counters of one run; ``fit()`` runs it."""
+
+    def __init__(self, cfg: TrainConfig, resume: bool = False):
+        self.cfg, self.run_dir = cfg, Path(cfg.run.out)
+        self.device = resolve_device(cfg.run.device)
+        resume_from = self._check_resume(resume)
+        self.data_dir = resolve_data_dir(cfg.data.dir)
+        self.train_ds = TokenDataset.open(self.data_dir, "train")
+        self.val_ds = TokenDataset.open(self.data_dir, "val")
+        self.model = build_model(cfg, self.train_ds.vocab_size).to(self.device).train()
+        self._check_shapes()
+        self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
+        self.forward_model = torch.compile(self.model) if cfg.run.compile else self.model
+        self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
+        self.spikes = SpikeDetector(cfg.run.spike_factor, cfg.run.spike_window)
+        self.flops_per_token = train_flops_per_token(self.model.cfg, cfg.data.seq_len)
+        self.tokens_per_step = cfg.data.batch_size * cfg.data.seq_len * cfg.optim.grad_accum
+        self.last_ckpt: Path | None = None
+        self.peak_flops: float | None = None  # measured in fit(); MFU is None until then
+        if resume_from is not None:
+            self._restore(resume_from)
+
+    # -- setup -----------------------------------------------------------------------------
+    def _check_resume(self, resume: bool) -> Path | None:
+        existing = ckpt_io.list_checkpoints(self.run_dir)
+        if not existing:
+            return None
+        if not resume:
+            raise FileExistsError(f"{self.run_dir} already holds checkpoints; pass --resume to continue it "
+                                  "or choose another run.out")
+        old = config_from_yaml_text((existing[-1] / ckpt_io.RUN_CONFIG).read_text())
+        diffs = config_differences(old, self.cfg)
+        if diffs:
+            raise ConfigError(f"config changed on resume ({'; '.join(diffs)}); only run.* fields may change. "
+                              "Undo the change or start a new run.out")
+        return existing[-1]
+
+    def _check_shapes(self) -> None:
+        mcfg, data = self.model.cfg, self.cfg.data
+        if self.train_ds.vocab_size > mcfg.vocab_size:
+            raise ValueError(f"the data's vocab_size {self.train_ds.vocab_size} exceeds model.vocab_size "
+                             f"{mcfg.vocab_size}: token ids would be out of range")
+        if data.seq_len > mcfg.max_seq_len:
+            raise ConfigError(f"data.seq_len={data.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
+
+    def _restore(self, ckpt: Path) -> None:
+        from ..checkpoint import WEIGHTS_FILE, load_state_into
+        load_state_into(self.model, ckpt / WEIGHTS_FILE)
+        ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt)
+        st = ckpt_io.read_trainer_state(ckpt)
+        self.step, self.tokens_seen, self.flops_seen = st["step"], st["tokens_seen"], st["flops_seen"]
+        self.spikes.load_state_dict(st["spikes"])
+        ckpt_io.set_rng_state(st["rng"])
+        self.last_ckpt = ckpt
+
+    # -- one step --------------------------------------------------------------------------
+    def batch(self, micro_step: int):
+        """Micro-batch number ``micro_step`` of the run (the seam for a rank/world_size slice)."""
+        d = self.cfg.data
+        return get_batch(self.train_ds, micro_step, d.batch_size, d.seq_len, seed=d.seed).to(self.device)
+
+    def train_step(self) -> dict:
+        """One optimizer step; returns its metrics record."""
+        cfg, t0 = self.cfg, time.perf_counter()
+        factor = lr_factor(self.step, cfg.run.steps, cfg.optim.warmup_ratio, cfg.optim.decay, cfg.optim.min_lr_ratio)
+        set_lr(self.opt, self.table_opt, factor, cfg.optim.table_peak_lr)
+        accum, losses, seen_ids = cfg.optim.grad_accum, [], []
+        for i in range(accum):
+            batch = self.batch(self.step * accum + i)
+            seen_ids.append(batch.inputs)
+            with evaluate_mod.autocast(self.device, cfg.run.dtype):
+                loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
+            value = loss.item()
+            if not is_finite(value):
+                self._diverged(f"loss is {value}")
+            (loss / accum).backward()
+            losses.append(value)
+        table_grads = self.table_opt.collect() if self.table_opt is not None else []
+        params = [p for g in self.opt.param_groups for p in g["params"]]
+        norm = float(clip_grad_norm(params, table_grads, cfg.optim.grad_clip))
+        if not is_finite(norm):
+            self._diverged(f"gradient norm is {norm}")
+        self.opt.step()
+        if self.table_opt is not None:
+            self.table_opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1
+        self.tokens_seen += self.tokens_per_step
+        step_flops = self.flops_per_token * self.tokens_per_step
+        self.flops_seen += step_flops
+        dt = time.perf_counter() - t0
+        loss = sum(losses) / accum
+        spike = self.spikes.update(loss)
+        return {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
+                "tokens_per_s": self.tokens_per_step / dt, "mfu": step_flops / dt / self.peak_flops if self.peak_flops else None,
+                "unique_tokens": int(torch.unique(torch.cat([s.reshape(-1) for s in seen_ids])).numel()),
+                "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "loss_spikes": self.spikes.count,
+                "spike": spike, "step_time": dt}
+
+    def _diverged(self, what: str) -> None:
+        where = f"the last good checkpoint {self.last_ckpt} is intact" if self.last_ckpt else "no checkpoint was written yet"
+        raise TrainingDiverged(f"{what} at step {self.step + 1}; stopped before updating the weights; {where}. "
+                               "Lower optim.lr, raise optim.warmup_ratio or check the data, then --resume")
+
+    # -- evaluation, checkpoints -----------------------------------------------------------
+    def evaluate(self) -> dict:
+        """Validation loss/perplexity over ``run.eval_batches`` fixed batches."""
+        d, r = self.cfg.data, self.cfg.run
+        return evaluate_mod.evaluate(self.model, self.val_ds, d.batch_size, d.seq_len, r.eval_batches, r.dtype, d.doc_masking)
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "data_position": self.step * self.cfg.optim.grad_accum,
+                "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "spikes": self.spikes.state_dict(),
+                "rng": ckpt_io.rng_state(), "config_hash": self.cfg.resume_hash()}
+
+    def save(self) -> Path:
+        """Atomically write the checkpoint of the current step (keeps the newest ``run.keep_last``)."""
+        self.last_ckpt = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.opt, self.table_opt,
+                                                 self.trainer_state(), self.cfg.to_yaml(), self.data_dir,
+                                                 self.cfg.run.keep_last)
+        return self.last_ckpt
+
+    # -- the run ---------------------------------------------------------------------------
+    def fit(self, stop_at: int | None = None) -> TrainResult:
+        """Train from the current step to ``run.steps``; evaluate, checkpoint, log and plot.
+
+        ``stop_at`` pauses after that many steps (with a checkpoint) without changing the
+        schedule, which still spans ``run.steps``: ``--resume`` continues the same trajectory.
+        """
+        cfg, r = self.cfg, self.cfg.run
+        end = min(r.steps, stop_at) if stop_at else r.steps
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        (self.run_dir / ckpt_io.RUN_CONFIG).write_text(cfg.to_yaml())
+        self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
+        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step)
+        bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not r.progress,
+                   dynamic_ncols=True)
+        start, rec, val = time.perf_counter(), None, None
+        try:
+            while self.step < end:
+                rec = self.train_step()
+                last = self.step == r.steps
+                if last or (r.eval_every and self.step % r.eval_every == 0):
+                    val = self.evaluate()["loss"]
+                    rec["val_loss"] = val
+                log.write(rec)
+                if last or self.step == end or self.step % r.ckpt_every == 0:
+                    self.save()
+                if self.step % r.log_every == 0 or last:
+                    bar.set_postfix(loss=f"{rec['loss']:.3f}", tok_s=f"{rec['tokens_per_s']:.0f}",
+                                    **({"val": f"{val:.3f}"} if val is not None else {}))
+                bar.update(1)
+        finally:
+            bar.close()
+            log.close()
+        if val is None:  # resumed at the end: nothing trained, report the stored model
+            val = self.evaluate()["loss"]
+        if r.plots:
+            from .plots import plot_run
+            plot_run(self.run_dir)
+        result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
+                             self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count)
+        summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return result
+
+
+def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None) -> TrainResult:
+    """Run (or ``resume``) the training described by ``cfg``; ``stop_at`` pauses early (see ``Trainer.fit``)."""
+    return Trainer(cfg, resume=resume).fit(stop_at=stop_at)

@@ -1,0 +1,117 @@
+"""Observability of a run: ``metrics.jsonl`` (one line per step), loss-spike counter, MFU.
+
+MFU = achieved training FLOP/s ÷ peak FLOP/s. Training FLOPs per token come from
+``stemlm.accounting.train_flops_per_token`` (3 × forward matmul FLOPs, tables free, attention
+scores over the full sequence length); the peak is measured once per run by a short fp32 matmul
+probe and cached in the run dir, or given as ``run.peak_flops``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+import torch
+
+PEAK_FILE = "peak_flops.json"
+
+
+class SpikeDetector:
+    """Counts steps whose loss exceeds ``factor`` × the running median of the last ``window`` losses."""
+
+    def __init__(self, factor: float = 3.0, window: int = 50, min_history: int = 10):
+        self.factor, self.min_history = factor, min_history
+        self.recent: deque[float] = deque(maxlen=window)
+        self.count = 0
+
+    def update(self, loss: float) -> bool:
+        """Record ``loss``; True when it is a spike (then it is counted, and kept out of the median)."""
+        spike = len(self.recent) >= self.min_history and loss > self.factor * statistics.median(self.recent)
+        if spike:
+            self.count += 1
+        else:
+            self.recent.append(loss)
+        return spike
+
+    def state_dict(self) -> dict:
+        return {"count": self.count, "recent": list(self.recent)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.count = int(state["count"])
+        self.recent.clear()
+        self.recent.extend(float(x) for x in state["recent"])
+
+
+class MetricsLog:
+    """Append-only ``metrics.jsonl``; on resume, lines after the resumed step are dropped first,
+    so the file always describes exactly one trajectory."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = Path(path)
+        keep = []
+        if self.path.exists() and resume_step > 0:
+            keep = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+        self._fh = open(self.path, "a")
+
+    def write(self, record: dict) -> None:
+        self._fh.write(json.dumps(record) + "\n")
+        self._fh.flush()
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _step_of(line: str) -> float:
+    """Step of a metrics line; a line cut short by a crash counts as after every checkpoint."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """All records of a ``metrics.jsonl``."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def measure_peak_flops(device: torch.device | str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
+    """Achieved fp32 matmul FLOP/s of ``n × n`` products for about ``seconds`` (best of the runs)."""
+    a = torch.randn(n, n, device=device)
+    b = torch.randn(n, n, device=device)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    torch.mm(a, b)  # warm-up
+    while time.perf_counter() < deadline or best == 0.0:
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        _sync(device)
+        best = max(best, 2 * n**3 / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+def peak_flops_for_run(run_dir: Path, device: torch.device, given: float | None) -> float:
+    """``given``, else the cached probe of this run dir, else a fresh probe (then cached)."""
+    if given:
+        return float(given)
+    cache = Path(run_dir) / PEAK_FILE
+    if cache.exists():
+        data = json.loads(cache.read_text())
+        if data.get("device") == str(device):
+            return float(data["peak_flops"])
+    peak = measure_peak_flops(device)
+    cache.write_text(json.dumps({"device": str(device), "peak_flops": peak, "probe": "fp32 matmul 1024^3"}))
+    return peak
+
+
+def is_finite(x: float) -> bool:
+    return not (math.isnan(x) or math.isinf(x))
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

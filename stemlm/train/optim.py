@@ -1,0 +1,99 @@
+"""Optimizers of a run: torch AdamW for the backbone, a table optimizer for the STEM tables.
+
+Parameter groups (each parameter in exactly one, asserted):
+
+* ``decay``: matrices and embeddings of the backbone (``p.dim() >= 2``), ``weight_decay``;
+* ``no_decay``: RMSNorm gains (1-D), never decayed: decaying a gain pulls the normalised
+  activations toward zero instead of regularising a projection;
+* ``tables`` (``table_optimizer="dense"`` only): the table weights in torch AdamW with
+  ``table_lr`` / ``table_weight_decay``, exactly as plain AdamW over the whole table.
+
+With ``table_optimizer="sparse"`` the tables are handled by ``SparseRowAdamW``, which works on
+every table object in ``model.tables`` through the lookup protocol, so tables held off-device
+(host RAM, disk) train the same way. Every group stores its peak lr as ``peak_lr``; the schedule
+multiplies it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from .config import OptimSection
+from .sparse_adam import SparseRowAdamW
+
+
+def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.AdamW, SparseRowAdamW | None]:
+    """``(AdamW over the backbone [+ tables in dense mode], SparseRowAdamW or None)``."""
+    tables = dict(model.tables.items()) if hasattr(model, "tables") else {}
+    table_params = {id(p) for t in tables.values() if isinstance(t, nn.Module) for p in t.parameters()}
+    backbone = [p for p in _unique_params(model) if id(p) not in table_params and p.requires_grad]
+    groups = [
+        {"name": "decay", "params": [p for p in backbone if p.dim() >= 2], "weight_decay": cfg.weight_decay, "peak_lr": cfg.lr},
+        {"name": "no_decay", "params": [p for p in backbone if p.dim() < 2], "weight_decay": 0.0, "peak_lr": cfg.lr},
+    ]
+    table_opt = None
+    if cfg.table_optimizer == "dense":
+        params = []
+        for name, table in tables.items():
+            if not (isinstance(table, nn.Module) and list(table.parameters())):
+                raise ValueError(f"table {name} holds no in-memory parameters; use optim.table_optimizer=sparse")
+            table.sparse_grad = False
+            params += list(table.parameters())
+        groups.append({"name": "tables", "params": params, "weight_decay": cfg.table_weight_decay,
+                       "peak_lr": cfg.table_peak_lr})
+    elif tables:
+        table_opt = SparseRowAdamW(tables, lr=cfg.table_peak_lr, betas=cfg.betas, eps=cfg.eps,
+                                   weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched)
+    groups = [g for g in groups if g["params"]]
+    for g in groups:
+        g["lr"] = g["peak_lr"]
+    opt = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, foreach=False)
+    check_coverage(model, opt, table_opt)
+    return opt, table_opt
+
+
+def check_coverage(model: nn.Module, opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None) -> None:
+    """Assert the optimizers cover every trainable parameter of ``model`` exactly once."""
+    seen: dict[int, str] = {}
+    owners = [(g.get("name", "group"), g["params"]) for g in opt.param_groups]
+    if table_opt is not None:
+        owners.append(("sparse_tables", table_opt.parameters()))
+    for owner, params in owners:
+        for p in params:
+            if id(p) in seen:
+                raise AssertionError(f"a parameter is in both optimizer groups {seen[id(p)]!r} and {owner!r}")
+            seen[id(p)] = owner
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise AssertionError(f"parameters not in any optimizer group: {missing[:3]}")
+
+
+def set_lr(opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None, factor: float, table_peak_lr: float) -> None:
+    """Set every group's lr to its peak lr times the schedule ``factor``."""
+    for g in opt.param_groups:
+        g["lr"] = g["peak_lr"] * factor
+    if table_opt is not None:
+        table_opt.lr = table_peak_lr * factor
+
+
+@torch.no_grad()
+def clip_grad_norm(params: list[torch.Tensor], extra_grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Global L2 norm of the dense grads of ``params`` plus ``extra_grads`` (the coalesced sparse
+    table grads); when ``max_norm > 0`` all of them are scaled in place so the norm is at most
+    ``max_norm``. Returns the norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None] + list(extra_grads)
+    if not grads:
+        return torch.zeros(())
+    norms = torch.stack([torch.linalg.vector_norm(g.detach().float()).to("cpu") for g in grads])
+    total = torch.linalg.vector_norm(norms)
+    if max_norm > 0:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.device, g.dtype))
+    return total
+
+
+def _unique_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters in registration order, tied ones once."""
+    return list({id(p): p for p in model.parameters()}.values())

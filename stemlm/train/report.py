@@ -1,0 +1,39 @@
+"""End-of-run reporting: the corpus unigram entropy baseline and a comparison of runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from .loop import TrainResult
+
+
+def unigram_entropy(data_dir: str | Path) -> float:
+    """Entropy (nats/token) of the train split's token frequencies: the loss of the best model
+    that ignores context. A trained LM has to beat it to have learned anything from context."""
+    data_dir = Path(data_dir)
+    counts_file = data_dir / "train.counts.npy"
+    if counts_file.exists():
+        counts = np.load(counts_file).astype(np.float64)
+    else:
+        from ..data import TokenDataset
+        ds = TokenDataset.open(data_dir, "train")
+        counts = np.bincount(np.asarray(ds.tokens), minlength=ds.vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def summary_lines(results: dict[str, TrainResult], unigram: float | None) -> list[str]:
+    """Human-readable lines: per run val loss, perplexity, tokens, time, next to the unigram baseline."""
+    lines = []
+    if unigram is not None:
+        lines.append(f"unigram entropy of the corpus (context-free baseline): {unigram:.3f} nats/token "
+                     f"(ppl {math.exp(unigram):.1f})")
+    for label, r in results.items():
+        val = "n/a" if r.val_loss is None else f"{r.val_loss:.3f} nats/token (ppl {math.exp(min(r.val_loss, 50)):.1f})"
+        gain = "" if unigram is None or r.val_loss is None else f", {unigram - r.val_loss:+.3f} below unigram"
+        lines.append(f"{label:>10}: val loss {val}{gain}; {r.steps} steps, {r.tokens_seen / 1e6:.2f}M tokens, "
+                     f"{r.flops_seen:.3g} FLOPs, {r.seconds:.0f}s, {r.loss_spikes} loss spikes -> {r.run_dir}")
+    return lines

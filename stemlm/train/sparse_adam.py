@@ -1,0 +1,179 @@
+"""Row-sparse AdamW for STEM tables: only the rows touched in a step are read, updated and written.
+
+A table object (``stemlm.tables.StemTable`` or any off-device tier) follows this protocol:
+
+* ``sparse_grad`` (set True here): lookups under autograd record ``(unique_ids, rows_leaf)``;
+* ``pop_touched() -> [(unique_ids (U,), rows_leaf (U, dim) with .grad)]``;
+* ``read_rows(ids) -> (len(ids), dim)`` and ``write_rows(ids, rows)``;
+* ``num_rows``, ``dim``.
+
+One step: ``collect()`` pops the recorded lookups of every table and coalesces the gradients of
+the same id across lookups and micro-batches (``index_add`` over the unique ids), so the result
+is exactly the non-zero rows of the dense gradient; the trainer folds them into the global
+gradient norm and may ``scale_grads`` them; ``step()`` then applies AdamW row by row:
+
+    m_r = b1 m_r + (1-b1) g_r;  v_r = b2 v_r + (1-b2) g_r^2;  n_r = n_r + 1
+    w_r = w_r (1 - lr wd) - lr (m_r / (1 - b1^n_r)) / (sqrt(v_r / (1 - b2^n_r)) + eps)
+
+with ``n_r`` the row's own update count (bias correction per row). Moments are ``num_rows × dim``
+fp32 tensors kept on the table's device; only touched rows are read and written, so the cost
+grows with the unique ids of a step, never with the vocabulary.
+
+How this differs from dense AdamW on the whole table (see docs/training.md): a dense optimizer
+sees zero gradients for untouched rows but still moves them (their decaying moments keep
+pushing) and decays them every step. Here untouched rows stay exactly as they are:
+``decay_untouched="lazy"`` decays touched rows only; ``"catchup"`` applies the decay a row missed
+since its last update, ``(1 - lr wd)^missed`` at the current lr, when it is next touched.
+If every row is touched every step, both modes equal ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+
+def table_device(table) -> torch.device:
+    """Where a table keeps its rows (moments are kept there too)."""
+    weight = getattr(table, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.device
+    return torch.device(getattr(table, "device", "cpu"))
+
+
+def coalesce(touched: list[tuple[torch.Tensor, torch.Tensor]], dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Sum the gradients of equal ids over all recorded lookups -> ``(ids (U,), grads (U, dim))``."""
+    pairs = [(ids, leaf.grad) for ids, leaf in touched if leaf.grad is not None]
+    if not pairs:
+        return None
+    if len(pairs) == 1:  # one lookup: its ids are already unique
+        ids, grad = pairs[0]
+        return ids.to(device), grad.to(device, torch.float32)
+    all_ids = torch.cat([ids.to(device) for ids, _ in pairs])
+    grads = torch.cat([g.to(device, torch.float32) for _, g in pairs])  # (sum U_i, dim)
+    uniq, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
+    out = torch.zeros(len(uniq), dim, dtype=torch.float32, device=device)
+    return uniq, out.index_add_(0, inverse, grads)  # (U, dim)
+
+
+class SparseRowAdamW:
+    """AdamW over the touched rows of a set of named table objects (see module docstring)."""
+
+    def __init__(self, tables: Mapping[str, object], lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decay_untouched: str = "lazy"):
+        if decay_untouched not in ("lazy", "catchup"):
+            raise ValueError(f"decay_untouched must be 'lazy' or 'catchup', got {decay_untouched!r}")
+        self.tables = dict(tables)
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.decay_untouched = decay_untouched
+        self.global_step = 0  # optimizer steps taken (all tables)
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for table in self.tables.values():
+            table.sparse_grad = True
+
+    # -- gradients ------------------------------------------------------------------------
+    def collect(self) -> list[torch.Tensor]:
+        """Pop every table's recorded lookups and coalesce them; returns the ``(U, dim)`` grads."""
+        for name, table in self.tables.items():
+            got = coalesce(table.pop_touched(), table.dim, table_device(table))
+            if got is None:
+                continue
+            if name in self._pending:  # collect() called twice before step(): accumulate
+                got = coalesce([(got[0], _Leaf(got[1])), (self._pending[name][0], _Leaf(self._pending[name][1]))],
+                               table.dim, table_device(table))
+            self._pending[name] = got
+        return [g for _, g in self._pending.values()]
+
+    def scale_grads(self, factor: float | torch.Tensor) -> None:
+        """Multiply the collected gradients (gradient clipping)."""
+        for _, grad in self._pending.values():
+            grad.mul_(factor)
+
+    def zero_grad(self) -> None:
+        """Drop collected gradients and any lookups recorded since the last step."""
+        self._pending = {}
+        for table in self.tables.values():
+            table.pop_touched()
+
+    # -- update ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply one AdamW step to the touched rows of every table, then clear the gradients."""
+        self.collect()
+        self.global_step += 1
+        for name, (ids, grad) in self._pending.items():
+            self._update_rows(name, ids, grad)
+        self._pending = {}
+
+    def _update_rows(self, name: str, ids: torch.Tensor, grad: torch.Tensor) -> None:
+        table = self.tables[name]
+        st = self._state_of(name, table)
+        b1, b2 = self.betas
+        n = st["step"][ids] + 1  # (U,) per-row update count
+        st["step"][ids] = n
+        m = st["exp_avg"][ids].lerp_(grad, 1 - b1)  # (U, dim)
+        v = st["exp_avg_sq"][ids].mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        st["exp_avg"][ids], st["exp_avg_sq"][ids] = m, v
+        rows = table.read_rows(ids).to(grad.device, torch.float32)  # (U, dim)
+        if self.weight_decay:
+            decay = torch.full((len(ids), 1), 1 - self.lr * self.weight_decay, dtype=torch.float64, device=grad.device)
+            if self.decay_untouched == "catchup":  # steps since the last update, this one included
+                decay = decay.pow((self.global_step - st["last_step"][ids]).to(torch.float64)[:, None])
+            rows.mul_(decay.to(torch.float32))
+        st["last_step"][ids] = self.global_step
+        n64 = n.to(torch.float64)[:, None]  # (U, 1)
+        step_size = (self.lr / (1 - b1 ** n64)).to(torch.float32)
+        bc2_sqrt = (1 - b2 ** n64).sqrt().to(torch.float32)
+        denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
+        rows.sub_(m / denom * step_size)
+        table.write_rows(ids, rows)
+
+    def _state_of(self, name: str, table) -> dict[str, torch.Tensor]:
+        if name not in self.state:
+            dev = table_device(table)
+            self.state[name] = {
+                "exp_avg": torch.zeros(table.num_rows, table.dim, device=dev),
+                "exp_avg_sq": torch.zeros(table.num_rows, table.dim, device=dev),
+                "step": torch.zeros(table.num_rows, dtype=torch.int64, device=dev),
+                "last_step": torch.zeros(table.num_rows, dtype=torch.int64, device=dev),
+            }
+        return self.state[name]
+
+    # -- checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """``(tensors, scalars)``: tensors keyed ``"<table>.<name>"`` (safetensors), scalars as json."""
+        tensors = {f"{t}.{k}": v for t, st in self.state.items() for k, v in st.items()}
+        meta = {"global_step": self.global_step, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay, "decay_untouched": self.decay_untouched,
+                "tables": sorted(self.state)}
+        return tensors, meta
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
+        """Restore moments, per-row counters, global step and hyperparameters (as torch optimizers do)."""
+        self.global_step = int(meta["global_step"])
+        self.lr, self.betas, self.eps = float(meta["lr"]), tuple(meta["betas"]), float(meta["eps"])
+        self.weight_decay, self.decay_untouched = float(meta["weight_decay"]), meta["decay_untouched"]
+        self.state = {}
+        for name in meta["tables"]:
+            if name not in self.tables:
+                raise ValueError(f"optimizer state has table {name!r} but the model has tables {sorted(self.tables)}")
+            table = self.tables[name]
+            st = self._state_of(name, table)
+            for key, ref in st.items():
+                src = tensors[f"{name}.{key}"]
+                if src.shape != ref.shape:
+                    raise ValueError(f"optimizer state {name}.{key} has shape {tuple(src.shape)}, table expects {tuple(ref.shape)}")
+                ref.copy_(src)
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """In-memory parameters of the tables (for the coverage check of the param groups)."""
+        return [p for t in self.tables.values() if isinstance(t, torch.nn.Module) for p in t.parameters()]
+
+
+class _Leaf:
+    """Adapter so already-coalesced ``(ids, grad)`` pairs can be re-coalesced."""
+
+    def __init__(self, grad: torch.Tensor):
+        self.grad = grad

@@ -1,0 +1,134 @@
+"""Training checkpoints: model files + optimizer state + trainer state, written atomically.
+
+``run_dir/checkpoints/step_XXXXXXXX/`` holds
+
+* ``config.json`` + ``model.safetensors``: a normal stemlm checkpoint (``load_model`` works);
+* ``optimizer.safetensors`` (all optimizer tensors) + ``optimizer.json`` (groups, scalars);
+* ``trainer_state.json``: step (= data position), tokens/FLOPs seen, spike counter, RNG states,
+  the hash of the resume-checked config sections;
+* ``config.yaml`` (the run's ``TrainConfig``) and the tokenizer files of the data dir.
+
+Everything loads without executing code (safetensors and json).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint import CheckpointError, atomic_directory, copy_tokenizer_files, write_model_files
+from .sparse_adam import SparseRowAdamW
+
+OPT_TENSORS, OPT_META, TRAINER_STATE, RUN_CONFIG = "optimizer.safetensors", "optimizer.json", "trainer_state.json", "config.yaml"
+
+
+def checkpoint_dir(run_dir: Path, step: int) -> Path:
+    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete training checkpoints of a run, oldest first (a dir is complete once renamed into place)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists()) if root.is_dir() else []
+
+
+def save_checkpoint(run_dir: Path, step: int, model, opt, table_opt: SparseRowAdamW | None, trainer_state: dict,
+                    config_yaml: str, tokenizer_dir: Path | None, keep_last: int) -> Path:
+    """Write the checkpoint of ``step`` atomically, then delete all but the newest ``keep_last``."""
+    final = checkpoint_dir(run_dir, step)
+    with atomic_directory(final) as tmp:
+        write_model_files(model, tmp)
+        tensors, meta = optimizer_state(opt, table_opt)
+        save_file(tensors, str(tmp / OPT_TENSORS))
+        (tmp / OPT_META).write_text(json.dumps(meta))
+        (tmp / RUN_CONFIG).write_text(config_yaml)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
+        (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+    for old in list_checkpoints(run_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def optimizer_state(opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None) -> tuple[dict, dict]:
+    """Flatten the torch and sparse optimizer states into ``(tensors, json meta)``."""
+    sd = opt.state_dict()
+    tensors, keys = {}, {}
+    for idx, st in sd["state"].items():
+        keys[str(idx)] = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"dense.{idx}.{k}"] = v.detach().to("cpu").contiguous()
+            keys[str(idx)][k] = None if isinstance(v, torch.Tensor) else v
+    meta = {"param_groups": sd["param_groups"], "state_keys": keys, "sparse": None}
+    if table_opt is not None:
+        t_tensors, meta["sparse"] = table_opt.state_dict()
+        tensors.update({f"tables.{k}": v.detach().to("cpu").contiguous() for k, v in t_tensors.items()})
+    return tensors, meta
+
+
+def load_optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None) -> None:
+    """Restore what ``optimizer_state`` wrote into freshly built optimizers of the same run."""
+    tensors = load_file(str(Path(ckpt) / OPT_TENSORS))
+    meta = json.loads((Path(ckpt) / OPT_META).read_text())
+    state = {int(idx): {k: tensors[f"dense.{idx}.{k}"] if v is None else v for k, v in keys.items()}
+             for idx, keys in meta["state_keys"].items()}
+    try:
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    except ValueError as e:
+        raise CheckpointError(f"{ckpt}: optimizer state does not match the model: {e}") from None
+    if (meta["sparse"] is None) != (table_opt is None):
+        raise CheckpointError(f"{ckpt}: table optimizer kind differs from the checkpoint's")
+    if table_opt is not None:
+        prefix = "tables."
+        table_opt.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta["sparse"])
+
+
+# -- RNG -----------------------------------------------------------------------------------------
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def rng_state() -> dict:
+    """torch (CPU and CUDA), numpy and python RNG states as json-able values."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": _b64(torch.get_rng_state()),
+        "cuda": [_b64(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` returned."""
+    torch.set_rng_state(_unb64(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])
+    n = state["numpy"]
+    np.random.set_state((n[0], np.array(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def read_trainer_state(ckpt: Path) -> dict:
+    """``trainer_state.json`` of a training checkpoint (clear error if missing or corrupt)."""
+    path = Path(ckpt) / TRAINER_STATE
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{ckpt} is not a training checkpoint (no {TRAINER_STATE})") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt {path}: {e}") from None

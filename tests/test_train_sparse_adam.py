@@ -1,0 +1,125 @@
+"""SparseRowAdamW: equals torch AdamW when every row is touched, leaves untouched rows alone,
+coalesces repeated lookups, and round-trips its state; the param groups cover the model once."""
+
+import pytest
+import torch
+
+from stemlm import StemLM, model_config
+from stemlm.tables import StemTable
+from stemlm.train.config import OptimSection
+from stemlm.train.optim import build_optimizers, check_coverage, clip_grad_norm
+from stemlm.train.sparse_adam import SparseRowAdamW
+
+V, D = 12, 5
+
+
+def _table(seed=0):
+    torch.manual_seed(seed)
+    t = StemTable(V, D)
+    torch.nn.init.normal_(t.weight)
+    return t
+
+
+def _loss(rows, target):
+    return ((rows - target) ** 2 * torch.arange(1, D + 1)).sum()
+
+
+@pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
+def test_all_rows_touched_equals_torch_adamw(decay_untouched):
+    sparse_t, dense_t = _table(), _table()
+    opt_s = SparseRowAdamW({"0": sparse_t}, lr=0.05, betas=(0.9, 0.95), weight_decay=0.1,
+                           decay_untouched=decay_untouched)
+    opt_d = torch.optim.AdamW(dense_t.parameters(), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):
+        ids = torch.randperm(V, generator=gen).view(3, 4)  # every row once per step
+        target = torch.randn(3, 4, D, generator=gen)
+        lr = 0.05 * (step + 1) / 6  # a changing lr, as under a schedule
+        opt_s.lr = lr
+        opt_d.param_groups[0]["lr"] = lr
+        _loss(sparse_t.lookup(ids), target).backward()
+        opt_s.step()
+        _loss(dense_t.lookup(ids), target).backward()
+        opt_d.step()
+        opt_d.zero_grad()
+        torch.testing.assert_close(sparse_t.weight, dense_t.weight, rtol=0, atol=1e-6)
+    assert sparse_t.weight.grad is None  # no dense V x d gradient was ever built
+
+
+def test_untouched_rows_unchanged_and_repeats_coalesced():
+    t = _table()
+    before = t.weight.detach().clone()
+    opt = SparseRowAdamW({"0": t}, lr=0.1, weight_decay=0.5)
+    ids_a, ids_b = torch.tensor([[1, 3, 3]]), torch.tensor([[3, 7]])  # two micro-batches, id 3 repeats
+    target = torch.randn(1, 3, D)
+    _loss(t.lookup(ids_a), target).backward()
+    _loss(t.lookup(ids_b), target[:, :2]).backward()
+    grads = opt.collect()
+    # coalesced grad equals the dense gradient of the same two losses
+    ref = before.clone().requires_grad_(True)
+    (_loss(ref[ids_a], target) + _loss(ref[ids_b], target[:, :2])).backward()
+    assert len(grads) == 1
+    torch.testing.assert_close(grads[0], ref.grad[[1, 3, 7]])
+    opt.step()
+    touched = torch.zeros(V, dtype=torch.bool)
+    touched[[1, 3, 7]] = True
+    assert torch.equal(t.weight[~touched], before[~touched])
+    assert not torch.equal(t.weight[touched], before[touched])
+    assert opt.state["0"]["step"][[1, 3, 7]].tolist() == [1, 1, 1] and opt.state["0"]["step"].sum() == 3
+
+
+def test_catchup_applies_missed_decay():
+    t = _table()
+    opt = SparseRowAdamW({"0": t}, lr=0.1, weight_decay=0.5, decay_untouched="catchup")
+    for _ in range(3):  # row 2 touched at steps 1..3; row 4 untouched until step 4
+        t.lookup(torch.tensor([[2]])).sum().backward()
+        opt.step()
+    w4 = t.weight[4].detach().clone()
+    t.lookup(torch.tensor([[4]])).mul(0).sum().backward()  # zero gradient: only decay moves it
+    opt.step()
+    torch.testing.assert_close(t.weight[4], w4 * (1 - 0.1 * 0.5) ** 4)
+
+
+def test_state_round_trip_continues_identically():
+    def run(split):
+        t = _table()
+        opt = SparseRowAdamW({"0": t}, lr=0.05, weight_decay=0.1)
+        gen = torch.Generator().manual_seed(3)
+        for step in range(6):
+            if step == split:
+                tensors, meta = opt.state_dict()
+                tensors = {k: v.clone() for k, v in tensors.items()}
+                opt = SparseRowAdamW({"0": t}, lr=1.0)
+                opt.load_state_dict(tensors, meta)
+            ids = torch.randint(0, V, (2, 3), generator=gen)
+            _loss(t.lookup(ids), torch.randn(2, 3, D, generator=gen)).backward()
+            opt.step()
+        return t.weight.detach()
+
+    assert torch.equal(run(split=3), run(split=-1))
+
+
+@pytest.mark.parametrize("table_optimizer", ["sparse", "dense"])
+@pytest.mark.parametrize("ffn", ["dense", "stem", "hash_moe"])
+def test_param_groups_cover_every_parameter_once(ffn, table_optimizer):
+    model = StemLM(model_config("debug", ffn=ffn, stem_layers="1/2", tie_embeddings=True))
+    opt, table_opt = build_optimizers(model, OptimSection(table_optimizer=table_optimizer))
+    names = {g["name"] for g in opt.param_groups}
+    assert "decay" in names and "no_decay" in names
+    no_decay = next(g for g in opt.param_groups if g["name"] == "no_decay")
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    if ffn == "stem":
+        assert (table_opt is not None) == (table_optimizer == "sparse")
+    opt.param_groups[0]["params"].append(opt.param_groups[1]["params"][0])
+    with pytest.raises(AssertionError, match="both optimizer groups"):
+        check_coverage(model, opt, table_opt)
+
+
+def test_clip_includes_sparse_table_grads():
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 0.0])
+    table_grad = torch.tensor([[4.0]])
+    norm = clip_grad_norm([p], [table_grad], max_norm=1.0)
+    assert norm.item() == pytest.approx(5.0)
+    assert torch.allclose(p.grad, torch.tensor([0.6, 0.0]), atol=1e-6)
+    assert torch.allclose(table_grad, torch.tensor([[0.8]]), atol=1e-6)
