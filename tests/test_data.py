@@ -220,6 +220,6 @@ def test_default_corpus_build(tmp_path):
     facts = load_facts(out)
     assert sum(f["split"] == "train" for f in facts) == meta["facts"]["train"]
     for f in facts:
-        assert (f["text"] in text) == (f["split"] == "train") or f["split"] == "train", f
+        assert (f["text"] in text) == (f["split"] == "train"), f
     b = get_batch(train, 0, 8, 256)
     assert b.inputs.max() < meta["vocab_size"]

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..artifacts import sha256_of
+
 META = "meta.json"
 FORMAT_VERSION = 1
 # Verify the full sha256 of a bin on open when it is at most this big (hashing is ~1 GB/s).
@@ -120,14 +122,6 @@ def _save_npy(path: Path, array: np.ndarray) -> None:
     os.replace(tmp, path)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class TokenDataset:
     """One split of a prepared data dir: memory-mapped token ids plus document start offsets."""
 
@@ -177,7 +171,7 @@ class TokenDataset:
         if verify is None:
             verify = size <= VERIFY_LIMIT_BYTES
         want = meta.get("sha256", {}).get(bin_path.name)
-        if verify and want and _sha256(bin_path) != want:
+        if verify and want and sha256_of(bin_path) != want:
             raise ValueError(f"{bin_path} does not match the sha256 in meta.json (corrupt or modified)")
         tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(expected,))
         if verify and int(tokens.max()) >= int(meta["vocab_size"]):
