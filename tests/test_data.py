@@ -173,6 +173,11 @@ def test_prepare_user_corpus(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"txt": "x"}\n')
     with pytest.raises(ValueError, match="'text'"):
         prepare_corpus([tmp_path / "bad.jsonl"], tmp_path / "bad", progress=False)
+    reused = prepare_corpus([tmp_path / "src"], tmp_path / "reuse", tokenizer=out / "tokenizer.json", progress=False)
+    assert (reused / "tokenizer.json").read_text() == (out / "tokenizer.json").read_text()
+    with pytest.raises(ValueError, match="sentencepiece|SentencePiece"):
+        (tmp_path / "x.model").write_bytes(b"junk")
+        load_tokenizer(tmp_path / "x.model")
     assert cli_main(["data", "info", "--dir", str(out)]) == 0
     assert cli_main(["data", "info", "--dir", str(tmp_path / "missing")]) == 2
 

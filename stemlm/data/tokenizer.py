@@ -35,22 +35,21 @@ def load_tokenizer(path: Path) -> Tokenizer:
 
 
 def _from_sentencepiece(path: Path) -> Tokenizer:
-    """Convert a SentencePiece ``.model`` with transformers' converter (needs ``sentencepiece``)."""
+    """Convert a SentencePiece ``.model`` through transformers (needs the ``sentencepiece`` package)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sentencepiece") is None:
+        raise ValueError(f"loading SentencePiece model {path} needs the `sentencepiece` package (pip install sentencepiece)")
     try:
         from transformers import LlamaTokenizer
-        from transformers.convert_slow_tokenizer import convert_slow_tokenizer
-        slow = LlamaTokenizer(vocab_file=str(path))
-        return convert_slow_tokenizer(slow)
-    except ImportError as e:
-        raise ValueError(f"loading SentencePiece model {path} needs the `sentencepiece` package ({e})") from None
 
-
-def special_id(tok: Tokenizer, token: str = EOS_TOKEN) -> int:
-    """Id of a special token (clear error if the tokenizer lacks it)."""
-    tid = tok.token_to_id(token)
-    if tid is None:
-        raise ValueError(f"tokenizer has no {token!r} token; add it or train a tokenizer with `stemlm data prepare`")
-    return tid
+        tok = LlamaTokenizer(vocab_file=str(path)).backend_tokenizer
+    except Exception as e:  # missing sentencepiece/protobuf or a malformed model file
+        raise ValueError(f"could not load SentencePiece model {path} (needs the `sentencepiece` package): "
+                         f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    if tok.get_vocab_size() <= 3:  # transformers falls back to an empty Llama vocab when it cannot read the file
+        raise ValueError(f"could not read SentencePiece model {path}")
+    return tok
 
 
 def eos_id_of(tok: Tokenizer) -> int:
