@@ -61,7 +61,7 @@ def plan(model, source_ids: Sequence[int], target_ids: Sequence[int], *, strateg
     concrete = [resolve_strategy(strategy, len(src), len(tgt))]
     if mode == "swap":
         concrete.append(resolve_strategy(strategy, len(tgt), len(src)))
-    if "filler" in concrete and filler_id is None:
+    if "filler" in concrete and len(src) != len(tgt) and filler_id is None:
         raise ValueError("strategy 'filler' needs a filler token (filler=...)")
     writes = {}
     for layer in chosen:

@@ -8,11 +8,13 @@ on the original prompt. A successful edit makes the third panel look like the se
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from .ops import edit
+from .rows import EditRecord
 from .tokens import contains, decode_token, encode_prompt, entity_ids
 
 
@@ -56,31 +58,39 @@ def topk(model, tokenizer, prompt: str, k: int = 5, label: str = "") -> TopK:
     return TopK(label, prompt, [decode_token(tokenizer, i) for i in ids], ids, [float(x) for x in p])
 
 
-def target_prompt(prompt: str, source: str, target: str) -> str:
+def replace_entity(prompt: str, source: str, target: str) -> str:
     """The prompt with the source entity replaced by the target entity."""
     if source.strip() not in prompt:
         raise ValueError(f"the prompt {prompt!r} does not mention the source entity {source.strip()!r}")
     return prompt.replace(source.strip(), target.strip())
 
 
-def edit_report(model, tokenizer, prompt: str, source: str, target: str, *, k: int = 5, **edit_kwargs) -> EditReport:
-    """Top-k before/after an edit of ``source`` towards ``target`` (undone before returning).
+def edit_report(model, tokenizer, prompt: str, apply: Callable[[], EditRecord], *, k: int = 5,
+                target_prompt: str | None = None, source: str | None = None) -> EditReport:
+    """Top-k before/after the edit made by ``apply()`` (undone before returning).
 
-    ``edit_kwargs`` go to ``ops.edit`` (``mode``, ``strategy``, ``layers``, ``align``, ``filler``).
+    ``target_prompt`` adds the middle panel (the original model on the target entity's prompt);
+    ``source`` (an entity string) enables a warning when the prompt does not contain its tokens.
     """
     if k < 1:
         raise ValueError(f"top-k must be >= 1, got {k}")
-    vocab = model.cfg.vocab_size
-    src_ids = entity_ids(tokenizer, source, vocab)
     warnings = []
-    if not contains(encode_prompt(tokenizer, prompt), src_ids):
-        warnings.append(f"the prompt's tokens do not contain the source entity's tokens {src_ids}; "
+    if source is not None and not contains(encode_prompt(tokenizer, prompt), entity_ids(tokenizer, source, model.cfg.vocab_size)):
+        warnings.append(f"the prompt's tokens do not contain those of {source.strip()!r}; "
                         "the edit cannot change this prompt (check spacing/casing)")
-    before = topk(model, tokenizer, prompt, k, "original model, original prompt")
-    other = topk(model, tokenizer, target_prompt(prompt, source, target), k, "original model, target prompt")
-    with edit(model, source, target, tokenizer=tokenizer, **edit_kwargs) as record:
-        after = topk(model, tokenizer, prompt, k, "edited model, original prompt")
-    return EditReport(record.description, record.layers, [before, other, after], warnings)
+    panels = [topk(model, tokenizer, prompt, k, "original model, original prompt")]
+    if target_prompt is not None:
+        panels.append(topk(model, tokenizer, target_prompt, k, "original model, target prompt"))
+    with apply() as record:
+        panels.append(topk(model, tokenizer, prompt, k, "edited model, original prompt"))
+    return EditReport(record.description, record.layers, panels, warnings)
+
+
+def swap_report(model, tokenizer, prompt: str, source: str, target: str, *, k: int = 5, **edit_kwargs) -> EditReport:
+    """Fig. 5: ``source`` edited towards ``target`` (``edit_kwargs`` go to ``ops.edit``: mode, strategy,
+    layers, align, filler), with the target-entity prompt as the middle panel."""
+    return edit_report(model, tokenizer, prompt, lambda: edit(model, source, target, tokenizer=tokenizer, **edit_kwargs),
+                       k=k, target_prompt=replace_entity(prompt, source, target), source=source)
 
 
 def format_report(report: EditReport) -> str:
@@ -100,7 +110,9 @@ def plot_report(report: EditReport, path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(report.panels), figsize=(4.2 * len(report.panels), 3.4), sharey=True)
+    fig, axes = plt.subplots(1, len(report.panels), figsize=(4.2 * len(report.panels), 3.4), sharey=True,
+                             squeeze=False)
+    axes = axes[0]
     for ax, panel in zip(axes, report.panels):
         ax.bar(range(len(panel.probs)), panel.probs, color="#4C72B0")
         ax.set_xticks(range(len(panel.tokens)), [repr(t)[1:-1] for t in panel.tokens], rotation=45, ha="right")

@@ -1,0 +1,207 @@
+"""Edit evaluation over country facts: success, probability shift, locality, reversibility.
+
+For a pair of countries (A, B) the edit gives A the table rows of B (``mode="copy"``) or
+exchanges them (``mode="swap"``, both directions are scored). A *case* is one fact prompt of A
+("The capital of A is") whose expected answer after the edit is B's answer to the same
+question (same relation, same template). Metrics (all per strategy and per layer set):
+
+* **success** — the first token of B's answer is the edited model's top-1 next token. Cases
+  count only when the *unedited* model already gets both facts right (A's prompt -> A's answer
+  and B's prompt -> B's answer) and the two answers start with different tokens; ``known`` is
+  that denominator, ``cases`` the number before the knowledge filter.
+  **success_full** uses the whole answer instead: every answer token top-1 given the gold
+  prefix (= greedy decoding reproduces B's full answer), with the same filter on full answers.
+* **prob_shift** — mean over known cases of p_edited(first token of B's answer) minus
+  p_unedited(same token), both after A's prompt.
+* **locality** — over facts of *other* countries (a fixed seeded sample): fraction whose top-1
+  next token is unchanged, and mean KL(unedited || edited) of the next-token distribution.
+* **reversible** — fraction of edits after whose undo the logits of every scored prompt are
+  bitwise equal to the logits before the edit.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from .ops import edit, resolve_filler
+from .probes import Probe, build_probes
+from .rows import num_rows, resolve_layers
+from .scoring import kl_divergence, score
+from .strategies import check_strategy
+from .tokens import entity_ids
+
+
+@dataclass
+class EditEvalConfig:
+    """What to evaluate; ``layer_sets`` maps a label to layer indices (``None`` = all tables)."""
+
+    split: str = "heldout_template"
+    strategies: tuple[str, ...] = ("auto",)
+    align: str = "left"
+    mode: str = "swap"
+    n_pairs: int = 50
+    n_locality: int = 64
+    seed: int = 0
+    filler: int | str | None = None
+    layer_sets: dict[str, list[int] | None] = field(default_factory=lambda: {"all": None})
+    relations: tuple[str, ...] | None = None
+
+
+def layer_sweep(model) -> dict[str, list[int]]:
+    """Layer sets for ``--layers-sweep``: the first k and the last k table layers, k = 1..|S|."""
+    layers = resolve_layers(model)
+    sets = {"all": layers}
+    for k in range(1, len(layers)):
+        sets[f"first{k}"] = layers[:k]
+        sets[f"last{k}"] = layers[-k:]
+    return sets
+
+
+class _Tally:
+    """Running sums of one run's metrics."""
+
+    def __init__(self):
+        self.n = defaultdict(float)
+        self.by_relation = defaultdict(lambda: [0, 0])
+        self.by_length = defaultdict(lambda: [0, 0])
+
+    def add(self, key: str, value: float = 1.0):
+        self.n[key] += value
+
+    def rate(self, num: str, den: str) -> float | None:
+        return self.n[num] / self.n[den] if self.n[den] else None
+
+    def summary(self) -> dict:
+        out = {"pairs": int(self.n["pairs"]), "skipped_pairs": int(self.n["skipped"]),
+               "cases": int(self.n["cases"]), "known": int(self.n["known"]),
+               "success": self.rate("success", "known"),
+               "cases_full": int(self.n["cases_full"]), "known_full": int(self.n["known_full"]),
+               "success_full": self.rate("success_full", "known_full"),
+               "prob_target_before": self.rate("p_before", "known"), "prob_target_after": self.rate("p_after", "known"),
+               "prob_shift": self.rate("p_shift", "known"),
+               "locality_n": int(self.n["loc"]), "locality_top1": self.rate("loc_same", "loc"),
+               "locality_kl": self.rate("loc_kl", "loc"), "edits": int(self.n["edits"]),
+               "reversible": self.rate("reversible", "edits")}
+        out["by_relation"] = {r: {"known": k, "success": s / k if k else None}
+                              for r, (k, s) in sorted(self.by_relation.items())}
+        out["by_length"] = {r: {"known": k, "success": s / k if k else None} for r, (k, s) in sorted(self.by_length.items())}
+        return out
+
+
+def _pairs(countries: list[str], n: int, seed: int) -> list[tuple[str, str]]:
+    """``n`` distinct unordered country pairs, seeded."""
+    all_pairs = [(a, b) for i, a in enumerate(countries) for b in countries[i + 1:]]
+    rng = random.Random(seed)
+    rng.shuffle(all_pairs)
+    return all_pairs[:n]
+
+
+def _cases(probes: dict[str, list[Probe]], src: str, tgt: str) -> list[tuple[Probe, Probe]]:
+    """(probe of src, same question of tgt) for every question both have."""
+    other = {p.key: p for p in probes[tgt]}
+    return [(p, other[p.key]) for p in probes[src] if p.key in other and p.answer_ids != other[p.key].answer_ids]
+
+
+class EditEvaluator:
+    """Holds the probes and the unedited model's scores; ``run`` evaluates one edit setting."""
+
+    def __init__(self, model, tokenizer, facts: list[dict], cfg: EditEvalConfig):
+        self.model, self.tok, self.cfg = model, tokenizer, cfg
+        self.vocab = num_rows(model)
+        self.probes = build_probes(facts, tokenizer, cfg.split, cfg.relations)
+        if len(self.probes) < 2:
+            raise ValueError(f"split {cfg.split!r} has facts of {len(self.probes)} countries; need at least 2")
+        for label, layers in cfg.layer_sets.items():
+            resolve_layers(model, layers)  # fail early on a bad layer set
+        for s in cfg.strategies:
+            check_strategy(s, cfg.align)
+        self.filler = resolve_filler(cfg.filler, tokenizer, self.vocab) if "filler" in cfg.strategies else None
+        self.entity = {c: entity_ids(tokenizer, c, self.vocab) for c in self.probes}
+        flat = [p for ps in self.probes.values() for p in ps]
+        base = score(model, [p.prompt_ids for p in flat], [p.answer_ids for p in flat])
+        self.known = {(p.country, p.key): (bool(f), bool(g)) for p, f, g in zip(flat, base.first_ok, base.full_ok)}
+        rng = random.Random(cfg.seed + 1)
+        self.pool = rng.sample(flat, min(cfg.n_locality + 12, len(flat)))  # margin for excluded countries
+        self.pool_base = self._score_pool()
+        self.pairs = _pairs(sorted(self.probes), cfg.n_pairs, cfg.seed)
+
+    def _score_pool(self):
+        return score(self.model, [p.prompt_ids for p in self.pool], [p.answer_ids for p in self.pool])
+
+    def run(self, strategy: str, layers: list[int] | None, progress: bool = False, desc: str = "") -> dict:
+        """Metrics of one (strategy, layer set) over all pairs."""
+        tally = _Tally()
+        directions = [(0, 1), (1, 0)] if self.cfg.mode == "swap" else [(0, 1)]
+        for pair in tqdm(self.pairs, desc=desc or strategy, disable=not progress, leave=False):
+            a_ids, b_ids = self.entity[pair[0]], self.entity[pair[1]]
+            if strategy == "one_to_one" and len(a_ids) != len(b_ids):
+                tally.add("skipped")
+                continue
+            cases = [c for s, t in directions for c in _cases(self.probes, pair[s], pair[t])]
+            self._run_pair(pair, cases, strategy, layers, "equal" if len(a_ids) == len(b_ids) else "unequal", tally)
+        return tally.summary()
+
+    def _run_pair(self, pair, cases, strategy, layers, length_class, tally: _Tally) -> None:
+        prompts = [src.prompt_ids for src, _ in cases]
+        answers = [tgt.answer_ids for _, tgt in cases]
+        before = score(self.model, prompts, answers)
+        record = edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy, layers=layers,
+                      mode=self.cfg.mode, align=self.cfg.align, filler=self.filler)
+        try:
+            after, pool_after = score(self.model, prompts, answers), self._score_pool()
+        finally:
+            record.undo()
+        restored, pool_restored = score(self.model, prompts, answers), self._score_pool()
+        tally.add("pairs")
+        tally.add("edits")
+        tally.add("reversible", float(torch.equal(restored.last_logits, before.last_logits)
+                                      and torch.equal(pool_restored.last_logits, self.pool_base.last_logits)))
+        p_before, p_after = before.probs(), after.probs()
+        for i, (src, tgt) in enumerate(cases):
+            knows = self.known[(src.country, src.key)], self.known[(tgt.country, tgt.key)]
+            if src.answer_ids[0] != tgt.answer_ids[0]:
+                tally.add("cases")
+                if knows[0][0] and knows[1][0]:
+                    first = tgt.answer_ids[0]
+                    ok = bool(after.first_ok[i])
+                    tally.add("known")
+                    tally.add("success", ok)
+                    tally.add("p_before", float(p_before[i, first]))
+                    tally.add("p_after", float(p_after[i, first]))
+                    tally.add("p_shift", float(p_after[i, first] - p_before[i, first]))
+                    for group in (tally.by_relation[src.relation], tally.by_length[length_class]):
+                        group[0] += 1
+                        group[1] += ok
+            tally.add("cases_full")
+            if knows[0][1] and knows[1][1]:
+                tally.add("known_full")
+                tally.add("success_full", bool(after.full_ok[i]))
+        keep = [i for i, p in enumerate(self.pool) if p.country not in pair][:self.cfg.n_locality]
+        same = pool_after.last_logits[keep].argmax(-1) == self.pool_base.last_logits[keep].argmax(-1)
+        tally.add("loc", len(keep))
+        tally.add("loc_same", float(same.sum()))
+        tally.add("loc_kl", float(kl_divergence(self.pool_base.last_logits[keep], pool_after.last_logits[keep]).clamp_min(0).sum()))
+
+
+def run_edit_eval(model, tokenizer, facts: list[dict], cfg: EditEvalConfig, progress: bool = True) -> dict:
+    """Every (strategy, layer set) of ``cfg``; returns a JSON-ready dict."""
+    ev = EditEvaluator(model, tokenizer, facts, cfg)
+    runs = []
+    for label, layers in cfg.layer_sets.items():
+        chosen = resolve_layers(model, layers)
+        for strategy in cfg.strategies:
+            res = ev.run(strategy, chosen, progress, desc=f"{strategy}/{label}")
+            runs.append({"strategy": strategy, "align": cfg.align, "layers_label": label, "layers": chosen, **res})
+    known_facts = sum(f for f, _ in ev.known.values())
+    return {"config": {**asdict(cfg), "strategies": list(cfg.strategies)},
+            "model": model.cfg.to_dict(), "table_layers": resolve_layers(model),
+            "base": {"probes": len(ev.known), "known_first": known_facts,
+                     "known_full": sum(g for _, g in ev.known.values()),
+                     "countries": len(ev.probes),
+                     "multi_token_countries": sum(len(v) > 1 for v in ev.entity.values())},
+            "runs": runs}
