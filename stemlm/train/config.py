@@ -125,12 +125,12 @@ class OptimSection:
 class RunSection:
     """Length, output, checkpoints, evaluation, logging and numerics of a run."""
 
-    steps: int = _f(1200, "optimizer steps")
+    steps: int = _f(300, "optimizer steps")
     out: str = _f("runs/default", "run directory (metrics, plots, checkpoints/step_XXXXXXXX)")
-    ckpt_every: int = _f(400, "write a checkpoint every N steps (and always at the end)")
+    ckpt_every: int = _f(100, "write a checkpoint every N steps (and always at the end)")
     keep_last: int = _f(2, "checkpoints kept on disk (older ones are deleted)")
-    eval_every: int = _f(200, "validation loss every N steps (and at the end); 0 = only at the end")
-    eval_batches: int = _f(16, "validation batches per evaluation")
+    eval_every: int = _f(100, "validation loss every N steps (and at the end); 0 = only at the end")
+    eval_batches: int = _f(8, "validation batches per evaluation")
     log_every: int = _f(10, "progress-bar refresh every N steps (metrics.jsonl gets every step)")
     seed: int = _f(0, "seed of the model initialisation")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")

@@ -1,0 +1,73 @@
+"""Shared by the training benchmarks: a synthetic Zipf data dir and a timed run of the real loop."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def zipf_tokens(n: int, vocab: int, s: float = 1.1, seed: int = 0) -> np.ndarray:
+    """``n`` token ids with Zipf(s) frequencies over ``1..vocab-1`` (0 is EOS)."""
+    rng = np.random.default_rng(seed)
+    p = 1.0 / np.arange(1, vocab) ** s
+    return rng.choice(np.arange(1, vocab), size=n, p=p / p.sum())
+
+
+def synthetic_data_dir(vocab: int, n_tokens: int = 400_000, seed: int = 0) -> Path:
+    """A prepared data dir of Zipf-distributed documents (cached per vocab/size in the temp dir)."""
+    from stemlm.data import write_token_split
+
+    out = Path(tempfile.gettempdir()) / f"stemlm-bench-data-v{vocab}-n{n_tokens}-s{seed}"
+    if not (out / "meta.json").exists():
+        toks = zipf_tokens(n_tokens, vocab, seed=seed)
+        docs = np.array_split(toks, max(1, n_tokens // 500))
+        write_token_split(out, "train", docs, vocab, 0)
+        write_token_split(out, "val", docs[:20], vocab, 0)
+    return out
+
+
+def make_trainer(overrides: list[str], preset: str = "tiny"):
+    """A ``Trainer`` of the real training loop writing into a throw-away run dir."""
+    from stemlm.train import Trainer, load_train_config
+
+    out = tempfile.mkdtemp(prefix="stemlm-bench-run-")
+    cfg = load_train_config(preset, None, [f"run.out={out}", "run.progress=false", "run.plots=false",
+                                           "run.peak_flops=1", *overrides])
+    trainer = Trainer(cfg)
+    trainer.peak_flops = 1.0
+    return trainer
+
+
+def time_interleaved(fns: dict, steps: int, warmup: int = 2) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved so machine noise hits all alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def write_result(name: str, quick: bool, payload: dict) -> Path:
+    """``results/<name>.json`` (``<name>.quick.json`` for smoke runs, never overwriting real results)."""
+    import platform
+
+    import torch
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}{'.quick' if quick else ''}.json"
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
+            "processor": platform.processor(), "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    path.write_text(json.dumps({"meta": meta, **payload}, indent=2))
+    return path
