@@ -42,9 +42,8 @@ def table_device(table) -> torch.device:
     return torch.device(getattr(table, "device", "cpu"))
 
 
-def coalesce(touched: list[tuple[torch.Tensor, torch.Tensor]], dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Sum the gradients of equal ids over all recorded lookups -> ``(ids (U,), grads (U, dim))``."""
-    pairs = [(ids, leaf.grad) for ids, leaf in touched if leaf.grad is not None]
+def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Sum the gradients of equal ids over ``(ids (U_i,), grads (U_i, dim))`` pairs -> ``(ids (U,), grads (U, dim))``."""
     if not pairs:
         return None
     if len(pairs) == 1:  # one lookup: its ids are already unique
@@ -77,13 +76,12 @@ class SparseRowAdamW:
     def collect(self) -> list[torch.Tensor]:
         """Pop every table's recorded lookups and coalesce them; returns the ``(U, dim)`` grads."""
         for name, table in self.tables.items():
-            got = coalesce(table.pop_touched(), table.dim, table_device(table))
-            if got is None:
-                continue
-            if name in self._pending:  # collect() called twice before step(): accumulate
-                got = coalesce([(got[0], _Leaf(got[1])), (self._pending[name][0], _Leaf(self._pending[name][1]))],
-                               table.dim, table_device(table))
-            self._pending[name] = got
+            pairs = [(ids, leaf.grad) for ids, leaf in table.pop_touched() if leaf.grad is not None]
+            if name in self._pending:  # collect() called again before step(): accumulate
+                pairs.append(self._pending[name])
+            got = coalesce(pairs, table.dim, table_device(table))
+            if got is not None:
+                self._pending[name] = got
         return [g for _, g in self._pending.values()]
 
     def scale_grads(self, factor: float | torch.Tensor) -> None:
@@ -170,10 +168,3 @@ class SparseRowAdamW:
     def parameters(self) -> list[torch.nn.Parameter]:
         """In-memory parameters of the tables (for the coverage check of the param groups)."""
         return [p for t in self.tables.values() if isinstance(t, torch.nn.Module) for p in t.parameters()]
-
-
-class _Leaf:
-    """Adapter so already-coalesced ``(ids, grad)`` pairs can be re-coalesced."""
-
-    def __init__(self, grad: torch.Tensor):
-        self.grad = grad
