@@ -45,6 +45,27 @@ def make_trainer(overrides: list[str], preset: str = "tiny"):
     return trainer
 
 
+def preset_run_args(doc: str, name: str, steps: int):
+    """Parsed ``--preset --batch-size --seq-len --steps --quick`` of a benchmark on a model preset,
+    plus the data/shape overrides for ``make_trainer`` (``--quick``: debug preset, tiny batches)."""
+    import argparse
+
+    from stemlm.presets import PRESETS
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help="model shape (default: tiny)")
+    ap.add_argument("--batch-size", type=int, default=16, help="sequences per step (default: 16)")
+    ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    ap.add_argument("--steps", type=int, default=steps, help=f"timed steps per model (default: {steps})")
+    ap.add_argument("--quick", action="store_true", help=f"debug preset, 4x64 tokens, 2 steps; writes {name}.quick.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.preset, args.batch_size, args.seq_len, args.steps = "debug", 4, 64, 2
+    common = [f"data.dir={synthetic_data_dir(PRESETS[args.preset]['vocab_size'])}", f"data.batch_size={args.batch_size}",
+              f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 64)}"]
+    return args, common
+
+
 def time_interleaved(fns: dict, steps: int, warmup: int = 2) -> dict[str, float]:
     """Median seconds per call of each function, calls interleaved so machine noise hits all alike."""
     for _ in range(warmup):

@@ -10,27 +10,13 @@ loop uses for its ``mfu`` metric). Dense and STEM (1/3 of the layers) run the re
 
 from __future__ import annotations
 
-import argparse
-
-from _train_bench import make_trainer, synthetic_data_dir, time_interleaved, write_result
+from _train_bench import make_trainer, preset_run_args, time_interleaved, write_result
 
 from stemlm.train.metrics import measure_peak_flops
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--quick", action="store_true", help="debug preset, 2 steps, writes mfu.quick.json")
-    args = ap.parse_args()
-    if args.quick:
-        args.preset, args.batch_size, args.seq_len, args.steps = "debug", 4, 64, 2
-    from stemlm.presets import PRESETS
-
-    common = [f"data.dir={synthetic_data_dir(PRESETS[args.preset]['vocab_size'])}", f"data.batch_size={args.batch_size}",
-              f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 64)}"]
+    args, common = preset_run_args(__doc__, "mfu", steps=10)
     trainers = {kind: make_trainer(common + [f"model.ffn={kind}"], args.preset) for kind in ("dense", "stem")}
     peak = measure_peak_flops(seconds=0.3 if args.quick else 2.0)
     times = time_interleaved({k: t.train_step for k, t in trainers.items()}, args.steps)

@@ -11,28 +11,13 @@ machine noise affects both alike.
 
 from __future__ import annotations
 
-import argparse
-
-from _train_bench import make_trainer, synthetic_data_dir, time_interleaved, write_result
+from _train_bench import make_trainer, preset_run_args, time_interleaved, write_result
 
 from stemlm.accounting import train_flops_per_token
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--batch-size", type=int, default=16)
-    ap.add_argument("--seq-len", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--quick", action="store_true", help="debug preset, 3 steps, writes train_step.quick.json")
-    args = ap.parse_args()
-    if args.quick:
-        args.preset, args.batch_size, args.seq_len, args.steps = "debug", 4, 64, 3
-    from stemlm.presets import PRESETS
-
-    vocab = PRESETS[args.preset]["vocab_size"]
-    common = [f"data.dir={synthetic_data_dir(vocab)}", f"data.batch_size={args.batch_size}",
-              f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 64)}"]
+    args, common = preset_run_args(__doc__, "train_step", steps=20)
     trainers = {kind: make_trainer(common + [f"model.ffn={kind}", "model.stem_layers=full"], args.preset)
                 for kind in ("dense", "stem")}
     times = time_interleaved({k: t.train_step for k, t in trainers.items()}, args.steps)
