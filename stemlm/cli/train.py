@@ -21,6 +21,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ..config import FFN_KINDS
@@ -75,7 +76,8 @@ def run(args) -> int:
     except (TrainingDiverged, FileExistsError) as e:
         print(f"stemlm train: error: {e}", file=sys.stderr)
         return 1
-    print("\n".join(summary_lines(results, unigram_entropy(cfg.data.dir))))
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports
+        print("\n".join(summary_lines(results, unigram_entropy(cfg.data.dir))))
     return 0
 
 

@@ -98,7 +98,15 @@ class ShardedTable(nn.Module):
 
     def gather_full(self) -> torch.Tensor:
         """The full ``(V, dim)`` table on every rank (collective), e.g. for saving a checkpoint."""
-        full = torch.zeros(self.full_num_rows, self.dim, dtype=self.weight.dtype, device=self.weight.device)
-        full[self.rank::self.world_size] = self.weight.detach()
-        dist.all_reduce(full, group=self.group)
-        return full
+        return gather_interleaved(self.weight.detach(), self.full_num_rows, self.rank, self.world_size, self.group)
+
+
+def gather_interleaved(local: torch.Tensor, full_rows: int, rank: int, world_size: int, group=None) -> torch.Tensor:
+    """Reassemble a tensor whose rows ``rank::world_size`` each rank holds (collective).
+
+    Used for tables and for per-row optimizer state (moments, counters) alike.
+    """
+    full = torch.zeros((full_rows, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    full[rank::world_size] = local
+    dist.all_reduce(full, group=group)
+    return full

@@ -14,6 +14,7 @@ Distributed training is applied from outside: a ``parallelize(model)`` wrapper a
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,10 +100,10 @@ class Trainer:
         self.data_dir = resolve_data_dir(cfg.data.dir)
         self.train_ds = TokenDataset.open(self.data_dir, "train")
         self.val_ds = TokenDataset.open(self.data_dir, "val")
-        self.model = build_model(cfg, self.train_ds.vocab_size).to(self.device).train()
+        self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size).to(self.device).train())
         self._check_shapes()
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
-        self.forward_model = torch.compile(self.model) if cfg.run.compile else self.model
+        self.forward_model = self.wrap_forward(torch.compile(self.model) if cfg.run.compile else self.model)
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
         self.spikes = SpikeDetector(cfg.run.spike_factor, cfg.run.spike_window)
         self.flops_per_token = train_flops_per_token(self.model.cfg, cfg.data.seq_len)
@@ -145,6 +146,25 @@ class Trainer:
         ckpt_io.set_rng_state(st["rng"])
         self.last_ckpt = ckpt
 
+    # -- seams for distribution applied from outside (stemlm.dist.trainer overrides these) ---
+    is_main = True  # the process that writes logs, plots and checkpoints
+
+    def prepare_model(self, model: StemLM) -> StemLM:
+        """Hook before the optimizers are built (e.g. install sharded tables); identity here."""
+        return model
+
+    def wrap_forward(self, model):
+        """The module used for forward/backward (e.g. a DDP wrapper); ``model`` itself here."""
+        return model
+
+    def reduce_loss(self, loss: torch.Tensor) -> float:
+        """The loss value to log and check (the mean over processes when distributed)."""
+        return loss.item()
+
+    def clip_gradients(self, params: list[torch.Tensor], table_grads: list[torch.Tensor]) -> torch.Tensor:
+        """Global gradient norm over backbone and table gradients, clipped in place."""
+        return clip_grad_norm(params, table_grads, self.cfg.optim.grad_clip)
+
     # -- one step --------------------------------------------------------------------------
     def batch(self, micro_step: int):
         """Micro-batch number ``micro_step`` of the run (the seam for a rank/world_size slice)."""
@@ -162,14 +182,14 @@ class Trainer:
             seen_ids.append(batch.inputs)
             with evaluate_mod.autocast(self.device, cfg.run.dtype):
                 loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
-            value = loss.item()
+            value = self.reduce_loss(loss.detach())
             if not is_finite(value):
                 self._diverged(f"loss is {value}")
             (loss / accum).backward()
             losses.append(value)
         table_grads = self.table_opt.collect() if self.table_opt is not None else []
         params = [p for g in self.opt.param_groups for p in g["params"]]
-        norm = float(clip_grad_norm(params, table_grads, cfg.optim.grad_clip))
+        norm = float(self.clip_gradients(params, table_grads))
         if not is_finite(norm):
             self._diverged(f"gradient norm is {norm}")
         self.opt.step()
@@ -222,10 +242,11 @@ class Trainer:
         cfg, r = self.cfg, self.cfg.run
         end = min(r.steps, stop_at) if stop_at else r.steps
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        (self.run_dir / ckpt_io.RUN_CONFIG).write_text(cfg.to_yaml())
+        if self.is_main:
+            (self.run_dir / ckpt_io.RUN_CONFIG).write_text(cfg.to_yaml())
         self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
-        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step)
-        bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not r.progress,
+        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
+        bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not (r.progress and self.is_main),
                    dynamic_ncols=True)
         start, rec, val = time.perf_counter(), None, None
         try:
@@ -247,16 +268,33 @@ class Trainer:
             log.close()
         if val is None:  # resumed at the end: nothing trained, report the stored model
             val = self.evaluate()["loss"]
-        if r.plots:
+        if r.plots and self.is_main:
             from .plots import plot_run
             plot_run(self.run_dir)
         result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
                              self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count)
         summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return result
 
 
+class _NoLog:
+    """Metrics sink of the processes that do not write logs."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None) -> TrainResult:
-    """Run (or ``resume``) the training described by ``cfg``; ``stop_at`` pauses early (see ``Trainer.fit``)."""
+    """Run (or ``resume``) the training described by ``cfg``; ``stop_at`` pauses early (see ``Trainer.fit``).
+
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) the run is distributed (``stemlm.dist.trainer``).
+    """
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        from ..dist.trainer import DistributedTrainer
+        return DistributedTrainer(cfg, resume=resume).fit(stop_at=stop_at)
     return Trainer(cfg, resume=resume).fit(stop_at=stop_at)

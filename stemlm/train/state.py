@@ -74,8 +74,13 @@ def optimizer_state(opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None
     return tensors, meta
 
 
-def load_optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None) -> None:
-    """Restore what ``optimizer_state`` wrote into freshly built optimizers of the same run."""
+def load_optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None,
+                         table_rows=None) -> None:
+    """Restore what ``optimizer_state`` wrote into freshly built optimizers of the same run.
+
+    ``table_rows`` (optional) maps each stored per-row table tensor to the rows this process keeps
+    (a distributed rank's shard).
+    """
     tensors = load_file(str(Path(ckpt) / OPT_TENSORS))
     meta = json.loads((Path(ckpt) / OPT_META).read_text())
     state = {int(idx): {k: tensors[f"dense.{idx}.{k}"] if v is None else v for k, v in keys.items()}
@@ -88,7 +93,9 @@ def load_optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, table_opt: Spar
         raise CheckpointError(f"{ckpt}: table optimizer kind differs from the checkpoint's")
     if table_opt is not None:
         prefix = "tables."
-        table_opt.load_state_dict({k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}, meta["sparse"])
+        select = table_rows or (lambda t: t)
+        table_opt.load_state_dict({k[len(prefix):]: select(v) for k, v in tensors.items() if k.startswith(prefix)},
+                                  meta["sparse"])
 
 
 # -- RNG -----------------------------------------------------------------------------------------
