@@ -6,9 +6,11 @@ gradients, the global norm over backbone *and* table gradients is clipped, and b
 step. The loop never asks where table rows live: ``SparseRowAdamW`` talks to every table object
 through the lookup protocol, so host/disk tables installed in ``model.tables`` train unchanged.
 
-Distributed training is applied from outside: a ``parallelize(model)`` wrapper and a
-``(rank, world_size)`` slice of ``get_batch`` are the two seams (``Trainer.model`` /
-``Trainer.batch``); nothing else in the loop assumes a single process.
+Everything that depends on where the model runs is a seam a subclass overrides, so the loop is
+written once: ``prepare_model`` (install sharded or off-device tables before the optimizers are
+built), ``wrap_forward`` (DDP/FSDP), ``batch`` (a rank's slice of ``get_batch``), ``reduce_loss``
+and ``clip_gradients`` (cross-process reductions), ``is_main`` (who writes files). See
+``stemlm.dist.trainer`` for the torchrun implementation.
 """
 
 from __future__ import annotations
