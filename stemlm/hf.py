@@ -22,9 +22,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ModelConfig
-from .ffn import HashMoEFFN, token_expert_hash
-from .model import RMSNorm, StemLM
-from .tables import StemTable, init_table_
+from .model import StemLM, init_module_
 
 _DEFAULTS = ModelConfig()  # StemConfig's defaults are ModelConfig's (checked by the tests)
 
@@ -155,20 +153,7 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        # Same distributions as StemLM.reset_parameters, through transformers' guarded init so
-        # that from_pretrained only fills tensors the checkpoint did not provide.
-        cfg = self.model.cfg
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            hf_init.normal_(module.weight, std=cfg.init_std)
-        elif isinstance(module, RMSNorm):
-            hf_init.ones_(module.weight)
-        elif isinstance(module, HashMoEFFN):
-            for w in (module.w_gate, module.w_up, module.w_down):
-                hf_init.normal_(w, std=cfg.init_std)
-            # a non-persistent buffer: from_pretrained leaves it uninitialised
-            hf_init.copy_(module.expert_of_token, token_expert_hash(cfg.vocab_size, cfg.n_experts, cfg.hash_seed))
-        elif isinstance(module, StemTable):
-            init_table_(module.weight, cfg.table_init, cfg.d_model, cfg.init_std)
+        init_module_(module, self.model.cfg, hf_init)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.tok_embeddings

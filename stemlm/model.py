@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import TABLE_KINDS, ModelConfig
-from .ffn import FFN_CLASSES, HashMoEFFN
+from .ffn import FFN_CLASSES, HashMoEFFN, token_expert_hash
 from .tables import StemTable, check_ids, init_table_
 
 
@@ -114,6 +114,34 @@ def attention_mask(doc_ids: torch.Tensor | None, start_pos: int, q_len: int, dev
     return mask
 
 
+class _TorchInit:
+    """The plain-torch ``normal_``/``ones_``/``copy_`` used by ``init_module_``."""
+
+    normal_, ones_ = staticmethod(nn.init.normal_), staticmethod(nn.init.ones_)
+
+    @staticmethod
+    def copy_(tensor: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return tensor.copy_(other)
+
+
+@torch.no_grad()
+def init_module_(module: nn.Module, cfg: ModelConfig, init=_TorchInit) -> None:
+    """Initialise one module's own weights: Normal(0, init_std) matrices, unit norms, tables per
+    ``cfg.table_init``. ``init`` supplies ``normal_``/``ones_``/``copy_`` (transformers passes its
+    guarded versions so ``from_pretrained`` only fills tensors a checkpoint did not provide)."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        init.normal_(module.weight, std=cfg.init_std)
+    elif isinstance(module, RMSNorm):
+        init.ones_(module.weight)
+    elif isinstance(module, HashMoEFFN):
+        for w in (module.w_gate, module.w_up, module.w_down):
+            init.normal_(w, std=cfg.init_std)
+        # a non-persistent buffer: rebuilt here because from_pretrained leaves it uninitialised
+        init.copy_(module.expert_of_token, token_expert_hash(cfg.vocab_size, cfg.n_experts, cfg.hash_seed))
+    elif isinstance(module, StemTable):
+        init_table_(module.weight, cfg.table_init, cfg.d_model, cfg.init_std)
+
+
 class StemLM(nn.Module):
     """A STEM language model; ``forward(ids) -> logits (B, T, V)``."""
 
@@ -133,15 +161,7 @@ class StemLM(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) weights, unit norms, tables per ``cfg.table_init``."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=self.cfg.init_std)
-            elif isinstance(module, RMSNorm):
-                module.weight.fill_(1.0)
-            elif isinstance(module, HashMoEFFN):
-                for w in (module.w_gate, module.w_up, module.w_down):
-                    nn.init.normal_(w, std=self.cfg.init_std)
-            elif isinstance(module, StemTable):
-                init_table_(module.weight, self.cfg.table_init, self.cfg.d_model, self.cfg.init_std)
+            init_module_(module, self.cfg)
 
     def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
                 return_hidden: bool = False) -> torch.Tensor:
