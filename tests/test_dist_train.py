@@ -1,4 +1,4 @@
-"""torchrun with 2 CPU processes (gloo, DDP backbone, sharded tables) equals 1 process."""
+"""torchrun with 2 CPU processes (gloo; DDP or FSDP2 backbone; sharded tables) equals 1 process."""
 
 import json
 import os
@@ -44,3 +44,12 @@ def test_two_processes_match_one_and_resume(tmp_path, data):
     _run(data, tmp_path / "three", 2, "--stop-at", "3")
     resumed = _run(data, tmp_path / "three", 2, "--resume")
     assert max(abs(a - b) for a, b in zip(one, resumed)) <= 1e-5
+
+
+def test_fsdp_backbone_matches_one_process(tmp_path, data):
+    one = _run(data, tmp_path / "one", 1)
+    fsdp = _run(data, tmp_path / "fsdp", 2, "run.parallel=fsdp")
+    assert max(abs(a - b) for a, b in zip(one, fsdp)) <= 1e-5
+    a = load_file(tmp_path / "one/checkpoints/step_00000005/optimizer.safetensors")
+    b = load_file(tmp_path / "fsdp/checkpoints/step_00000005/optimizer.safetensors")
+    assert a.keys() == b.keys() and max((a[k].float() - b[k].float()).abs().max().item() for k in a) < 1e-6

@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=f"stemlm {name}", description=module.__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(parser)
-    args = parser.parse_args(argv[1:])
+    try:  # overrides (section.field=value) may come before or after flags
+        args = parser.parse_intermixed_args(argv[1:])
+    except TypeError:  # a parser with sub-commands: plain parsing
+        args = parser.parse_args(argv[1:])
     try:
         return int(module.run(args) or 0)
     except USER_ERRORS as e:  # one clear line, no traceback, for bad input

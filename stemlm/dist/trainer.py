@@ -28,7 +28,6 @@ from ..checkpoint import WEIGHTS_FILE, load_state_into
 from ..config import ConfigError
 from ..data import get_batch
 from ..model import StemLM
-from ..tables import StemTable
 from ..train import state as ckpt_io
 from ..train.loop import Trainer
 from .sharded_table import ShardedTable, gather_interleaved
@@ -50,7 +49,7 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
 def shard_tables(model: StemLM, rank: int, world: int) -> None:
     """Replace every in-memory table of ``model`` by this rank's ``ShardedTable``."""
     for name, table in list(model.tables.items()):
-        if not isinstance(table, StemTable):
+        if not hasattr(table, "weight") or table.weight.shape[0] != model.cfg.vocab_size:
             raise ValueError(f"table {name} is not in memory ({type(table).__name__}); shard before offloading")
         model.tables[name] = ShardedTable.from_full(table.weight.detach(), rank, world).to(table.weight.device)
 
@@ -64,9 +63,7 @@ class DistributedTrainer(Trainer):
             raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not divisible by the world size {self.world_size}")
         if cfg.optim.table_optimizer != "sparse":
             raise ConfigError("distributed runs shard the tables: use optim.table_optimizer=sparse")
-        self.parallel = getattr(cfg.run, "parallel", "ddp")
-        if self.parallel not in ("ddp", "fsdp"):
-            raise ConfigError(f"run.parallel must be 'ddp' or 'fsdp', got {self.parallel!r}")
+        self.parallel = cfg.run.parallel
         cfg.run.device = str(device)
         super().__init__(cfg, resume=resume)
 
@@ -79,9 +76,10 @@ class DistributedTrainer(Trainer):
         shard_tables(model, self.rank, self.world_size)
         if self.parallel == "fsdp":
             from torch.distributed.fsdp import fully_shard
+            shards = {p for t in model.tables.values() for p in t.parameters()}  # already split by row
             for block in model.layers:
                 fully_shard(block)
-            fully_shard(model)
+            fully_shard(model, ignored_params=shards)
         return model
 
     def wrap_forward(self, model):
@@ -122,19 +120,30 @@ class DistributedTrainer(Trainer):
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
-        """Gather tables and their optimizer moments (collective); rank 0 writes a 1-process checkpoint."""
-        full_tables = {n: t.gather_full() for n, t in self.model.tables.items()}
-        full_state = {n: {k: gather_interleaved(v, self.model.tables[n].full_num_rows, self.rank, self.world_size)
-                          for k, v in st.items()} for n, st in sorted(self.table_opt.state.items())}
+        """Gather everything sharded (collective); rank 0 writes the checkpoint a 1-process run writes."""
+        tables = {f"tables.{n}.weight": t.gather_full() for n, t in self.model.tables.items()}
+        table_state = {n: {k: gather_interleaved(v, self.model.tables[n].full_num_rows, self.rank, self.world_size)
+                           for k, v in st.items()} for n, st in sorted(self.table_opt.state.items())}
+        backbone = {k: _full(v) for k, v in self.model.state_dict().items() if not k.startswith("tables.")}
+        opt_state = self.opt.state_dict()  # its per-parameter dicts are the live state: copy, never mutate
+        opt_state = {**opt_state, "state": {i: {k: _full(v) for k, v in st.items()} for i, st in opt_state["state"].items()}}
         path = ckpt_io.checkpoint_dir(self.run_dir, self.step)
         if self.is_main:
-            with _full_view(self.model, self.table_opt, full_tables, full_state):
-                path = super().save()
+            with torch.device("meta"):
+                snapshot = StemLM(self.model.cfg)
+            snapshot.load_state_dict({**backbone, **tables}, strict=False, assign=True)
+            with _swapped_state(self.table_opt, table_state):
+                path = ckpt_io.save_checkpoint(self.run_dir, self.step, snapshot, _FixedState(opt_state), self.table_opt,
+                                               self.trainer_state(), self.cfg.to_yaml(), self.data_dir,
+                                               self.cfg.run.keep_last)
         dist.barrier()
         self.last_ckpt = path
         return path
 
     def _restore(self, ckpt: Path) -> None:
+        if self.parallel == "fsdp":
+            raise ConfigError("resuming with run.parallel=fsdp is not supported yet; checkpoints are world-size "
+                              "independent, so resume this run with run.parallel=ddp or on one process")
         full = StemLM(self.model.cfg)
         load_state_into(full, ckpt / WEIGHTS_FILE)
         backbone = {k: v for k, v in full.state_dict().items() if not k.startswith("tables.")}
@@ -155,19 +164,26 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
     return grad.to_local() if hasattr(grad, "to_local") else grad
 
 
+def _full(value):
+    """A full tensor from a DTensor (collective under FSDP); anything else unchanged."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+class _FixedState:
+    """An optimizer stand-in whose ``state_dict()`` is a precomputed (gathered) one."""
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def state_dict(self) -> dict:
+        return self._state
+
+
 @contextlib.contextmanager
-def _full_view(model: StemLM, table_opt, full_tables: dict, full_state: dict):
-    """Temporarily give ``model`` full in-memory tables and ``table_opt`` the full state."""
-    sharded, state = dict(model.tables.items()), table_opt.state
+def _swapped_state(table_opt, full_state: dict):
+    """Temporarily give the table optimizer the gathered full state (for writing)."""
+    local, table_opt.state = table_opt.state, full_state
     try:
-        for name, weight in full_tables.items():
-            table = StemTable(weight.shape[0], weight.shape[1])
-            table.weight.data = weight
-            model.tables[name] = table
-        table_opt.state = full_state
         yield
     finally:
-        for name, table in sharded.items():
-            model.tables[name] = table
-        table_opt.state = state
-
+        table_opt.state = local

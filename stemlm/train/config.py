@@ -143,11 +143,13 @@ class RunSection:
     spike_window: int = _f(50, "steps in the running median of the spike detector")
     progress: bool = _f(True, "show a tqdm progress bar")
     plots: bool = _f(True, "write loss-vs-tokens and loss-vs-FLOPs PNGs at the end")
+    parallel: str = _f("ddp", "under torchrun: backbone wrapper ddp | fsdp (FSDP2 fully_shard); tables are always sharded by row")
 
     def __post_init__(self):
         _positive(self, "run", ("steps", "ckpt_every", "keep_last", "eval_batches", "log_every", "spike_window"))
         _choice(self.dtype, "run.dtype", DTYPES)
         _choice(self.stage, "run.stage", STAGES)
+        _choice(self.parallel, "run.parallel", ("ddp", "fsdp"))
         if self.eval_every < 0:
             raise ConfigError(f"run.eval_every must be >= 0, got {self.eval_every}")
         if self.stage != "pretrain" and not self.init_from:
