@@ -33,7 +33,8 @@ def summary_lines(results: dict[str, TrainResult], unigram: float | None) -> lis
                      f"(ppl {math.exp(unigram):.1f})")
     for label, r in results.items():
         val = "n/a" if r.val_loss is None else f"{r.val_loss:.3f} nats/token (ppl {math.exp(min(r.val_loss, 50)):.1f})"
-        gain = "" if unigram is None or r.val_loss is None else f", {unigram - r.val_loss:+.3f} below unigram"
+        gain = "" if unigram is None or r.val_loss is None else \
+            f", {abs(unigram - r.val_loss):.3f} {'below' if r.val_loss < unigram else 'ABOVE'} the unigram entropy"
         lines.append(f"{label:>10}: val loss {val}{gain}; {r.steps} steps, {r.tokens_seen / 1e6:.2f}M tokens, "
                      f"{r.flops_seen:.3g} FLOPs, {r.seconds:.0f}s, {r.loss_spikes} loss spikes -> {r.run_dir}")
     return lines
