@@ -33,9 +33,10 @@ def test_help_documents_every_section(capsys):
 def test_train_compare_and_eval_ppl(data_dir, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["train", "--preset", "debug", "--data", str(data_dir), "--out", str(out), "--steps", "6",
-                 "--compare", "dense", *QUIET]) == 0
+                 "--compare", "dense", *QUIET, "run.plots=true"]) == 0
     text = capsys.readouterr().out
     assert "unigram entropy" in text and "stem: val loss" in text and "dense: val loss" in text
+    assert (out / "compare_loss_vs_tokens.png").exists() and (out / "loss_vs_flops.png").exists()
     assert list_checkpoints(out) and list_checkpoints(tmp_path / "run-dense")
     assert main(["eval-ppl", "--ckpt", str(out), "--batches", "2"]) == 0
     assert "perplexity" in capsys.readouterr().out

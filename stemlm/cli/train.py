@@ -77,7 +77,12 @@ def run(args) -> int:
         print(f"stemlm train: error: {e}", file=sys.stderr)
         return 1
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports
-        print("\n".join(summary_lines(results, unigram_entropy(cfg.data.dir))))
+        unigram = unigram_entropy(cfg.data.dir)
+        print("\n".join(summary_lines(results, unigram)))
+        if len(results) > 1 and cfg.run.plots:
+            from ..train.plots import plot_run
+            files = plot_run(cfg.run.out, {k: r.run_dir for k, r in results.items()}, unigram, prefix="compare_")
+            print(f"comparison plots: {', '.join(str(f) for f in files)}")
     return 0
 
 

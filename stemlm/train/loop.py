@@ -272,7 +272,8 @@ class Trainer:
             val = self.evaluate()["loss"]
         if r.plots and self.is_main:
             from .plots import plot_run
-            plot_run(self.run_dir)
+            from .report import unigram_entropy
+            plot_run(self.run_dir, baseline=unigram_entropy(self.data_dir))
         result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
                              self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count)
         summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}

@@ -15,11 +15,13 @@ def _ema(values: list[float], alpha: float = 0.1) -> list[float]:
     return out
 
 
-def plot_run(run_dir: str | Path, runs: dict[str, str | Path] | None = None) -> list[Path]:
-    """Write ``loss_vs_tokens.png`` and ``loss_vs_flops.png`` into ``run_dir``.
+def plot_run(run_dir: str | Path, runs: dict[str, str | Path] | None = None, baseline: float | None = None,
+             prefix: str = "") -> list[Path]:
+    """Write ``<prefix>loss_vs_tokens.png`` and ``<prefix>loss_vs_flops.png`` into ``run_dir``.
 
     ``runs`` (label -> run dir) overlays several runs, e.g. dense and STEM of a comparison;
-    by default only ``run_dir`` itself is drawn. Returns the written files.
+    by default only ``run_dir`` itself is drawn. ``baseline`` (e.g. the unigram entropy) is drawn
+    as a dotted line. Returns the written files.
     """
     import matplotlib
 
@@ -43,12 +45,14 @@ def plot_run(run_dir: str | Path, runs: dict[str, str | Path] | None = None) -> 
             if val:
                 ax.plot([r[x_key] for r in val], [r["val_loss"] for r in val], "o--", color=color,
                         label=f"{label} val")
+        if baseline is not None:
+            ax.axhline(baseline, color="gray", linestyle=":", label=f"unigram entropy {baseline:.2f}")
         ax.set_xlabel(x_label)
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
         fig.tight_layout()
-        fig.savefig(run_dir / name, dpi=110)
+        fig.savefig(run_dir / f"{prefix}{name}", dpi=110)
         plt.close(fig)
-        written.append(run_dir / name)
+        written.append(run_dir / f"{prefix}{name}")
     return written
