@@ -74,7 +74,7 @@ def _kill_and_resume(data_dir, tmp_path, args, kills: int, seed: int):
 
 
 def test_sigkill_then_resume_equals_uninterrupted(data_dir, tmp_path):
-    _kill_and_resume(data_dir, tmp_path, ["run.steps=80", "run.ckpt_every=5", "run.eval_every=0"], kills=1, seed=0)
+    _kill_and_resume(data_dir, tmp_path, ["run.steps=150", "run.ckpt_every=5", "run.eval_every=0"], kills=1, seed=0)
 
 
 @pytest.mark.slow
