@@ -1,0 +1,105 @@
+"""Test-time capacity (paper §3.2): distinct STEM parameters a context activates.
+
+A STEM layer reads one table row (``d_ff`` values) per *distinct* token of the context, so a
+context of ``n`` tokens with ``U(n)`` unique tokens activates ``|S| · d_ff · U(n)`` table
+parameters (``|S|`` = number of table layers), growing with context length, whereas the dense
+up-projections it replaced always hold ``|S| · d_model · d_ff``. Unique tokens follow Heaps' law
+``U = K · n^β``; ``fit_heaps`` estimates ``K, β`` by least squares on ``log U = log K + β log n``.
+
+``U(n)`` is the mean number of unique ids over windows of ``n`` consecutive tokens of a real
+token stream (documents back to back, as in training).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .text import windows
+
+
+@dataclass
+class HeapsFit:
+    """``U = K · n^β`` and the fit's coefficient of determination in log space."""
+
+    K: float
+    beta: float
+    r2: float
+
+    def predict(self, n) -> np.ndarray:
+        return self.K * np.asarray(n, dtype=np.float64) ** self.beta
+
+
+def fit_heaps(n: np.ndarray, unique: np.ndarray) -> HeapsFit:
+    """Least-squares fit of ``log U = log K + β log n``."""
+    n, unique = np.asarray(n, dtype=np.float64), np.asarray(unique, dtype=np.float64)
+    if len(n) != len(unique) or len(n) < 2:
+        raise ValueError("need at least two (n, U) points of equal count to fit Heaps' law")
+    if (n <= 0).any() or (unique <= 0).any():
+        raise ValueError("Heaps' law fit needs positive n and U")
+    x, y = np.log(n), np.log(unique)
+    beta, log_k = np.polyfit(x, y, 1)
+    resid = y - (log_k + beta * x)
+    total = ((y - y.mean()) ** 2).sum()
+    r2 = 1.0 - (resid ** 2).sum() / total if total > 0 else 1.0
+    return HeapsFit(float(np.exp(log_k)), float(beta), float(r2))
+
+
+def context_lengths(max_len: int, min_len: int = 8) -> list[int]:
+    """Powers of two from ``min_len`` up to ``max_len`` (``max_len`` itself included)."""
+    out, n = [], min_len
+    while n < max_len:
+        out.append(n)
+        n *= 2
+    return out + [max_len]
+
+
+def unique_curve(stream: np.ndarray, lengths: list[int], n_windows: int = 32, seed: int = 0) -> np.ndarray:
+    """Mean number of unique ids in windows of each length."""
+    return np.array([np.mean([len(np.unique(w)) for w in windows(stream, n, n_windows, seed)]) for n in lengths])
+
+
+def capacity(stream: np.ndarray, n_table_layers: int, d_ff: int, d_model: int, max_len: int | None = None,
+             n_windows: int = 32, seed: int = 0) -> dict:
+    """Unique tokens and activated STEM parameters vs context length, plus the Heaps fit."""
+    max_len = min(max_len or len(stream) // 4, len(stream))
+    lengths = context_lengths(max_len)
+    unique = unique_curve(stream, lengths, n_windows, seed)
+    fit = fit_heaps(np.array(lengths), unique)
+    stem = n_table_layers * d_ff * unique
+    dense_up = n_table_layers * d_model * d_ff
+    crossing = next((n for n, u in zip(lengths, unique) if u > d_model), None)
+    return {"context_length": lengths, "unique_tokens": unique.tolist(),
+            "stem_params_activated": stem.tolist(), "dense_up_params": dense_up,
+            "n_table_layers": n_table_layers, "d_ff": d_ff, "d_model": d_model, "heaps": asdict(fit),
+            "first_length_exceeding_dense": crossing, "n_windows": n_windows}
+
+
+def plot_capacity(result: dict, path: str | Path) -> Path:
+    """Two panels: unique tokens (with the Heaps fit) and activated STEM parameters vs context length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = np.array(result["context_length"])
+    fit = HeapsFit(**result["heaps"])
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.loglog(n, result["unique_tokens"], "o", label="measured")
+    ax1.loglog(n, fit.predict(n), "-", label=f"U = {fit.K:.2f} n^{fit.beta:.3f} (R² {fit.r2:.3f})")
+    ax1.set_xlabel("context length n (tokens)")
+    ax1.set_ylabel("unique tokens U(n)")
+    ax1.legend(fontsize=8)
+    ax2.loglog(n, result["stem_params_activated"], "o-", label="STEM rows: |S|·d_ff·U(n)")
+    ax2.axhline(result["dense_up_params"], color="gray", ls="--", label="dense up-projections: |S|·d·d_ff")
+    ax2.set_xlabel("context length n (tokens)")
+    ax2.set_ylabel("activated parameters")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,87 @@
+"""Geometry of STEM tables (paper Fig. 4) and test-time capacity (paper §3.2).
+
+geometry: pairwise cosine similarity of STEM rows, dense up-projection outputs W_u x and gated
+          addresses SiLU(W_g x) * U[t] per layer on a real text sample -> geometry.json/.png
+capacity: unique tokens and activated STEM parameters vs context length with a Heaps'-law fit
+          U = K n^beta -> capacity.json/.png
+
+Text comes from the validation split of --data (default: the default corpus if prepared),
+else from the pinned Wikipedia passages tokenized with the checkpoint's tokenizer.
+
+Examples:
+  stemlm analyze geometry --ckpt runs/stem --dense-ckpt runs/dense --out runs/analysis
+  stemlm analyze capacity --ckpt runs/stem --out runs/analysis --max-len 8192
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("what", choices=("geometry", "capacity"), help="which analysis to run")
+    parser.add_argument("--ckpt", required=True, help="checkpoint dir or training run dir (newest checkpoint)")
+    parser.add_argument("--data", default=None, help="prepared data dir for the text sample (default: the default corpus)")
+    parser.add_argument("--out", default="runs/analysis", help="directory for the JSON and PNG outputs")
+    parser.add_argument("--dense-ckpt", default=None, help="geometry: a dense model of the same depth to compare W_u x with")
+    parser.add_argument("--seqs", type=int, default=8, help="geometry: number of text windows")
+    parser.add_argument("--seq-len", type=int, default=128, help="geometry: tokens per window (capped at max_seq_len)")
+    parser.add_argument("--max-points", type=int, default=1500, help="geometry: vectors per kind and layer (subsampled)")
+    parser.add_argument("--max-len", type=int, default=8192, help="capacity: longest context length measured")
+    parser.add_argument("--windows", type=int, default=32, help="capacity: windows averaged per context length")
+    parser.add_argument("--tokens", type=int, default=200_000, help="tokens of text to read at most")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the window and point samples")
+
+
+def _stream(args, ckpt_dir: Path, tokenizer_needed: bool = True):
+    from ..analyze.text import token_stream
+    from ..data import default_data_dir
+    from ..edit.tokens import load_tokenizer
+
+    data = Path(args.data) if args.data else default_data_dir()
+    tok = None
+    if not (data / "val.bin").exists():
+        tok = load_tokenizer(ckpt_dir, Path(args.ckpt), args.data)
+    return token_stream(data, tok, "val", args.tokens)
+
+
+def run(args) -> int:
+    from ..checkpoint import load_model, read_config, resolve_checkpoint
+
+    ckpt = resolve_checkpoint(args.ckpt)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stream, source = _stream(args, ckpt)
+    if args.what == "capacity":
+        from ..analyze.capacity import capacity, plot_capacity
+
+        cfg = read_config(ckpt)
+        res = capacity(stream, len(cfg.table_layers), cfg.d_ff, cfg.d_model, args.max_len, args.windows, args.seed)
+        res["text"] = source
+        fit = res["heaps"]
+        print(f"Heaps fit on {source}: U = {fit['K']:.3f} n^{fit['beta']:.3f} (R² {fit['r2']:.4f})")
+        for n, u, p in zip(res["context_length"], res["unique_tokens"], res["stem_params_activated"]):
+            print(f"  n={n:>6}  unique={u:>8.1f}  STEM params activated={p:>14,.0f}")
+        print(f"  dense up-projections replaced: {res['dense_up_params']:,} parameters")
+        png = plot_capacity(res, out / "capacity.png")
+    else:
+        from ..analyze.geometry import geometry, plot_geometry
+        from ..analyze.text import windows
+
+        model = load_model(ckpt)
+        dense = load_model(resolve_checkpoint(args.dense_ckpt)) if args.dense_ckpt else None
+        seq_len = min(args.seq_len, model.cfg.max_seq_len)
+        ids = torch.from_numpy(windows(stream, seq_len, args.seqs, args.seed))  # (seqs, seq_len)
+        res = geometry(model, ids, dense=dense, max_points=args.max_points, seed=args.seed)
+        res["text"] = source
+        for layer in res["layers"]:
+            stats = "  ".join(f"{k}: mean|cos| {v['mean_abs']:.3f} p95|cos| {v['p95_abs']:.3f}"
+                              for k, v in layer.items() if isinstance(v, dict))
+            print(f"layer {layer['layer']} ({layer['kind']}): {stats}")
+        png = plot_geometry(res, out / "geometry.png")
+    (out / f"{args.what}.json").write_text(json.dumps(res, indent=2))
+    print(f"wrote {out / (args.what + '.json')} and {png}")
+    return 0
