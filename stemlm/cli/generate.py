@@ -1,0 +1,75 @@
+"""Generate text from a checkpoint, with the STEM tables on device, host RAM or disk.
+
+The text streams to stdout as it is produced. `--ckpt` is a checkpoint directory or a training
+run directory (its newest complete checkpoint is used); the tokenizer is taken from the checkpoint
+directory unless `--tokenizer` is given. Examples:
+
+  stemlm generate --ckpt runs/debug --prompt "The capital of France is" --max-new-tokens 20
+  stemlm generate --ckpt CKPT --prompt "Hello" --tables disk --cache-rows 4096 --stats
+  stemlm generate --ckpt CKPT --prompt "Once" --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory")
+    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--tables", choices=("device", "host", "disk"), default="device",
+                        help="where the STEM tables live: model memory, host RAM, or memory-mapped from disk")
+    parser.add_argument("--tables-file", default=None,
+                        help="safetensors file holding the tables (default: the checkpoint's model.safetensors)")
+    parser.add_argument("--cache-rows", type=int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")
+    parser.add_argument("--no-prefetch", action="store_true", help="gather table rows synchronously (no background prefetch)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with probability >= p")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory if the checkpoint has none")
+    parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
+
+
+def run(args) -> int:
+    from ..checkpoint import resolve_checkpoint
+    from ..generate import generate
+    from ..store import load_model_with_tables
+    from ..text import encode_prompt, load_text_codec, stream_text
+
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    ckpt = resolve_checkpoint(args.ckpt)
+    codec = load_text_codec(ckpt, args.tokenizer)
+    model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
+                                          cache_rows=args.cache_rows, prefetch=not args.no_prefetch,
+                                          device=args.device)
+    prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(args.device)
+    sys.stdout.write(args.prompt)
+    sys.stdout.flush()
+    n_tokens, start = 0, time.perf_counter()
+
+    def tokens():
+        nonlocal n_tokens
+        for tok in generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                            seed=args.seed, eos_id=codec.eos_id):
+            n_tokens += 1
+            yield int(tok[0])
+
+    for piece in stream_text(codec, tokens()):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    elapsed = time.perf_counter() - start
+    if args.stats:
+        stats = {k: v for k, v in store.stats().items() if k != "per_table"}
+        report = {"new_tokens": n_tokens, "seconds": round(elapsed, 4),
+                  "tokens_per_s": round(n_tokens / elapsed, 2) if elapsed else None, "prompt_tokens": prompt.shape[1],
+                  "checkpoint": str(ckpt), **stats}
+        print(json.dumps(report, indent=2), file=sys.stderr)
+    store.close()
+    return 0

@@ -1,0 +1,91 @@
+"""Where the rows of an off-device table live: host RAM or a memory-mapped file.
+
+A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the table object in
+``table.py`` adds deduplication, caching, prefetch and the autograd protocol on top.
+
+* ``HostRows``: a CPU tensor, pinned when the compute device is CUDA (so host -> device copies
+  can run asynchronously on a side stream).
+* ``DiskRows``: one tensor of a safetensors file, memory-mapped. ``mode="r"`` never writes the
+  file (a checkpoint's own ``model.safetensors`` is served this way, without a copy);
+  ``mode="c"`` is copy-on-write: writes change the process's view only (edited pages become
+  private RAM) and the file stays intact; ``mode="r+"`` writes rows through to the file (use a
+  separate tables file, never a checkpoint you want to keep unchanged).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from .safetensors_io import map_tensor, tensor_info
+
+DISK_MODES = ("r", "c", "r+")
+
+
+class HostRows:
+    """Rows in a CPU tensor (shares storage with ``weight`` when no copy is needed)."""
+
+    def __init__(self, weight: torch.Tensor, pin: bool = False):
+        weight = weight.detach().to("cpu")
+        self.weight = weight.pin_memory() if pin else weight
+        self.writable = True
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.weight.dtype
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``(len(ids), dim)`` at CPU ``ids`` (a fresh tensor)."""
+        return torch.index_select(self.weight, 0, ids)
+
+    def scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite rows at unique CPU ``ids``."""
+        self.weight.index_copy_(0, ids, rows.to("cpu", self.weight.dtype))
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def describe(self) -> str:
+        return f"host{' (pinned)' if self.weight.is_pinned() else ''}"
+
+
+class DiskRows(HostRows):
+    """One ``(num_rows, dim)`` tensor of a safetensors file, memory-mapped (see module docstring)."""
+
+    def __init__(self, path: str | os.PathLike, key: str, shape: tuple[int, int] | None = None, mode: str = "r"):
+        if mode not in DISK_MODES:
+            raise ValueError(f"disk mode must be one of {', '.join(DISK_MODES)}, got {mode!r}")
+        self.path, self.key, self.mode = Path(path), key, mode
+        info = tensor_info(path, key, shape)
+        if len(info.shape) != 2:
+            raise ValueError(f"{path}: {key!r} has shape {info.shape}; a table must be 2-D")
+        self.weight, self._mm = map_tensor(path, info, writable=(mode == "r+"))
+        self.writable = mode != "r"
+
+    def scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        if not self.writable:
+            raise PermissionError(f"table {self.key!r} is served read-only from {self.path}; open the disk tier "
+                                  "writable (a separate tables file, or copy-on-write) to change rows")
+        super().scatter(ids, rows)
+
+    def flush(self) -> None:
+        """Push written rows to the file (``r+``); a no-op otherwise."""
+        if self.mode == "r+" and self._mm is not None:
+            self._mm.flush()
+
+    def close(self) -> None:
+        """Flush and unmap (the tensor must not be used afterwards)."""
+        self.flush()
+        self.weight, self._mm = None, None
+
+    def describe(self) -> str:
+        return f"disk ({self.path.name}, mode {self.mode})"

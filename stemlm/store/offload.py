@@ -1,0 +1,284 @@
+"""Put a model's STEM tables on a storage tier: ``device``, ``host`` or ``disk``.
+
+* ``offload_tables(model, tier, ...)`` moves the tables of a built model (from whatever tier they
+  are on) and returns a ``TableStore`` handle (prefetch, stats, flush, close).
+* ``load_model_with_tables(ckpt, tier, ...)`` loads a checkpoint with its tables going straight
+  to the tier: for ``disk`` they are served from the checkpoint's own ``model.safetensors``
+  (keys ``model.tables.<layer>.weight``) without a copy and never enter RAM as a whole.
+
+Disk tier and writes: a checkpoint is served read-only. ``writable=True`` maps it copy-on-write
+(edits live in this process's memory, the file is untouched; save with ``save_model``). To train
+or edit *on disk*, give a separate tables file: ``offload_tables(model, "disk", path)`` writes the
+tables there and maps it shared (``r+``), and ``load_model_with_tables(ckpt, "disk",
+tables_path=P, writable=True)`` writes through to ``P`` (create it with ``export_tables``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from ..checkpoint import KEY_PREFIX, WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint
+from ..model import StemLM
+from ..tables import StemTable
+from .backends import DiskRows, HostRows
+from .cache import HotRowCache
+from .prefetch import Prefetcher
+from .safetensors_io import write_safetensors
+from .table import OffloadedTable, TableStats
+
+TIERS = ("device", "host", "disk")
+
+
+def table_key(layer: str | int) -> str:
+    """The safetensors key of a layer's table in checkpoints and tables files."""
+    return f"{KEY_PREFIX}tables.{layer}.weight"
+
+
+class TableStore:
+    """Handle on a model's installed tables: prefetch, statistics, flush, close."""
+
+    def __init__(self, tier: str, tables: dict[str, nn.Module], prefetcher: Prefetcher | None = None,
+                 path: Path | None = None):
+        self.tier, self.tables, self.prefetcher, self.path = tier, tables, prefetcher, path
+        for t in tables.values():
+            if isinstance(t, OffloadedTable):
+                t.store = self
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start gathering the rows of ``ids`` for every layer (no-op without prefetch)."""
+        if self.prefetcher is not None:
+            self.prefetcher.prefetch(ids)
+
+    def _offloaded(self) -> dict[str, OffloadedTable]:
+        return {k: t for k, t in self.tables.items() if isinstance(t, OffloadedTable)}
+
+    def stats(self) -> dict:
+        """Totals and per-layer traffic counters, plus cache counters when a cache is on."""
+        per = {k: t.stats.as_dict() for k, t in self._offloaded().items()}
+        totals = {f: sum(p[f] for p in per.values()) for f in TableStats().as_dict()}
+        out = {"tier": self.tier, "tables": len(self.tables), "prefetch": self.prefetcher is not None, **totals}
+        caches = {k: t.cache.stats() for k, t in self._offloaded().items() if t.cache is not None}
+        if caches:
+            cache = {f: sum(c[f] for c in caches.values()) for f in ("capacity_rows", "resident_rows", "hits",
+                                                                         "misses", "evictions", "inserts")}
+            seen = cache["hits"] + cache["misses"]
+            out["cache"] = {**cache, "hit_rate": cache["hits"] / seen if seen else 0.0}
+        out["per_table"] = {k: {**per[k], **({"cache": caches[k]} if k in caches else {})} for k in per}
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero every counter (e.g. after a warm-up)."""
+        for t in self._offloaded().values():
+            t.stats = TableStats()
+            if t.cache is not None:
+                t.cache.reset_stats()
+
+    def flush(self) -> None:
+        """Make written rows durable (disk tier)."""
+        for t in self._offloaded().values():
+            t.flush()
+
+    def close(self) -> None:
+        """Stop the prefetch worker and flush; the tables stay usable (synchronously)."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        self.flush()
+
+
+def store_of(model: nn.Module) -> TableStore | None:
+    """The ``TableStore`` that installed the model's tables, if any."""
+    for t in getattr(model, "tables", {}).values():
+        if getattr(t, "store", None) is not None:
+            return t.store
+    return None
+
+
+# -- sources --------------------------------------------------------------------------------
+def _row_source(table: nn.Module):
+    """``(full_tensor or None, rows_fn(a, b))`` for any table object."""
+    if isinstance(table, StemTable):
+        w = table.weight.detach()
+        return w, lambda a, b: w[a:b]
+    if isinstance(table, OffloadedTable):
+        w = table.backend.weight
+        return w, lambda a, b: w[a:b]
+    return None, lambda a, b: table.read_rows(torch.arange(a, b))
+
+
+def export_tables(model_or_ckpt, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                  overwrite: bool = False) -> Path:
+    """Write every table of a model (or of a checkpoint, streamed) into a safetensors tables file."""
+    path = Path(path)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"tables file {path} exists; pass overwrite=True to replace it")
+    if isinstance(model_or_ckpt, nn.Module):
+        sources = {k: (t.num_rows, t.dim, _row_source(t)) for k, t in model_or_ckpt.tables.items()}
+        src_dtypes = {k: (w.dtype if w is not None else torch.float32) for k, (_, _, (w, _)) in sources.items()}
+    else:
+        ckpt = resolve_checkpoint(model_or_ckpt)
+        cfg = read_config(ckpt)
+        disk = {str(i): DiskRows(ckpt / WEIGHTS_FILE, table_key(i), (cfg.vocab_size, cfg.d_ff)) for i in cfg.table_layers}
+        sources = {k: (cfg.vocab_size, cfg.d_ff, (d.weight, lambda a, b, w=d.weight: w[a:b])) for k, d in disk.items()}
+        src_dtypes = {k: d.dtype for k, d in disk.items()}
+    specs = [(table_key(k), dtype or src_dtypes[k], (n, d), fn) for k, (n, d, (_, fn)) in sources.items()]
+    return write_safetensors(path, specs, metadata={"format": "pt", "content": "stemlm tables"})
+
+
+# -- installing -----------------------------------------------------------------------------
+def _compute_place(model: nn.Module, device, dtype):
+    ref = next((p for p in model.parameters()), None)
+    device = torch.device(device) if device is not None else (ref.device if ref is not None else torch.device("cpu"))
+    return device, dtype or (ref.dtype if ref is not None else torch.float32)
+
+
+def _cache_capacity(cache_rows: int, cache_bytes: int | None, dim: int, dtype: torch.dtype) -> int:
+    if cache_bytes:
+        return int(cache_bytes) // (dim * torch.empty((), dtype=dtype).element_size())
+    return int(cache_rows or 0)
+
+
+def _load_counts(warm_counts):
+    if warm_counts is None or isinstance(warm_counts, (np.ndarray, torch.Tensor, list)):
+        return warm_counts
+    return np.load(Path(warm_counts))
+
+
+def _install(model: nn.Module, tier: str, backends: dict, device, dtype, cache_rows=0, cache_bytes=None,
+             prefetch=True, warm_counts=None, decay_every=0, path=None) -> TableStore:
+    """Replace ``model.tables`` entries by tables over ``backends`` (StemTable for ``device``)."""
+    old = store_of(model)
+    sparse = {k: getattr(t, "sparse_grad", False) for k, t in model.tables.items()}
+    if old is not None:
+        old.close()
+    installed: dict[str, nn.Module] = {}
+    counts = _load_counts(warm_counts)
+    for name, backend in backends.items():
+        if tier == "device":
+            table = backend
+        else:
+            capacity = _cache_capacity(cache_rows, cache_bytes, backend.shape[1], dtype)
+            cache = HotRowCache(*backend.shape, capacity, device, dtype, decay_every) if capacity > 0 else None
+            table = OffloadedTable(backend, device, dtype, cache)
+            table.name = name
+            if cache is not None and counts is not None:
+                cache.warm(counts, table._load)
+                table.stats = TableStats()  # warm-up traffic is not counted
+        table.sparse_grad = sparse.get(name, False)
+        installed[name] = table
+        model.tables[name] = table
+    offloaded = [installed[k] for k in sorted(installed, key=int) if isinstance(installed[k], OffloadedTable)]
+    fetcher = Prefetcher(offloaded, device) if prefetch and offloaded else None
+    return TableStore(tier, installed, fetcher, path)
+
+
+def _check_tier(tier: str, cache_rows, cache_bytes, path) -> None:
+    if tier not in TIERS:
+        raise ValueError(f"unknown table tier {tier!r}; choose one of {', '.join(TIERS)}")
+    if tier == "device" and (cache_rows or cache_bytes):
+        raise ValueError("a hot-row cache applies to the host and disk tiers only")
+
+
+def offload_tables(model: StemLM, tier: str, path: str | os.PathLike | None = None, cache_rows: int = 0,
+                   cache_bytes: int | None = None, prefetch: bool = True, device=None, dtype: torch.dtype | None = None,
+                   storage_dtype: torch.dtype | None = None, warm_counts=None, decay_every: int = 0,
+                   overwrite: bool = False) -> TableStore:
+    """Move ``model.tables`` to ``tier`` and return the ``TableStore`` handle.
+
+    ``path``: the tables file of the ``disk`` tier (written here, then mapped read-write).
+    ``device``/``dtype``: where and as what rows are served (default: those of the model's
+    parameters). ``storage_dtype``: dtype of the stored rows (default: unchanged).
+    ``cache_rows`` / ``cache_bytes``: per-table LFU cache on ``device`` (host/disk tiers).
+    ``warm_counts``: token counts (array or ``.npy`` path) to warm-start the caches.
+    """
+    _check_tier(tier, cache_rows, cache_bytes, path)
+    device, dtype = _compute_place(model, device, dtype)
+    if tier == "disk":
+        if path is None:
+            raise ValueError("the disk tier needs path= (the tables file to create)")
+        path = Path(path)
+        for t in model.tables.values():
+            if isinstance(getattr(t, "backend", None), DiskRows) and t.backend.path.resolve() == path.resolve():
+                raise ValueError(f"the tables are already served from {path}; choose another path")
+        export_tables(model, path, dtype=storage_dtype, overwrite=overwrite)
+        backends = {k: DiskRows(path, table_key(k), (t.num_rows, t.dim), mode="r+") for k, t in model.tables.items()}
+    else:
+        backends = {}
+        for k, t in model.tables.items():
+            full, fn = _row_source(t)
+            if full is None:
+                full = fn(0, t.num_rows)
+            if tier == "device":
+                table = StemTable(t.num_rows, t.dim).to(device)
+                with torch.no_grad():
+                    table.weight.data = full.to(device, storage_dtype or dtype).clone()
+                backends[k] = table
+            else:
+                on_disk = isinstance(getattr(t, "backend", None), DiskRows)
+                rows = full.to("cpu", storage_dtype or full.dtype)
+                rows = rows.clone() if on_disk and rows.data_ptr() == full.data_ptr() else rows  # leave the mmap
+                backends[k] = HostRows(rows, pin=device.type == "cuda" and torch.cuda.is_available())
+    return _install(model, tier, backends, device, dtype, cache_rows, cache_bytes, prefetch, warm_counts,
+                    decay_every, path)
+
+
+def _skeleton(ckpt: Path, device, dtype) -> StemLM:
+    """The model of a checkpoint with every weight but the tables loaded; ``model.tables`` empty.
+
+    Built on the meta device, so the tables are never allocated (``load_model(skip_tables=True)``
+    would allocate and initialise them first); falls back to that if the model has buffers that
+    are not stored in the checkpoint.
+    """
+    cfg = read_config(ckpt)
+    with torch.device("meta"):
+        model = StemLM(cfg)
+    if any(m._non_persistent_buffers_set for m in model.modules()):
+        model = load_model(ckpt, skip_tables=True)
+        model.tables = nn.ModuleDict()
+    else:
+        model.tables = nn.ModuleDict()
+        model.to_empty(device="cpu")
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.tok_embeddings.weight
+        load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=True)
+        model.eval()
+    return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+
+def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables_path: str | os.PathLike | None = None,
+                           writable: bool = False, cache_rows: int = 0, cache_bytes: int | None = None,
+                           prefetch: bool = True, device="cpu", dtype: torch.dtype | None = None, warm_counts=None,
+                           decay_every: int = 0) -> tuple[StemLM, TableStore]:
+    """Load a checkpoint (or a run's newest one) with its tables on ``tier``.
+
+    Tables come from ``tables_path`` if given (a tables file, see ``export_tables``), else from
+    the checkpoint's ``model.safetensors``. ``disk`` maps them in place: read-only, or with
+    ``writable`` copy-on-write for the checkpoint / write-through for a ``tables_path``.
+    """
+    _check_tier(tier, cache_rows, cache_bytes, tables_path)
+    ckpt = resolve_checkpoint(ckpt)
+    cfg = read_config(ckpt)
+    src = Path(tables_path) if tables_path is not None else ckpt / WEIGHTS_FILE
+    model = _skeleton(ckpt, device, dtype)
+    device, dtype = torch.device(device), dtype or torch.float32
+    shape = (cfg.vocab_size, cfg.d_ff)
+    mode = ("r+" if tables_path is not None else "c") if writable else "r"
+    backends = {}
+    for i in cfg.table_layers:
+        disk = DiskRows(src, table_key(i), shape, mode=mode if tier == "disk" else "r")
+        if tier == "disk":
+            backends[str(i)] = disk
+        elif tier == "host":
+            pin = device.type == "cuda" and torch.cuda.is_available()
+            backends[str(i)] = HostRows(disk.weight.clone(), pin=pin)
+        else:
+            table = StemTable(*shape)
+            table.weight.data = disk.weight.to(device, dtype).clone()
+            backends[str(i)] = table
+    return model, _install(model, tier, backends, device, dtype, cache_rows, cache_bytes, prefetch, warm_counts,
+                           decay_every, src if tier == "disk" else None)

@@ -1,0 +1,207 @@
+"""Tables on every tier behave exactly like tables in memory: logits, greedy tokens, saves, writes."""
+
+import time
+
+import pytest
+import torch
+
+from stemlm import StemLM, model_config
+from stemlm.checkpoint import load_model, save_model
+from stemlm.generate import generate_ids
+from stemlm.store import OffloadedTable, TableFileError, export_tables, load_model_with_tables, offload_tables
+
+CACHES = [0, 3, 10_000]  # none, tiny (constant evictions), everything fits
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = model_config("debug", ffn="stem", stem_layers="1/2")  # tables on layers 1 and 3
+    model = StemLM(cfg).eval()
+    ckpt = tmp_path_factory.mktemp("store") / "ckpt"
+    save_model(model, ckpt)
+    batches = [torch.randint(0, 60, (2, 11)) for _ in range(3)]  # small id range: hits and evictions
+    with torch.no_grad():
+        ref = [model(b) for b in batches]
+    greedy = generate_ids(model, batches[0][:1, :5], 6)
+    return cfg, model, ckpt, batches, ref, greedy
+
+
+def _check(model, store, batches, ref, greedy, prefetch):
+    with torch.no_grad():
+        for ids, want in zip(batches, ref):
+            if prefetch:
+                store.prefetch(ids)
+            torch.testing.assert_close(model(ids), want, rtol=0, atol=1e-6)
+    assert torch.equal(generate_ids(model, batches[0][:1, :5], 6), greedy)
+
+
+@pytest.mark.parametrize("tier, cache_rows", [("device", 0)] + [(t, c) for t in ("host", "disk") for c in CACHES])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_checkpoint_on_every_tier_matches_memory(setup, tier, cache_rows, prefetch):
+    cfg, _, ckpt, batches, ref, greedy = setup
+    model, store = load_model_with_tables(ckpt, tier, cache_rows=cache_rows, prefetch=prefetch)
+    _check(model, store, batches, ref, greedy, prefetch)
+    stats = store.stats()
+    if tier != "device":
+        n_layers = len(cfg.table_layers)
+        assert stats["lookups"] > 0 and stats["bytes_moved"] == stats["rows_moved"] * cfg.d_ff * 4
+        forwards = len(batches) + 6  # the batches, then prefill + 5 decode steps of generate_ids(..., 6)
+        assert stats["prefetched"] == (forwards * n_layers if prefetch else 0)
+        if cache_rows:
+            assert stats["cache"]["hits"] + stats["cache"]["misses"] == stats["unique_rows"]
+            assert stats["rows_moved"] == stats["cache"]["misses"]
+        else:
+            assert stats["rows_moved"] == stats["unique_rows"]
+    store.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk", "device"])
+def test_offload_built_model_and_back(setup, tmp_path, tier):
+    cfg, model, _, batches, ref, greedy = setup
+    m = StemLM(cfg).eval()
+    m.load_state_dict(model.state_dict())
+    store = offload_tables(m, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None, cache_rows=4)\
+        if tier != "device" else offload_tables(m, "device")
+    _check(m, store, batches, ref, greedy, prefetch=True)
+    store = offload_tables(m, "host" if tier == "disk" else "disk", path=tmp_path / "u.safetensors")
+    _check(m, store, batches, ref, greedy, prefetch=True)
+    offload_tables(m, "device")
+    assert all(type(t).__name__ == "StemTable" for t in m.tables.values())
+    _check(m, store, batches, ref, greedy, prefetch=False)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_save_from_offloaded_tier_roundtrips(setup, tmp_path, tier):
+    cfg, model, ckpt, batches, ref, _ = setup
+    m, store = load_model_with_tables(ckpt, tier, cache_rows=5)
+    save_model(m, tmp_path / "again")
+    with torch.no_grad():
+        torch.testing.assert_close(load_model(tmp_path / "again")(batches[1]), ref[1], rtol=0, atol=0)
+
+
+def test_writes_are_coherent_with_cache_and_prefetch(setup, tmp_path):
+    cfg, model, ckpt, batches, _, _ = setup
+    tables_file = export_tables(ckpt, tmp_path / "tables.safetensors")
+    ref_model = StemLM(cfg).eval()
+    ref_model.load_state_dict(model.state_dict())
+    m, store = load_model_with_tables(ckpt, "disk", tables_path=tables_file, writable=True, cache_rows=8)
+    ids = batches[0]
+    with torch.no_grad():
+        m(ids)  # fill the caches
+        store.prefetch(ids)  # rows gathered now become stale with the write below
+        target = ids.flatten()[:3].unique()
+        for name, table in m.tables.items():
+            new = torch.randn(len(target), cfg.d_ff)
+            table.write_rows(target, new)
+            ref_model.tables[name].write_rows(target, new)
+            torch.testing.assert_close(table.read_rows(target), new)
+        torch.testing.assert_close(m(ids), ref_model(ids), rtol=0, atol=1e-6)
+    store.flush()
+    reopened, _ = load_model_with_tables(ckpt, "disk", tables_path=tables_file)  # the write reached the file
+    with torch.no_grad():
+        torch.testing.assert_close(reopened(ids), ref_model(ids), rtol=0, atol=1e-6)
+
+
+def test_copy_on_write_leaves_checkpoint_untouched_and_readonly_refuses(setup):
+    cfg, _, ckpt, _, _, _ = setup
+    before = (ckpt / "model.safetensors").read_bytes()
+    m, _ = load_model_with_tables(ckpt, "disk", writable=True)
+    table = m.tables[str(cfg.table_layers[0])]
+    table.write_rows(torch.tensor([1, 2]), torch.ones(2, cfg.d_ff))
+    assert torch.equal(table.read_rows(torch.tensor([2])), torch.ones(1, cfg.d_ff))
+    assert (ckpt / "model.safetensors").read_bytes() == before
+    ro, _ = load_model_with_tables(ckpt, "disk")
+    with pytest.raises(PermissionError, match="read-only"):
+        ro.tables[str(cfg.table_layers[0])].write_rows(torch.tensor([1]), torch.ones(1, cfg.d_ff))
+
+
+def test_prefetch_for_other_ids_falls_back_and_counts(setup):
+    cfg, _, ckpt, batches, ref, _ = setup
+    m, store = load_model_with_tables(ckpt, "host")
+    with torch.no_grad():
+        store.prefetch(batches[0])
+        torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)  # mismatch: synchronous gather
+        assert store.stats()["prefetched"] == 0
+        store.prefetch(batches[1])
+        m(batches[1])
+    s = store.stats()
+    assert s["prefetched"] == len(cfg.table_layers) and 0 <= s["stalls"] <= s["prefetched"]
+
+
+def test_slow_prefetch_stalls_but_gives_the_same_rows(setup, monkeypatch):
+    cfg, _, ckpt, batches, ref, _ = setup
+    m, store = load_model_with_tables(ckpt, "disk", cache_rows=3)
+    for table in m.tables.values():  # lookups now overtake the worker: they must wait, not hang
+        gather = table.backend.gather
+        monkeypatch.setattr(table.backend, "gather", lambda ids, g=gather: (time.sleep(0.2), g(ids))[1])
+    with torch.no_grad():
+        for ids, want in zip(batches, ref):
+            store.prefetch(ids)
+            torch.testing.assert_close(m(ids), want, rtol=0, atol=1e-6)
+    s = store.stats()
+    assert s["prefetched"] == len(batches) * len(cfg.table_layers) and s["stalls"] >= 1
+
+
+def test_out_of_range_ids_are_clear(setup):
+    cfg, _, ckpt, _, _, _ = setup
+    m, store = load_model_with_tables(ckpt, "disk", cache_rows=4)
+    bad = torch.tensor([[1, cfg.vocab_size]])
+    with pytest.raises(IndexError, match="out of range"):
+        store.prefetch(bad)
+    with pytest.raises(IndexError, match="out of range"):
+        m.tables[str(cfg.table_layers[0])].lookup(bad)
+
+
+def _corrupt(path, how):
+    data = bytearray(path.read_bytes())
+    if how == "truncated":
+        path.write_bytes(bytes(data[:-100]))
+    elif how == "header":
+        path.write_bytes(bytes(data[:8]) + b"{not json" + bytes(data[17:]))
+    elif how == "short":
+        path.write_bytes(b"\x01\x02")
+
+
+@pytest.mark.parametrize("how, match", [("truncated", "truncated"), ("header", "not valid JSON"), ("short", "too short")])
+def test_corrupt_tables_file_errors(setup, tmp_path, how, match):
+    _, _, ckpt, _, _, _ = setup
+    f = export_tables(ckpt, tmp_path / "t.safetensors")
+    _corrupt(f, how)
+    with pytest.raises(TableFileError, match=match):
+        load_model_with_tables(ckpt, "disk", tables_path=f)
+
+
+def test_missing_or_mismatched_tables_file_errors(setup, tmp_path):
+    cfg, _, ckpt, _, _, _ = setup
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_model_with_tables(ckpt, "disk", tables_path=tmp_path / "nope.safetensors")
+    other = StemLM(cfg.replace(d_ff=96))
+    save_model(other, tmp_path / "other")
+    with pytest.raises(TableFileError, match="shape"):
+        load_model_with_tables(ckpt, "host", tables_path=tmp_path / "other" / "model.safetensors")
+    plain = StemLM(model_config("debug", ffn="stem", stem_layers="2"))
+    save_model(plain, tmp_path / "plain")
+    with pytest.raises(TableFileError, match="no tensor"):
+        load_model_with_tables(ckpt, "disk", tables_path=tmp_path / "plain" / "model.safetensors")
+
+
+def test_disk_tier_reads_only_touched_rows(setup, tmp_path):
+    cfg, model, ckpt, _, _, _ = setup
+    m, store = load_model_with_tables(ckpt, "disk", prefetch=False)
+    table = m.tables[str(cfg.table_layers[0])]
+    assert isinstance(table, OffloadedTable) and table.backend.weight.data_ptr() != 0
+    with torch.no_grad():
+        m(torch.tensor([[3, 3, 7]]))
+    s = store.stats()
+    assert s["rows_moved"] == 2 * len(cfg.table_layers) and s["unique_rows"] == s["rows_moved"]
+
+
+def test_bad_tier_and_options_are_clear(setup):
+    cfg, model, _, _, _, _ = setup
+    with pytest.raises(ValueError, match="unknown table tier"):
+        offload_tables(StemLM(cfg), "gpu")
+    with pytest.raises(ValueError, match="needs path"):
+        offload_tables(StemLM(cfg), "disk")
+    with pytest.raises(ValueError, match="host and disk"):
+        offload_tables(StemLM(cfg), "device", cache_rows=4)
