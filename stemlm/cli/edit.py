@@ -18,6 +18,7 @@ from pathlib import Path
 from ..edit.load import TIERS, load_model_and_tokenizer
 from ..edit.ops import forget, inject
 from ..edit.report import edit_report, format_report, plot_report, swap_report
+from ..edit.rows import resolve_layers
 from ..edit.strategies import ALIGNS, STRATEGIES
 
 
@@ -76,6 +77,7 @@ def _report(args, model, tok, prompt: str):
 
 def run(args) -> int:
     model, tok = load_model_and_tokenizer(args.ckpt, args.data, args.tables)
+    resolve_layers(model, parse_layers(args.layers))  # a bad --layers fails before any work
     reports = []
     for i, prompt in enumerate(args.prompt):
         report = _report(args, model, tok, prompt)

@@ -45,20 +45,26 @@ def score(model, prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[in
     for start in range(0, len(prompts), batch_size):
         ps, ans = prompts[start:start + batch_size], answers[start:start + batch_size]
         seqs = [list(p) + list(a) for p, a in zip(ps, ans)]
-        width = max(len(s) for s in seqs)
-        batch = torch.zeros(len(seqs), width, dtype=torch.long)  # right padding, id 0
+        batch = torch.zeros(len(seqs), max(len(s) for s in seqs), dtype=torch.long)  # right padding, id 0
         for i, s in enumerate(seqs):
             batch[i, :len(s)] = torch.tensor(s)
         logits = model(batch.to(device)).float().cpu()  # (b, T, V)
-        for i, (p, a) in enumerate(zip(ps, ans)):
-            pos = torch.arange(len(p) - 1, len(p) - 1 + len(a))  # positions predicting the answer
-            target = torch.tensor(list(a))
-            step = logits[i, pos]  # (len(a), V)
-            hit = step.argmax(-1) == target
+        # every (row, position) that predicts an answer token, flattened: (K,)
+        rows = torch.cat([torch.full((len(a),), i) for i, a in enumerate(ans)])
+        pos = torch.cat([torch.arange(len(p) - 1, len(p) - 1 + len(a)) for p, a in zip(ps, ans)])
+        target = torch.cat([torch.tensor(list(a)) for a in ans])
+        step = logits[rows, pos]  # (K, V)
+        hit = step.argmax(-1) == target
+        tok_logp = torch.log_softmax(step, -1).gather(1, target[:, None])[:, 0]
+        offsets = [0]
+        for a in ans:
+            offsets.append(offsets[-1] + len(a))
+        for i, p in enumerate(ps):
+            lo, hi = offsets[i], offsets[i + 1]
             last.append(logits[i, len(p) - 1])
-            first.append(bool(hit[0]))
-            full.append(bool(hit.all()))
-            logp.append(float(torch.log_softmax(step, -1).gather(1, target[:, None]).sum()))
+            first.append(bool(hit[lo]))
+            full.append(bool(hit[lo:hi].all()))
+            logp.append(float(tok_logp[lo:hi].sum()))
     if not last:
         return Scores(torch.zeros(0, 0), torch.zeros(0, dtype=torch.bool), torch.zeros(0, dtype=torch.bool), torch.zeros(0))
     return Scores(torch.stack(last), torch.tensor(first), torch.tensor(full), torch.tensor(logp))
