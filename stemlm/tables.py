@@ -50,7 +50,22 @@ def init_table_(weight: torch.Tensor, method: str, d_model: int, init_std: float
         raise ValueError(f"unknown table_init {method!r}")
 
 
-class StemTable(nn.Module):
+class WeightRows:
+    """``read_rows``/``write_rows`` for tables whose rows are a ``weight`` tensor they hold."""
+
+    weight: torch.Tensor
+
+    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Copy of the rows at ``ids`` (no autograd); used by optimizers, editing and export."""
+        return self.weight.detach()[ids].clone()
+
+    @torch.no_grad()
+    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Overwrite the rows at ``ids`` in place."""
+        self.weight[ids] = rows.to(self.weight.dtype)
+
+
+class StemTable(WeightRows, nn.Module):
     """A table held as a parameter in the model's own memory (the ``device`` tier).
 
     With ``sparse_grad`` set, a lookup under autograd gathers the unique rows into a fresh leaf
@@ -80,15 +95,6 @@ class StemTable(nn.Module):
         """The ``(unique_ids, rows_leaf)`` pairs recorded since the last call."""
         out, self.touched = self.touched, []
         return out
-
-    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Copy of the rows at ``ids`` (no autograd); used by editing and export."""
-        return self.weight.detach()[ids].clone()
-
-    @torch.no_grad()
-    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Overwrite the rows at ``ids`` in place."""
-        self.weight[ids] = rows.to(self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.dim}, sparse_grad={self.sparse_grad}"

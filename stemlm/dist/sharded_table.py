@@ -24,11 +24,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..tables import check_ids
+from ..tables import WeightRows, check_ids
 
 
-class ShardedTable(nn.Module):
-    """Rows ``id % world == rank`` of a ``num_rows × dim`` table, with the table lookup protocol."""
+class ShardedTable(WeightRows, nn.Module):
+    """Rows ``id % world == rank`` of a ``num_rows × dim`` table, with the table lookup protocol.
+
+    ``read_rows``/``write_rows`` take *local* row indices (``id // world``), as ``pop_touched`` returns.
+    """
 
     def __init__(self, full_num_rows: int, dim: int, rank: int, world_size: int, group=None):
         super().__init__()
@@ -86,15 +89,6 @@ class ShardedTable(nn.Module):
             out.append((union[owned] // self.world_size, leaf))
         self.touched = []
         return out
-
-    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Copy of local rows ``ids`` (local indices)."""
-        return self.weight.detach()[ids].clone()
-
-    @torch.no_grad()
-    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Overwrite local rows ``ids`` (local indices)."""
-        self.weight[ids] = rows.to(self.weight.dtype)
 
     def gather_full(self) -> torch.Tensor:
         """The full ``(V, dim)`` table on every rank (collective), e.g. for saving a checkpoint."""
