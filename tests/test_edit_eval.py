@@ -155,3 +155,22 @@ def test_edits_on_offloaded_tiers_equal_in_memory(ckpt_and_data, tier):
             torch.testing.assert_close(off(ids), ref(ids), rtol=0, atol=0)
             assert not torch.equal(off(ids), base)
         assert torch.equal(off(ids), base)
+
+
+def test_injection_and_forget_evaluations(world, model):
+    from stemlm.edit.inject_eval import _replace, run_forget, run_injection, unused_tokens
+
+    facts, tok = world
+    assert _replace((0, 5, 6, 7), [6], [8, 9]) == (0, 5, 8, 9, 7)
+    with pytest.raises(ValueError, match="do not occur"):
+        _replace((0, 5), [6], [8])
+    counts = torch.zeros(tok.get_vocab_size(), dtype=torch.long).numpy()
+    counts[: tok.get_vocab_size() // 2] = 1
+    unused = unused_tokens(counts, tok, 3)
+    assert all(counts[t] == 0 and tok.decode([t]).startswith(" ") for t in unused)
+    ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1, n_locality=8))
+    ev.known = {k: (True, True) for k in ev.known}  # a random model knows nothing: force the filter open
+    res = run_injection(ev, {"Atlantis": entity_ids(tok, "Atlantis")}, strategy="filler", align="right")
+    assert res["known"] > 0 and res["reversible"] == 1.0 and res["entities"] == 1
+    gone = run_forget(ev, ["Spain", "Peru"], replacement="mean", layers=[2])
+    assert gone["known"] > 0 and gone["reversible"] == 1.0 and gone["locality_top1"] == 1.0

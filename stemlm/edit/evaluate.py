@@ -73,6 +73,18 @@ class _Tally:
     def add(self, key: str, value: float = 1.0):
         self.n[key] += value
 
+    def add_success(self, token: int, ok: bool, p_before: torch.Tensor, p_after: torch.Tensor,
+                    groups: tuple[str, str]) -> None:
+        """One known case: its success and the probability of the expected first token."""
+        self.add("known")
+        self.add("success", ok)
+        self.add("p_before", float(p_before[token]))
+        self.add("p_after", float(p_after[token]))
+        self.add("p_shift", float(p_after[token] - p_before[token]))
+        for table, key in zip((self.by_relation, self.by_length), groups):
+            table[key][0] += 1
+            table[key][1] += ok
+
     def rate(self, num: str, den: str) -> float | None:
         return self.n[num] / self.n[den] if self.n[den] else None
 
@@ -120,7 +132,12 @@ class EditEvaluator:
             resolve_layers(model, layers)  # fail early on a bad layer set
         for s in cfg.strategies:
             check_strategy(s, cfg.align)
-        self.filler = resolve_filler(cfg.filler, tokenizer, self.vocab) if "filler" in cfg.strategies else None
+        try:  # the filler strategy needs it; other strategies run without one
+            self.filler = resolve_filler(cfg.filler, tokenizer, self.vocab)
+        except ValueError:
+            if "filler" in cfg.strategies:
+                raise
+            self.filler = None
         self.entity = {c: entity_ids(tokenizer, c, self.vocab) for c in self.probes}
         flat = [p for ps in self.probes.values() for p in ps]
         base = score(model, [p.prompt_ids for p in flat], [p.answer_ids for p in flat])
@@ -146,46 +163,47 @@ class EditEvaluator:
             self._run_pair(pair, cases, strategy, layers, "equal" if len(a_ids) == len(b_ids) else "unequal", tally)
         return tally.summary()
 
-    def _run_pair(self, pair, cases, strategy, layers, length_class, tally: _Tally) -> None:
-        prompts = [src.prompt_ids for src, _ in cases]
-        answers = [tgt.answer_ids for _, tgt in cases]
+    def measure(self, prompts, answers, apply, exclude: tuple[str, ...], tally: _Tally):
+        """Score ``prompts + answers`` before and after ``apply()`` (an edit returning an undo
+        record), undo it, and tally locality (facts of countries not in ``exclude``) and
+        reversibility. Returns ``(before, after)`` scores."""
         before = score(self.model, prompts, answers)
-        record = edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy, layers=layers,
-                      mode=self.cfg.mode, align=self.cfg.align, filler=self.filler)
+        record = apply()
         try:
             after, pool_after = score(self.model, prompts, answers), self._score_pool()
         finally:
             record.undo()
         restored, pool_restored = score(self.model, prompts, answers), self._score_pool()
-        tally.add("pairs")
         tally.add("edits")
         tally.add("reversible", float(torch.equal(restored.last_logits, before.last_logits)
                                       and torch.equal(pool_restored.last_logits, self.pool_base.last_logits)))
+        keep = [i for i, p in enumerate(self.pool) if p.country not in exclude][:self.cfg.n_locality]
+        same = pool_after.last_logits[keep].argmax(-1) == self.pool_base.last_logits[keep].argmax(-1)
+        tally.add("loc", len(keep))
+        tally.add("loc_same", float(same.sum()))
+        kl = kl_divergence(self.pool_base.last_logits[keep], pool_after.last_logits[keep]).clamp_min(0)
+        tally.add("loc_kl", float(kl.sum()))
+        return before, after
+
+    def _run_pair(self, pair, cases, strategy, layers, length_class, tally: _Tally) -> None:
+        prompts = [src.prompt_ids for src, _ in cases]
+        answers = [tgt.answer_ids for _, tgt in cases]
+        apply = lambda: edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy,  # noqa: E731
+                             layers=layers, mode=self.cfg.mode, align=self.cfg.align, filler=self.filler)
+        before, after = self.measure(prompts, answers, apply, pair, tally)
+        tally.add("pairs")
         p_before, p_after = before.probs(), after.probs()
         for i, (src, tgt) in enumerate(cases):
             knows = self.known[(src.country, src.key)], self.known[(tgt.country, tgt.key)]
             if src.answer_ids[0] != tgt.answer_ids[0]:
                 tally.add("cases")
                 if knows[0][0] and knows[1][0]:
-                    first = tgt.answer_ids[0]
-                    ok = bool(after.first_ok[i])
-                    tally.add("known")
-                    tally.add("success", ok)
-                    tally.add("p_before", float(p_before[i, first]))
-                    tally.add("p_after", float(p_after[i, first]))
-                    tally.add("p_shift", float(p_after[i, first] - p_before[i, first]))
-                    for group in (tally.by_relation[src.relation], tally.by_length[length_class]):
-                        group[0] += 1
-                        group[1] += ok
+                    tally.add_success(tgt.answer_ids[0], bool(after.first_ok[i]), p_before[i], p_after[i],
+                                      (src.relation, length_class))
             tally.add("cases_full")
             if knows[0][1] and knows[1][1]:
                 tally.add("known_full")
                 tally.add("success_full", bool(after.full_ok[i]))
-        keep = [i for i, p in enumerate(self.pool) if p.country not in pair][:self.cfg.n_locality]
-        same = pool_after.last_logits[keep].argmax(-1) == self.pool_base.last_logits[keep].argmax(-1)
-        tally.add("loc", len(keep))
-        tally.add("loc_same", float(same.sum()))
-        tally.add("loc_kl", float(kl_divergence(self.pool_base.last_logits[keep], pool_after.last_logits[keep]).clamp_min(0).sum()))
 
 
 def run_edit_eval(model, tokenizer, facts: list[dict], cfg: EditEvalConfig, progress: bool = True) -> dict:

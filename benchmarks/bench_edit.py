@@ -1,0 +1,162 @@
+"""Knowledge-edit experiments: train small STEM models, then measure swaps, injection and removal.
+
+Each run in ``RUNS`` is trained with ``stemlm train`` (skipped when its final checkpoint exists)
+on the default corpus (or the facts-only corpus for ``data="facts"``), then evaluated with the
+library (``stemlm.edit``) on held-out phrasings (``heldout_template``) and on trained phrasings
+(``train``): swap success per layer set, probability shift, locality, reversibility; injection
+of known countries into held-out countries and unused tokens; removal with neutral rows.
+
+    python benchmarks/bench_edit.py                 # every run -> benchmarks/results/edit_eval.json
+    python benchmarks/bench_edit.py --runs a,b      # a subset (merged into the results file)
+    python benchmarks/bench_edit.py --quick         # 30-step smoke run -> edit_eval.quick.json
+
+Training runs use ``nice -n 10``. Runs live under ``runs/edit/`` (not in git).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+RUN_DIR = ROOT / "runs" / "edit"
+
+# Shared shape: the debug preset's depth (4 layers) with the corpus vocabulary.
+BASE = ["model.vocab_size=4096", "data.batch_size=16", "data.seq_len=128", "run.eval_batches=8",
+        "run.progress=False", "run.plots=False"]
+RUNS: dict[str, dict] = {
+    # name: stem layers, extra overrides, steps, data: "r16" (default corpus, facts x16), "default", "facts"
+    "full_tlr1": dict(stem="full", steps=1000, over=[], data="r16"),
+    "full_tlr30": dict(stem="full", steps=1000, over=["optim.table_lr=0.1"], data="r16"),
+    "all4_tlr30": dict(stem="0,1,2,3", steps=1000, over=["optim.table_lr=0.1"], data="r16"),
+    "half_tlr30": dict(stem="1/2", steps=1000, over=["optim.table_lr=0.1"], data="r16"),
+}
+QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
+
+
+def facts_corpus() -> Path:
+    """The templated training facts alone as a corpus (default tokenizer), built once."""
+    from stemlm.data import default_data_dir, load_facts, prepare_corpus, prepare_default_corpus
+    from stemlm.data.facts import fact_documents
+
+    default = prepare_default_corpus(progress=False)
+    out = RUN_DIR / "data_facts"
+    src = RUN_DIR / "facts_docs.jsonl"
+    if not (out / "COMPLETE").exists():
+        src.parent.mkdir(parents=True, exist_ok=True)
+        docs = fact_documents(load_facts(default_data_dir()), repeats=4, seed=0)
+        src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    return prepare_corpus([src], out, tokenizer=default / "tokenizer.json", progress=False)
+
+
+def corpus(kind: str) -> Path:
+    """Data dir of a run: the default corpus, the default corpus with every training fact
+    repeated 16 times instead of 4 (same prose, same facts file), or the facts alone."""
+    from stemlm.data import prepare_default_corpus
+
+    if kind == "facts":
+        return facts_corpus()
+    if kind == "r16":
+        return prepare_default_corpus(RUN_DIR / "data_r16", fact_repeats=16, progress=False)
+    return prepare_default_corpus(progress=False)
+
+
+def train(name: str, spec: dict) -> Path:
+    """Train one run with the CLI unless its final checkpoint exists; returns the run dir."""
+    out = RUN_DIR / name
+    final = out / "checkpoints" / f"step_{spec['steps']:08d}"
+    if (final / "config.json").exists():
+        return out
+    data = corpus(spec["data"])
+    cmd = ["nice", "-n", "10", sys.executable, "-m", "stemlm", "train", "--preset", "debug", "--stem-layers",
+           spec["stem"], "--steps", str(spec["steps"]), "--out", str(out), *BASE, *spec["over"],
+           f"run.ckpt_every={spec['steps']}", f"run.eval_every={spec['steps']}", "--data", str(data)]
+    if out.exists():
+        cmd.append("--resume")
+    print("$", " ".join(cmd), flush=True)
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    print(f"  trained {name} in {time.time() - t0:.0f}s", flush=True)
+    return out
+
+
+def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
+    """Swap / injection / removal metrics of a run's newest checkpoint (``data``: its corpus)."""
+    import numpy as np
+
+    from stemlm.data import load_facts
+    from stemlm.data.facts import load_countries
+    from stemlm.edit import entity_ids
+    from stemlm.edit.evaluate import EditEvalConfig, EditEvaluator, layer_sweep, run_edit_eval
+    from stemlm.edit.inject_eval import run_forget, run_injection, unused_tokens
+    from stemlm.edit.load import load_model_and_tokenizer
+
+    facts = load_facts(data)
+    model, tok = load_model_and_tokenizer(run, data)
+    out = {"summary": json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None}
+    for split in ("heldout_template", "train"):
+        cfg = EditEvalConfig(split=split, n_pairs=n_pairs, layer_sets=layer_sweep(model))
+        out[f"swap_{split}"] = run_edit_eval(model, tok, facts, cfg, progress=False)
+    ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1))
+    meta = json.loads((data / "meta.json").read_text())
+    held = {c: entity_ids(tok, c, model.cfg.vocab_size) for c in meta["heldout_countries"]}
+    counts = np.load(data / "train.counts.npy")
+    unused = {f"unused:{tok.decode([t])}": [t] for t in unused_tokens(counts, tok, 4 if quick else 16)}
+    for key, entities in (("inject_heldout_country", held), ("inject_unused_token", unused)):
+        try:
+            out[key] = run_injection(ev, entities)
+        except ValueError as e:  # e.g. the model knows no fact yet (quick runs)
+            out[key] = {"error": str(e), "success": None}
+    known = sorted(c for c in ev.probes if any(ev.known[(p.country, p.key)][0] for p in ev.probes[c]))[:n_pairs]
+    names = [c.name for c in load_countries()]
+    country_ids = sorted({i for n in names for i in entity_ids(tok, n, model.cfg.vocab_size)})
+    out["forget_mean"] = run_forget(ev, known, replacement="mean")
+    out["forget_countries_mean"] = run_forget(ev, known, replacement=country_ids)
+    out["forget_zero"] = run_forget(ev, known, replacement="zero")
+    return out
+
+
+def headline(name: str, res: dict) -> str:
+    """One line per run: swap success on held-out and trained phrasings, locality, undo."""
+    def pick(split):
+        return next(r for r in res[f"swap_{split}"]["runs"] if r["layers_label"] == "all")
+    h, t = pick("heldout_template"), pick("train")
+    pct = lambda x: "  -  " if x is None else f"{100 * x:5.1f}"  # noqa: E731
+    inj = res["inject_heldout_country"]
+    return (f"{name:<18} known {h['known']:>4}/{t['known']:>4}  swap% heldout {pct(h['success'])} train "
+            f"{pct(t['success'])}  loc% {pct(h['locality_top1'])}  undo% {pct(h['reversible'])}  "
+            f"inject% {pct(inj['success'])}  forget% {pct(res['forget_mean']['success'])}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="30-step smoke run; writes edit_eval.quick.json")
+    parser.add_argument("--runs", default=None, help="comma list of run names (default: all)")
+    parser.add_argument("--pairs", type=int, default=40, help="country pairs per swap evaluation")
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    runs = QUICK if args.quick else {k: v for k, v in RUNS.items() if args.runs is None or k in args.runs.split(",")}
+    path = RESULTS / ("edit_eval.quick.json" if args.quick else "edit_eval.json")
+    results = json.loads(path.read_text()) if path.exists() and not args.quick else {}
+    for name, spec in runs.items():
+        run = train(name, spec)
+        t0 = time.time()
+        res = evaluate(run, corpus(spec["data"]), 4 if args.quick else args.pairs, args.quick)
+        results[name] = {"spec": spec, "eval_seconds": round(time.time() - t0), **res}
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=1))
+        print(headline(name, results[name]), flush=True)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
