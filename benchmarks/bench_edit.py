@@ -29,17 +29,22 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 RUN_DIR = ROOT / "runs" / "edit"
 
-# Shared shape: the debug preset's depth (4 layers) with the corpus vocabulary.
-BASE = ["model.vocab_size=4096", "data.batch_size=16", "data.seq_len=128", "run.eval_batches=8",
-        "run.progress=False", "run.plots=False"]
+# Shape: the debug preset (d_model 64, 4 layers, d_ff 128) with the corpus vocabulary; 2048 tokens/step.
+SHAPES = {"facts": ["data.batch_size=32", "data.seq_len=64"], "r16": ["data.batch_size=16", "data.seq_len=128"],
+          "default": ["data.batch_size=16", "data.seq_len=128"]}
+BASE = ["model.vocab_size=4096", "run.progress=False", "run.plots=False"]
+TLR30 = ["optim.table_lr=0.1"]  # 33x the backbone's peak lr of 3e-3
 RUNS: dict[str, dict] = {
-    # name: stem layers, extra overrides, steps, data: "r16" (default corpus, facts x16), "default", "facts"
-    "full_tlr1": dict(stem="full", steps=1000, over=[], data="r16"),
-    "full_tlr30": dict(stem="full", steps=1000, over=["optim.table_lr=0.1"], data="r16"),
-    "all4_tlr30": dict(stem="0,1,2,3", steps=1000, over=["optim.table_lr=0.1"], data="r16"),
-    "half_tlr30": dict(stem="1/2", steps=1000, over=["optim.table_lr=0.1"], data="r16"),
+    # name: stem layers, extra overrides, steps, data: "facts" (templated training facts only),
+    # "r16" (the default corpus with every training fact repeated 16 times instead of 4), "default"
+    "facts_full_tlr1": dict(stem="full", steps=600, over=[], data="facts"),
+    "facts_full_tlr30": dict(stem="full", steps=600, over=TLR30, data="facts"),
+    "facts_all4_tlr30": dict(stem="0,1,2,3", steps=600, over=TLR30, data="facts"),
+    "r16_all4_tlr30": dict(stem="0,1,2,3", steps=600, over=TLR30, data="r16"),
 }
 QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
+# Made-up country names: several tokens each, pieces shared with real words.
+MADE_UP = ["Zorvania", "Kelmoria", "Ostravia", "Brunavia", "Talmeria", "Quintaro", "Velloria", "Dramonia"]
 
 
 def facts_corpus() -> Path:
@@ -77,7 +82,8 @@ def train(name: str, spec: dict) -> Path:
         return out
     data = corpus(spec["data"])
     cmd = ["nice", "-n", "10", sys.executable, "-m", "stemlm", "train", "--preset", "debug", "--stem-layers",
-           spec["stem"], "--steps", str(spec["steps"]), "--out", str(out), *BASE, *spec["over"],
+           spec["stem"], "--steps", str(spec["steps"]), "--out", str(out), *BASE, *SHAPES[spec["data"]],
+           *spec["over"],
            f"run.ckpt_every={spec['steps']}", f"run.eval_every={spec['steps']}", "--data", str(data)]
     if out.exists():
         cmd.append("--resume")
@@ -92,35 +98,42 @@ def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
     """Swap / injection / removal metrics of a run's newest checkpoint (``data``: its corpus)."""
     import numpy as np
 
-    from stemlm.data import load_facts
     from stemlm.data.facts import load_countries
     from stemlm.edit import entity_ids
     from stemlm.edit.evaluate import EditEvalConfig, EditEvaluator, layer_sweep, run_edit_eval
     from stemlm.edit.inject_eval import run_forget, run_injection, unused_tokens
     from stemlm.edit.load import load_model_and_tokenizer
 
-    facts = load_facts(data)
+    from stemlm.data import default_data_dir, load_facts
+
+    facts_dir = data if (data / "facts" / "facts.jsonl").exists() else default_data_dir()  # facts-only corpus
+    facts = load_facts(facts_dir)
     model, tok = load_model_and_tokenizer(run, data)
     out = {"summary": json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None}
-    for split in ("heldout_template", "train"):
-        cfg = EditEvalConfig(split=split, n_pairs=n_pairs, layer_sets=layer_sweep(model))
+    sweep = layer_sweep(model)
+    for split, pairs, sets in (("heldout_template", n_pairs, sweep), ("train", n_pairs * 3 // 4, {"all": None})):
+        cfg = EditEvalConfig(split=split, n_pairs=pairs, layer_sets=sets)
         out[f"swap_{split}"] = run_edit_eval(model, tok, facts, cfg, progress=False)
     ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1))
-    meta = json.loads((data / "meta.json").read_text())
-    held = {c: entity_ids(tok, c, model.cfg.vocab_size) for c in meta["heldout_countries"]}
-    counts = np.load(data / "train.counts.npy")
-    unused = {f"unused:{tok.decode([t])}": [t] for t in unused_tokens(counts, tok, 4 if quick else 16)}
-    for key, entities in (("inject_heldout_country", held), ("inject_unused_token", unused)):
+    vocab = model.cfg.vocab_size
+    meta = json.loads((facts_dir / "meta.json").read_text())
+    held = {c: entity_ids(tok, c, vocab) for c in meta.get("heldout_countries", [])}
+    unused = {f"unused:{tok.decode([t])}": [t] for t in
+              unused_tokens(np.load(data / "train.counts.npy"), tok, 4 if quick else 16)}
+    made_up = {n: entity_ids(tok, n, vocab) for n in MADE_UP}
+    jobs = [("inject_heldout_country", held, "auto", "left"), ("inject_unused_token", unused, "auto", "left")]
+    jobs += [(f"inject_made_up_{s}_{a}", made_up, s, a) for s, a in
+             (("filler", "left"), ("filler", "right"), ("clone", "left"), ("average", "left"))]
+    for key, entities, strategy, align in jobs:
         try:
-            out[key] = run_injection(ev, entities)
+            out[key] = run_injection(ev, entities, strategy=strategy, align=align)
         except ValueError as e:  # e.g. the model knows no fact yet (quick runs)
             out[key] = {"error": str(e), "success": None}
-    known = sorted(c for c in ev.probes if any(ev.known[(p.country, p.key)][0] for p in ev.probes[c]))[:n_pairs]
-    names = [c.name for c in load_countries()]
-    country_ids = sorted({i for n in names for i in entity_ids(tok, n, model.cfg.vocab_size)})
-    out["forget_mean"] = run_forget(ev, known, replacement="mean")
-    out["forget_countries_mean"] = run_forget(ev, known, replacement=country_ids)
-    out["forget_zero"] = run_forget(ev, known, replacement="zero")
+    known = sorted(c for c in ev.probes if any(ev.known[(p.country, p.key)][0] for p in ev.probes[c]))
+    known = known[:: max(1, len(known) // n_pairs)][:n_pairs]
+    country_ids = sorted({i for c in load_countries() for i in entity_ids(tok, c.name, vocab)})
+    for key, repl in (("forget_mean", "mean"), ("forget_countries_mean", country_ids), ("forget_zero", "zero")):
+        out[key] = run_forget(ev, known, replacement=repl)
     return out
 
 

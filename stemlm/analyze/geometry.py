@@ -108,7 +108,10 @@ def geometry(model, ids: torch.Tensor, dense=None, max_points: int = 1500, seed:
             vecs["dense_up_proj"] = dx @ dense.layers[i].ffn.w_up.weight.detach().float().cpu().T
         layers.append({"layer": i, "kind": model.cfg.layer_kinds[i],
                        **{name: summarize(pairwise_cos(v)) for name, v in vecs.items()}})
-    return {"n_positions": int(len(pick)), "n_unique_tokens": int(len(uniq)), "bins": BINS.tolist(), "layers": layers}
+    # mean |cos| of independent Gaussian vectors in d_ff dimensions: the "no structure" reference
+    random_ref = float(np.sqrt(2.0 / (np.pi * model.cfg.d_ff)))
+    return {"n_positions": int(len(pick)), "n_unique_tokens": int(len(uniq)), "random_mean_abs": random_ref,
+            "bins": BINS.tolist(), "layers": layers}
 
 
 def plot_geometry(result: dict, path: str | Path) -> Path:
