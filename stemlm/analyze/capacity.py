@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .figures import pyplot, save
 from .text import windows
 
 
@@ -79,11 +80,7 @@ def capacity(stream: np.ndarray, n_table_layers: int, d_ff: int, d_model: int, m
 
 def plot_capacity(result: dict, path: str | Path) -> Path:
     """Two panels: unique tokens (with the Heaps fit) and activated STEM parameters vs context length."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     n = np.array(result["context_length"])
     fit = HeapsFit(**result["heaps"])
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -97,9 +94,4 @@ def plot_capacity(result: dict, path: str | Path) -> Path:
     ax2.set_xlabel("context length n (tokens)")
     ax2.set_ylabel("activated parameters")
     ax2.legend(fontsize=8)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import TABLE_KINDS
+from .figures import pyplot, save
 
 BINS = np.linspace(-1.0, 1.0, 101)
 KINDS = ("stem_rows", "up_proj", "gated")
@@ -116,11 +117,7 @@ def geometry(model, ids: torch.Tensor, dense=None, max_points: int = 1500, seed:
 
 def plot_geometry(result: dict, path: str | Path) -> Path:
     """One panel per layer with the cosine histograms (densities) of every vector kind present."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     layers = result["layers"]
     cols = min(4, len(layers))
     rows = (len(layers) + cols - 1) // cols
@@ -136,9 +133,4 @@ def plot_geometry(result: dict, path: str | Path) -> Path:
         ax.legend(fontsize=6)
     for ax in list(axes.flat)[len(layers):]:
         ax.axis("off")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..analyze.figures import pyplot, save
 from .ops import edit
 from .rows import EditRecord
 from .tokens import contains, decode_token, encode_prompt, entity_ids
@@ -105,11 +106,7 @@ def format_report(report: EditReport) -> str:
 
 def plot_report(report: EditReport, path: str | Path) -> Path:
     """Bar chart PNG of the three panels (matplotlib Agg, no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(report.panels), figsize=(4.2 * len(report.panels), 3.4), sharey=True,
                              squeeze=False)
     axes = axes[0]
@@ -120,9 +117,4 @@ def plot_report(report: EditReport, path: str | Path) -> Path:
         ax.set_ylim(0, 1)
     axes[0].set_ylabel("next-token probability")
     fig.suptitle(report.edit, fontsize=9)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save(fig, path)
