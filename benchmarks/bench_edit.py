@@ -114,7 +114,11 @@ def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
     for split, pairs, sets in (("heldout_template", n_pairs, sweep), ("train", n_pairs * 3 // 4, {"all": None})):
         cfg = EditEvalConfig(split=split, n_pairs=pairs, layer_sets=sets)
         out[f"swap_{split}"] = run_edit_eval(model, tok, facts, cfg, progress=False)
-    ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1))
+    from stemlm.analyze.text import token_stream, windows
+
+    stream, _ = token_stream(default_data_dir(), tok)  # unrelated prose: the validation passages
+    text = torch.from_numpy(windows(stream, 128, 4))  # (4, 128)
+    ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1), text=text)
     vocab = model.cfg.vocab_size
     meta = json.loads((facts_dir / "meta.json").read_text())
     held = {c: entity_ids(tok, c, vocab) for c in meta.get("heldout_countries", [])}

@@ -168,9 +168,11 @@ def test_injection_and_forget_evaluations(world, model):
     counts[: tok.get_vocab_size() // 2] = 1
     unused = unused_tokens(counts, tok, 3)
     assert all(counts[t] == 0 and tok.decode([t]).startswith(" ") for t in unused)
-    ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1, n_locality=8))
+    text = torch.randint(0, tok.get_vocab_size(), (2, 16))
+    ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1, n_locality=8), text=text)
     ev.known = {k: (True, True) for k in ev.known}  # a random model knows nothing: force the filter open
     res = run_injection(ev, {"Atlantis": entity_ids(tok, "Atlantis")}, strategy="filler", align="right")
     assert res["known"] > 0 and res["reversible"] == 1.0 and res["entities"] == 1
+    assert 0 <= res["text_locality_top1"] <= 1 and res["text_locality_kl"] >= 0
     gone = run_forget(ev, ["Spain", "Peru"], replacement="mean", layers=[2])
     assert gone["known"] > 0 and gone["reversible"] == 1.0 and gone["locality_top1"] == 1.0

@@ -15,6 +15,8 @@ question (same relation, same template). Metrics (all per strategy and per layer
   p_unedited(same token), both after A's prompt.
 * **locality** — over facts of *other* countries (a fixed seeded sample): fraction whose top-1
   next token is unchanged, and mean KL(unedited || edited) of the next-token distribution.
+* **text locality** (optional, ``text=`` ids of unrelated text such as the validation split):
+  fraction of all text positions whose top-1 next token is unchanged, and the mean KL there.
 * **reversible** — fraction of edits after whose undo the logits of every scored prompt are
   bitwise equal to the logits before the edit.
 """
@@ -98,7 +100,8 @@ class _Tally:
                "prob_shift": self.rate("p_shift", "known"),
                "locality_n": int(self.n["loc"]), "locality_top1": self.rate("loc_same", "loc"),
                "locality_kl": self.rate("loc_kl", "loc"), "edits": int(self.n["edits"]),
-               "reversible": self.rate("reversible", "edits")}
+               "reversible": self.rate("reversible", "edits"),
+               "text_locality_top1": self.rate("text_same", "text"), "text_locality_kl": self.rate("text_kl", "text")}
         out["by_relation"] = {r: {"known": k, "success": s / k if k else None}
                               for r, (k, s) in sorted(self.by_relation.items())}
         out["by_length"] = {r: {"known": k, "success": s / k if k else None} for r, (k, s) in sorted(self.by_length.items())}
@@ -122,8 +125,10 @@ def _cases(probes: dict[str, list[Probe]], src: str, tgt: str) -> list[tuple[Pro
 class EditEvaluator:
     """Holds the probes and the unedited model's scores; ``run`` evaluates one edit setting."""
 
-    def __init__(self, model, tokenizer, facts: list[dict], cfg: EditEvalConfig):
+    def __init__(self, model, tokenizer, facts: list[dict], cfg: EditEvalConfig, text: torch.Tensor | None = None):
         self.model, self.tok, self.cfg = model, tokenizer, cfg
+        self.text = text  # optional (B, T) ids of unrelated text for text locality
+        self.text_base = self._text_logits() if text is not None else None
         self.vocab = num_rows(model)
         self.probes = build_probes(facts, tokenizer, cfg.split, cfg.relations)
         if len(self.probes) < 2:
@@ -146,6 +151,10 @@ class EditEvaluator:
         self.pool = rng.sample(flat, min(cfg.n_locality + 12, len(flat)))  # margin for excluded countries
         self.pool_base = self._score_pool()
         self.pairs = _pairs(sorted(self.probes), cfg.n_pairs, cfg.seed)
+
+    @torch.no_grad()
+    def _text_logits(self) -> torch.Tensor:
+        return self.model(self.text.to(next(self.model.parameters()).device)).float().cpu()
 
     def _score_pool(self):
         return score(self.model, [p.prompt_ids for p in self.pool], [p.answer_ids for p in self.pool])
@@ -171,6 +180,14 @@ class EditEvaluator:
         record = apply()
         try:
             after, pool_after = score(self.model, prompts, answers), self._score_pool()
+            if self.text is not None:
+                text_after = self._text_logits()  # (B, T, V)
+                v = text_after.shape[-1]
+                same_text = text_after.argmax(-1) == self.text_base.argmax(-1)
+                tally.add("text", same_text.numel())
+                tally.add("text_same", float(same_text.sum()))
+                tally.add("text_kl", float(kl_divergence(self.text_base.view(-1, v), text_after.view(-1, v))
+                                          .clamp_min(0).sum()))
         finally:
             record.undo()
         restored, pool_restored = score(self.model, prompts, answers), self._score_pool()

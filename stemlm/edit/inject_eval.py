@@ -54,7 +54,8 @@ def _known_probes(ev: EditEvaluator, country: str) -> list[Probe]:
 def _summary(tally: _Tally, extra: dict) -> dict:
     out = tally.summary()
     keep = ("known", "success", "prob_target_before", "prob_target_after", "prob_shift", "locality_n",
-            "locality_top1", "locality_kl", "edits", "reversible", "by_relation", "by_length")
+            "locality_top1", "locality_kl", "text_locality_top1", "text_locality_kl", "edits", "reversible",
+            "by_relation", "by_length")
     return {**extra, **{k: out[k] for k in keep}}
 
 
