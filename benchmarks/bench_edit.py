@@ -34,6 +34,7 @@ SHAPES = {"facts": ["data.batch_size=32", "data.seq_len=64"], "r16": ["data.batc
           "default": ["data.batch_size=16", "data.seq_len=128"]}
 BASE = ["model.vocab_size=4096", "run.progress=False", "run.plots=False"]
 TLR30 = ["optim.table_lr=0.1"]  # 33x the backbone's peak lr of 3e-3
+DENSE = ["optim.table_optimizer=dense"]
 RUNS: dict[str, dict] = {
     # name: stem layers, extra overrides, steps, data: "facts" (templated training facts only),
     # "r16" (the default corpus with every training fact repeated 16 times instead of 4), "default"
@@ -41,6 +42,13 @@ RUNS: dict[str, dict] = {
     "facts_full_tlr30": dict(stem="full", steps=600, over=TLR30, data="facts"),
     "facts_all4_tlr30": dict(stem="0,1,2,3", steps=600, over=TLR30, data="facts"),
     "r16_all4_tlr30": dict(stem="0,1,2,3", steps=600, over=TLR30, data="r16"),
+    # torch AdamW on whole tables (as the official code and as the embedding) instead of row-sparse AdamW
+    "facts_full_dense": dict(stem="full", steps=600, over=DENSE, data="facts"),
+    "facts_all4_dense": dict(stem="0,1,2,3", steps=600, over=DENSE, data="facts"),
+    # plain Adam as in a minimal loop: beta2 0.999, no clipping, no weight decay, constant lr
+    "facts_all4_tlr30_adam": dict(stem="0,1,2,3", steps=600, data="facts", over=TLR30 + [
+        "optim.betas=[0.9,0.999]", "optim.grad_clip=0", "optim.weight_decay=0", "optim.min_lr_ratio=1.0",
+        "optim.warmup_ratio=0"]),
 }
 QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
 # Made-up country names: several tokens each, pieces shared with real words.
@@ -118,6 +126,10 @@ def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
 
     stream, _ = token_stream(default_data_dir(), tok)  # unrelated prose: the validation passages
     text = torch.from_numpy(windows(stream, 128, 4))  # (4, 128)
+    # diagnostic: the input embedding's share of the entity (not a STEM edit)
+    for split, pairs in (("heldout_template", n_pairs), ("train", n_pairs * 3 // 4)):
+        cfg = EditEvalConfig(split=split, n_pairs=pairs, layer_sets={"tables+emb": None, "emb_only": []}, embedding=True)
+        out[f"diag_embedding_{split}"] = run_edit_eval(model, tok, facts, cfg, progress=False)
     ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1), text=text)
     vocab = model.cfg.vocab_size
     meta = json.loads((facts_dir / "meta.json").read_text())

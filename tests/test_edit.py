@@ -193,3 +193,19 @@ def test_forget_writes_mean_row_and_undo_all(model):
     assert model.tables["1"].weight[42].abs().sum() == 0
     undo_all([r1, r2, r3])
     assert _same_state(model, state)
+
+
+def test_embedding_diagnostic_edit_is_exact_and_complete(model):
+    """Swapping the embedding rows as well as every table row makes token a behave exactly like b."""
+    state = _state(model)
+    prompt_a, prompt_b = torch.tensor([[5, 6, 300, 7]]), torch.tensor([[5, 6, 301, 7]])
+    expected = _logits(model, prompt_b)
+    with swap(model, [300], [301], embedding=True) as rec:
+        assert rec.layers == [1, 2, 3, "embedding"]
+        torch.testing.assert_close(_logits(model, prompt_a), expected, rtol=0, atol=0)
+    assert _same_state(model, state)
+    with swap(model, [300], [301], layers=[], embedding=True) as rec:  # the embedding alone
+        assert rec.layers == ["embedding"] and torch.equal(model.tables["1"].weight, state["tables.1.weight"])
+    assert _same_state(model, state)
+    with pytest.raises(ValueError, match="tied embeddings"):
+        swap(StemLM(model_config("debug", tie_embeddings=True)), [1], [2], embedding=True)

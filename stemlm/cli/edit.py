@@ -31,11 +31,13 @@ def add_arguments(parser) -> None:
     what.add_argument("--inject", metavar="NEW=KNOWN", help="give a new/rare name the rows of a known entity")
     what.add_argument("--forget", metavar="ENTITY", help="replace an entity's rows by a neutral row (--replacement)")
     parser.add_argument("--prompt", action="append", required=True, help="prompt to report (repeatable)")
-    parser.add_argument("--layers", default="all", help="table layers to edit: 'all' or a list like '2,5'")
+    parser.add_argument("--layers", default="all", help="table layers to edit: 'all', a list like '2,5', or 'none'")
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES, help="length-mismatch strategy (docs/editing.md)")
     parser.add_argument("--align", default="left", choices=ALIGNS, help="which ends of the two entities are aligned")
     parser.add_argument("--filler", default=None, help="filler token for --strategy filler (default: end-of-text)")
     parser.add_argument("--replacement", default="mean", help="--forget: 'mean', 'zero', or an entity whose rows to use")
+    parser.add_argument("--embedding", action="store_true",
+                        help="also edit the input-embedding rows (diagnostic: not a STEM edit; with --layers none, only them)")
     parser.add_argument("--no-leading-space", action="store_true", help="tokenize entities without a leading space")
     parser.add_argument("--top-k", type=int, default=5, help="next tokens to show per panel")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (one file per prompt, suffixed if several)")
@@ -52,9 +54,11 @@ def parse_pair(text: str, flag: str) -> tuple[str, str]:
 
 
 def parse_layers(text: str) -> list[int] | None:
-    """``"all"`` -> None, ``"2,5"`` -> [2, 5]."""
+    """``"all"`` -> None, ``"2,5"`` -> [2, 5], ``"none"`` -> [] (with --embedding: the embedding alone)."""
     if text.strip().lower() == "all":
         return None
+    if text.strip().lower() == "none":
+        return []
     try:
         return [int(p) for p in text.split(",") if p.strip()]
     except ValueError:
@@ -69,7 +73,7 @@ def _report(args, model, tok, prompt: str):
                            k=args.top_k, source=args.forget)
     flag, pair = (("--swap", args.swap) if args.swap else ("--copy", args.copy) if args.copy else ("--inject", args.inject))
     a, b = parse_pair(pair, flag)
-    kwargs = dict(strategy=args.strategy, align=args.align, filler=args.filler, **common)
+    kwargs = dict(strategy=args.strategy, align=args.align, filler=args.filler, embedding=args.embedding, **common)
     if args.inject:
         return edit_report(model, tok, prompt, lambda: inject(model, a, b, tokenizer=tok, **kwargs), k=args.top_k, source=a)
     return swap_report(model, tok, prompt, a, b, k=args.top_k, mode="swap" if args.swap else "copy", **kwargs)
@@ -77,7 +81,9 @@ def _report(args, model, tok, prompt: str):
 
 def run(args) -> int:
     model, tok = load_model_and_tokenizer(args.ckpt, args.data, args.tables)
-    resolve_layers(model, parse_layers(args.layers))  # a bad --layers fails before any work
+    layers = parse_layers(args.layers)
+    if not (layers == [] and args.embedding):
+        resolve_layers(model, layers)  # a bad --layers fails before any work
     reports = []
     for i, prompt in enumerate(args.prompt):
         report = _report(args, model, tok, prompt)

@@ -35,6 +35,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--locality", type=int, default=64, help="unrelated fact prompts per edit")
     parser.add_argument("--relations", default=None, help="comma list of relations (default: all)")
     parser.add_argument("--filler", default=None, help="filler token for the filler strategy (default: end-of-text)")
+    parser.add_argument("--embedding", action="store_true",
+                        help="also swap the input-embedding rows (diagnostic upper bound, not a STEM edit)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the pair and locality samples")
     parser.add_argument("--out", default=None, help="write the results JSON here")
     parser.add_argument("--tables", default="device", choices=TIERS, help="where the tables live while editing")
@@ -50,7 +52,7 @@ def run(args) -> int:
     sets = layer_sweep(model) if args.layers_sweep else {args.layers: layers}
     cfg = EditEvalConfig(split=args.split, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
                          align=args.align, mode=args.mode, n_pairs=args.pairs, n_locality=args.locality, seed=args.seed,
-                         filler=args.filler, layer_sets=sets,
+                         filler=args.filler, layer_sets=sets, embedding=args.embedding,
                          relations=tuple(args.relations.split(",")) if args.relations else None)
     result = run_edit_eval(model, tok, facts, cfg)
     result["ckpt"], result["data"] = str(args.ckpt), str(data_dir)

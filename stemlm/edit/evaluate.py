@@ -52,6 +52,7 @@ class EditEvalConfig:
     filler: int | str | None = None
     layer_sets: dict[str, list[int] | None] = field(default_factory=lambda: {"all": None})
     relations: tuple[str, ...] | None = None
+    embedding: bool = False  # also swap the input-embedding rows (diagnostic upper bound, not a STEM edit)
 
 
 def layer_sweep(model) -> dict[str, list[int]]:
@@ -108,6 +109,11 @@ class _Tally:
         return out
 
 
+def _chosen(model, layers, embedding: bool) -> list[int]:
+    """Table layers of a layer set; ``[]`` is allowed with ``embedding`` (the embedding alone)."""
+    return [] if embedding and layers is not None and len(layers) == 0 else resolve_layers(model, layers)
+
+
 def _pairs(countries: list[str], n: int, seed: int) -> list[tuple[str, str]]:
     """``n`` distinct unordered country pairs, seeded."""
     all_pairs = [(a, b) for i, a in enumerate(countries) for b in countries[i + 1:]]
@@ -134,7 +140,7 @@ class EditEvaluator:
         if len(self.probes) < 2:
             raise ValueError(f"split {cfg.split!r} has facts of {len(self.probes)} countries; need at least 2")
         for label, layers in cfg.layer_sets.items():
-            resolve_layers(model, layers)  # fail early on a bad layer set
+            _chosen(model, layers, cfg.embedding)  # fail early on a bad layer set
         for s in cfg.strategies:
             check_strategy(s, cfg.align)
         try:  # the filler strategy needs it; other strategies run without one
@@ -206,7 +212,8 @@ class EditEvaluator:
         prompts = [src.prompt_ids for src, _ in cases]
         answers = [tgt.answer_ids for _, tgt in cases]
         apply = lambda: edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy,  # noqa: E731
-                             layers=layers, mode=self.cfg.mode, align=self.cfg.align, filler=self.filler)
+                             layers=layers, mode=self.cfg.mode, align=self.cfg.align, filler=self.filler,
+                             embedding=self.cfg.embedding)
         before, after = self.measure(prompts, answers, apply, pair, tally)
         tally.add("pairs")
         p_before, p_after = before.probs(), after.probs()
@@ -228,7 +235,7 @@ def run_edit_eval(model, tokenizer, facts: list[dict], cfg: EditEvalConfig, prog
     ev = EditEvaluator(model, tokenizer, facts, cfg)
     runs = []
     for label, layers in cfg.layer_sets.items():
-        chosen = resolve_layers(model, layers)
+        chosen = _chosen(model, layers, cfg.embedding)
         for strategy in cfg.strategies:
             res = ev.run(strategy, chosen, progress, desc=f"{strategy}/{label}")
             runs.append({"strategy": strategy, "align": cfg.align, "layers_label": label, "layers": chosen, **res})

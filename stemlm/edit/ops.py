@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .rows import EditRecord, apply_writes, as_ids, collect_writes, num_rows, read, resolve_layers
+from .rows import EMBEDDING, EditRecord, EmbeddingRows, apply_writes, as_ids, collect_writes, num_rows, read, resolve_layers
 from .strategies import check_strategy, map_rows, resolve_strategy
 from .tokens import describe, entity_ids, eos_id
 
@@ -50,13 +50,21 @@ def _assignments(model, layer: int, src: torch.Tensor, tgt: torch.Tensor, strate
 
 def plan(model, source_ids: Sequence[int], target_ids: Sequence[int], *, strategy: str = "auto",
          layers: Sequence[int] | None = None, mode: str = "copy", align: str = "left",
-         filler_id: int | None = None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """The rows an edit would write, ``{layer: (ids, rows)}``; validates everything, writes nothing."""
+         filler_id: int | None = None, embedding: bool = False) -> dict[int | str, tuple[torch.Tensor, torch.Tensor]]:
+    """The rows an edit would write, ``{layer: (ids, rows)}``; validates everything, writes nothing.
+
+    ``embedding=True`` also rewrites the input-embedding rows the same way (key ``"embedding"``):
+    a diagnostic of how much of the entity the embedding carries, not a STEM edit.
+    """
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
     check_strategy(strategy, align)
-    chosen = resolve_layers(model, layers)
-    vocab = num_rows(model)
+    embedding_only = embedding and layers is not None and len(layers) == 0  # layers=[]: the embedding alone
+    chosen: list[int | str] = [] if embedding_only else list(resolve_layers(model, layers))
+    if embedding:
+        EmbeddingRows(model)  # raises for tied embeddings
+        chosen.append(EMBEDDING)
+    vocab = model.cfg.vocab_size if embedding_only else num_rows(model)
     src, tgt = as_ids(source_ids, vocab, "source ids"), as_ids(target_ids, vocab, "target ids")
     concrete = [resolve_strategy(strategy, len(src), len(tgt))]
     if mode == "swap":
@@ -75,12 +83,14 @@ def plan(model, source_ids: Sequence[int], target_ids: Sequence[int], *, strateg
 
 def edit(model, source: str | Sequence[int], target: str | Sequence[int], *, strategy: str = "auto",
          layers: Sequence[int] | None = None, mode: str = "copy", align: str = "left",
-         filler: int | str | None = None, tokenizer=None, leading_space: bool = True) -> EditRecord:
+         filler: int | str | None = None, tokenizer=None, leading_space: bool = True,
+         embedding: bool = False) -> EditRecord:
     """Give ``source`` the table rows of ``target`` (both ways with ``mode="swap"``).
 
     ``source``/``target`` are entity strings (tokenized with ``tokenizer``, leading space added,
     see ``tokens.entity_ids``) or token-id lists. Returns an ``EditRecord`` (also a context
-    manager). Any bad input raises before a single row is written.
+    manager). Any bad input raises before a single row is written. ``embedding=True`` edits the
+    input-embedding rows too (diagnostic, see ``plan``).
     """
     vocab = num_rows(model)
     src = entity_ids(tokenizer, source, vocab, leading_space)
@@ -88,9 +98,10 @@ def edit(model, source: str | Sequence[int], target: str | Sequence[int], *, str
     check_strategy(strategy, align)
     needs_filler = strategy == "filler" and len(src) != len(tgt)
     filler_id = resolve_filler(filler, tokenizer, vocab) if needs_filler else None
-    writes = plan(model, src, tgt, strategy=strategy, layers=layers, mode=mode, align=align, filler_id=filler_id)
+    writes = plan(model, src, tgt, strategy=strategy, layers=layers, mode=mode, align=align, filler_id=filler_id,
+                  embedding=embedding)
     arrow = "<->" if mode == "swap" else "<-"
-    desc = f"{describe(tokenizer, src)} {arrow} {describe(tokenizer, tgt)} [{strategy}]"
+    desc = f"{describe(tokenizer, src)} {arrow} {describe(tokenizer, tgt)} [{strategy}{' +embedding' if embedding else ''}]"
     return apply_writes(model, writes, desc)
 
 

@@ -63,9 +63,37 @@ def num_rows(model) -> int:
     return int(model.tables[str(table_layers(model)[0])].num_rows)
 
 
-def read(model, layer: int, ids: torch.Tensor) -> torch.Tensor:
-    """Rows ``(len(ids), d_ff)`` of one layer's table, on the CPU."""
-    return model.tables[str(layer)].read_rows(ids).detach().to("cpu")
+EMBEDDING = "embedding"  # the input embedding, editable as a diagnostic next to the tables
+
+
+class EmbeddingRows:
+    """The input embedding seen through the table protocol (``edit(..., embedding=True)``).
+
+    Not a STEM edit: it measures how much of an entity's identity the embedding holds.
+    """
+
+    def __init__(self, model):
+        if getattr(model.cfg, "tie_embeddings", False):
+            raise ValueError("embedding=True on a model with tied embeddings would also edit the LM head")
+        self.weight = model.tok_embeddings.weight
+        self.num_rows, self.dim = self.weight.shape
+
+    def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight.detach()[ids].clone()
+
+    @torch.no_grad()
+    def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.weight[ids] = rows.to(self.weight.dtype)
+
+
+def rows_of(model, layer: int | str):
+    """The row store of a table layer, or of the input embedding for ``EMBEDDING``."""
+    return EmbeddingRows(model) if layer == EMBEDDING else model.tables[str(layer)]
+
+
+def read(model, layer: int | str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``(len(ids), dim)`` of one layer's table (or of the embedding), on the CPU."""
+    return rows_of(model, layer).read_rows(ids).detach().to("cpu")
 
 
 @dataclass
@@ -85,17 +113,17 @@ class EditRecord:
     undone: bool = False
 
     @property
-    def layers(self) -> list[int]:
-        """Layers the edit touched."""
-        return sorted(self.old)
+    def layers(self) -> list[int | str]:
+        """Layers the edit touched (``"embedding"`` last when the embedding was edited too)."""
+        return sorted(k for k in self.old if k != EMBEDDING) + [k for k in self.old if k == EMBEDDING]
 
     def undo(self) -> None:
         """Restore every overwritten row exactly; a second call does nothing."""
         if self.undone:
             return
-        for layer in sorted(self.old, reverse=True):
+        for layer in reversed(self.layers):
             ids, rows = self.old[layer]
-            self.model.tables[str(layer)].write_rows(ids, rows)
+            rows_of(self.model, layer).write_rows(ids, rows)
         self.undone = True
 
     def __enter__(self) -> "EditRecord":
@@ -126,7 +154,7 @@ def collect_writes(assignments: Iterable[tuple[int, torch.Tensor]]) -> tuple[tor
     return ids, torch.stack([merged[i] for i in ids.tolist()])
 
 
-def apply_writes(model, writes: dict[int, tuple[torch.Tensor, torch.Tensor]], description: str = "") -> EditRecord:
+def apply_writes(model, writes: dict[int | str, tuple[torch.Tensor, torch.Tensor]], description: str = "") -> EditRecord:
     """Write ``writes[layer] = (ids, rows)`` into the tables and return the undo record.
 
     Old rows are read for every layer before the first write; if a write raises, the layers
@@ -136,10 +164,10 @@ def apply_writes(model, writes: dict[int, tuple[torch.Tensor, torch.Tensor]], de
     old = {layer: (ids, read(model, layer, ids)) for layer, (ids, _) in writes.items()}
     for layer, (ids, rows) in writes.items():
         try:
-            model.tables[str(layer)].write_rows(ids, rows)
+            rows_of(model, layer).write_rows(ids, rows)
         except BaseException:
             with contextlib.suppress(Exception):  # the failed write may have been partial
-                model.tables[str(layer)].write_rows(*old[layer])
+                rows_of(model, layer).write_rows(*old[layer])
             record.undo()
             raise
         record.old[layer] = old[layer]
