@@ -80,6 +80,6 @@ def test_sigkill_then_resume_equals_uninterrupted(data_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("table_optimizer", ["sparse", "dense"])
 def test_repeated_sigkill_then_resume_equals_uninterrupted(data_dir, tmp_path, table_optimizer):
-    args = ["run.steps=200", "run.ckpt_every=7", "run.eval_every=20", "optim.grad_accum=2",
+    args = ["run.steps=600", "run.ckpt_every=7", "run.eval_every=20", "optim.grad_accum=2",
             f"optim.table_optimizer={table_optimizer}"]
     _kill_and_resume(data_dir, tmp_path, args, kills=4, seed=int(time.time()))
