@@ -1,0 +1,117 @@
+"""P4: decode speed and resident memory with the STEM tables on disk vs in RAM.
+
+The model is the mobilellm-350m shape with STEM in every second layer (16 tables of 32000 × 2560
+fp32 = 5.24 GB) and random weights; the checkpoint and a separate tables file are generated once
+into the stemlm cache. Each tier runs in its own subprocess (so its resident set is clean) and
+reports JSON: the same seeded sampled generation on every tier, timed per decode step.
+
+Goals: disk ÷ RAM decode tokens/s >= 0.95, and resident memory lower by >= 90% of the table bytes.
+``disk-cold`` first drops the tables file from the page cache (``posix_fadvise``), so every row
+touched is read from the device.
+
+    python benchmarks/bench_offload_decode.py                # the real run (lead)
+    python benchmarks/bench_offload_decode.py --quick        # tiny shape, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from _store_bench import bench_checkpoint, drop_page_cache, proc_status, timed_decode
+from _train_bench import write_result
+
+from stemlm import model_config
+from stemlm.artifacts import cache_dir
+from stemlm.store import load_model_with_tables
+
+RUNS = {"device": ("device", False), "host": ("host", False), "disk": ("disk", False), "disk-cold": ("disk", True)}
+
+
+def worker(args) -> dict:
+    """One tier in this process: load, warm up, time decoding; resident memory before/after."""
+    torch.set_num_threads(args.threads) if args.threads else None
+    base = proc_status()
+    tier, cold = RUNS[args.worker]
+    if cold:
+        drop_page_cache(Path(args.tables))
+    model, store = load_model_with_tables(args.ckpt, tier, tables_path=args.tables, cache_rows=args.cache_rows)
+    loaded = proc_status()
+    gen = torch.Generator().manual_seed(args.seed)
+    prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), generator=gen)
+    timed_decode(model, prompt[:, :4], 4, seed=args.seed + 1)  # warm-up (allocator, kernels)
+    store.reset_stats()
+    tokens, t_prefill, t_decode = timed_decode(model, prompt, args.new_tokens, seed=args.seed)
+    after = proc_status()
+    stats = {k: v for k, v in store.stats().items() if k != "per_table"}
+    return {"run": args.worker, "tier": tier, "cold_page_cache": cold, "tokens": tokens,
+            "decode_tokens_per_s": (len(tokens) - 1) / t_decode, "prefill_s": t_prefill,
+            "rss_start": base, "rss_loaded": loaded, "rss_end": after, "store": stats}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="mobilellm-350m", help="model shape (default mobilellm-350m)")
+    ap.add_argument("--stem-layers", default="1/2", help="STEM placement (default 1/2: 16 of 32 layers)")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per tier (default 64)")
+    ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    ap.add_argument("--runs", default="device,disk,disk-cold", help=f"comma list of {', '.join(RUNS)}")
+    ap.add_argument("--cache-rows", type=int, default=0, help="hot-row cache per table for host/disk (default 0)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompt and sampling")
+    ap.add_argument("--quick", action="store_true", help="tiny shape, 8 tokens; writes offload_decode.quick.json")
+    ap.add_argument("--worker", choices=list(RUNS), help=argparse.SUPPRESS)
+    ap.add_argument("--ckpt", help=argparse.SUPPRESS)
+    ap.add_argument("--tables", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.quick:
+        args.preset, args.new_tokens, args.prompt_len = "tiny", 8, 8
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        print(json.dumps(worker(args)))
+        return
+    cfg = model_config(args.preset, ffn="stem", stem_layers=args.stem_layers)
+    ckpt, tables = bench_checkpoint(cfg, cache_dir() / "bench" / "offload")
+    table_bytes = len(cfg.table_layers) * cfg.vocab_size * cfg.d_ff * 4
+    results = {}
+    for run in args.runs.split(","):
+        cmd = [sys.executable, __file__, "--worker", run, "--ckpt", str(ckpt), "--tables", str(tables),
+               "--preset", args.preset, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
+               "--cache-rows", str(args.cache_rows), "--threads", str(args.threads), "--seed", str(args.seed)]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode:
+            raise SystemExit(f"worker {run} failed:\n{proc.stderr[-3000:]}")
+        results[run] = json.loads(proc.stdout.strip().splitlines()[-1])
+        r = results[run]
+        print(f"{run:>10}: {r['decode_tokens_per_s']:7.2f} tok/s  RSS {r['rss_end']['VmRSS'] / 2**20:8.1f} MiB "
+              f"(anon {r['rss_end']['RssAnon'] / 2**20:.1f}, file {r['rss_end']['RssFile'] / 2**20:.1f})  "
+              f"rows moved {r['store'].get('rows_moved', 0)}")
+    ref = results.get("device") or results.get("host")
+    summary = {}
+    for run, r in results.items():
+        if r["tier"] == "disk" and ref is not None:
+            speed = r["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+            saved = ref["rss_end"]["VmRSS"] - r["rss_end"]["VmRSS"]
+            summary[run] = {"speed_ratio_vs_ram": speed, "rss_saved_bytes": saved, "rss_saved_over_table_bytes": saved / table_bytes,
+                            "same_tokens_as_ram": r["tokens"] == ref["tokens"],
+                            "goal_speed_0.95": speed >= 0.95, "goal_rss_0.9": saved >= 0.9 * table_bytes}
+            print(f"{run}: speed {speed:.3f}x of RAM, RSS saved {saved / table_bytes:.1%} of the {table_bytes / 1e9:.2f} GB "
+                  f"of tables, same tokens: {summary[run]['same_tokens_as_ram']}")
+    path = write_result("offload_decode", args.quick, {
+        "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),
+                   "vocab_size": cfg.vocab_size, "d_ff": cfg.d_ff, "table_bytes": table_bytes,
+                   "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "cache_rows": args.cache_rows},
+        "runs": results, "summary": summary})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
