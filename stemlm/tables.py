@@ -57,11 +57,11 @@ class WeightRows:
 
     def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at ``ids`` (no autograd); used by optimizers, editing and export."""
-        return self.weight.detach()[ids].clone()
+        return self.weight.detach().index_select(0, ids.reshape(-1)).view(*ids.shape, self.weight.shape[1])
 
     @torch.no_grad()
     def write_rows(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """Overwrite the rows at ``ids`` in place."""
+        """Overwrite the rows at ``ids`` in place (the last write wins for a repeated id)."""
         self.weight[ids] = rows.to(self.weight.dtype)
 
 

@@ -69,6 +69,7 @@ class SparseRowAdamW:
         self.global_step = 0  # optimizer steps taken (all tables)
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self._pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._buffers: dict[str, list[torch.Tensor]] = {}
         for table in self.tables.values():
             table.sparse_grad = True
 
@@ -109,24 +110,35 @@ class SparseRowAdamW:
         table = self.tables[name]
         st = self._state_of(name, table)
         b1, b2 = self.betas
-        n = st["step"][ids] + 1  # (U,) per-row update count
-        st["step"][ids] = n
-        m = st["exp_avg"][ids].lerp_(grad, 1 - b1)  # (U, dim)
-        v = st["exp_avg_sq"][ids].mul_(b2).addcmul_(grad, grad, value=1 - b2)
-        st["exp_avg"][ids], st["exp_avg_sq"][ids] = m, v
+        # index_select / index_copy_ (ids are unique): several times faster on CPU than t[ids] / t[ids] = x
+        n = st["step"].index_select(0, ids) + 1  # (U,) per-row update count
+        st["step"].index_copy_(0, ids, n)
+        buf_m, buf_v, buf_d = self._workspace(name, len(ids), grad)  # reused: no page faults per step
+        m = torch.index_select(st["exp_avg"], 0, ids, out=buf_m).lerp_(grad, 1 - b1)  # (U, dim)
+        v = torch.index_select(st["exp_avg_sq"], 0, ids, out=buf_v).mul_(b2).addcmul_(grad, grad, value=1 - b2)
+        st["exp_avg"].index_copy_(0, ids, m)
+        st["exp_avg_sq"].index_copy_(0, ids, v)
         rows = table.read_rows(ids).to(grad.device, torch.float32)  # (U, dim)
         if self.weight_decay:
             decay = torch.full((len(ids), 1), 1 - self.lr * self.weight_decay, dtype=torch.float64, device=grad.device)
             if self.decay_untouched == "catchup":  # steps since the last update, this one included
-                decay = decay.pow((self.global_step - st["last_step"][ids]).to(torch.float64)[:, None])
+                decay = decay.pow((self.global_step - st["last_step"].index_select(0, ids)).to(torch.float64)[:, None])
             rows.mul_(decay.to(torch.float32))
-        st["last_step"][ids] = self.global_step
+        st["last_step"].index_fill_(0, ids, self.global_step)
         n64 = n.to(torch.float64)[:, None]  # (U, 1)
         step_size = (self.lr / (1 - b1 ** n64)).to(torch.float32)
         bc2_sqrt = (1 - b2 ** n64).sqrt().to(torch.float32)
-        denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
-        rows.sub_(m / denom * step_size)
+        denom = torch.sqrt(v, out=buf_d).div_(bc2_sqrt).add_(self.eps)
+        rows.sub_(torch.div(m, denom, out=denom).mul_(step_size))
         table.write_rows(ids, rows)
+
+    def _workspace(self, name: str, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
+        """Three ``(rows, dim)`` scratch tensors kept across steps (grown when a step needs more)."""
+        bufs = self._buffers.get(name)
+        if bufs is None or bufs[0].shape[0] < rows or bufs[0].device != like.device:
+            bufs = [torch.empty(max(rows, 1), like.shape[1], dtype=torch.float32, device=like.device) for _ in range(3)]
+            self._buffers[name] = bufs
+        return [b[:rows] for b in bufs]
 
     def _state_of(self, name: str, table) -> dict[str, torch.Tensor]:
         if name not in self.state:
