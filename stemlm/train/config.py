@@ -27,6 +27,9 @@ STAGES = ("pretrain", "midtrain", "context_extend")
 DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 DTYPES = ("float32", "bfloat16")
+# Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
+# (the backbone in every step); on the default run 10x beat 1x and 3.3x (docs/training.md).
+TABLE_LR_SCALE = 10.0
 # Sections whose change makes a resumed run a different run (run.* may change, e.g. run.steps).
 RESUME_CHECKED = ("model", "data", "optim")
 
@@ -85,7 +88,7 @@ class OptimSection:
     """AdamW for the backbone, a table optimizer for the STEM tables, a warmup + decay schedule."""
 
     lr: float = _f(3e-3, "peak learning rate of the backbone")
-    table_lr: Optional[float] = _f(None, "peak learning rate of the STEM tables (None = lr, as the official pretraining)")
+    table_lr: Optional[float] = _f(None, f"peak learning rate of the STEM tables (None = {TABLE_LR_SCALE:g} x lr, see docs/training.md)")
     betas: Any = _f((0.9, 0.95), "AdamW betas (beta1, beta2) for backbone and tables")
     eps: float = _f(1e-8, "AdamW epsilon")
     weight_decay: float = _f(0.1, "decoupled weight decay of backbone matrices (norm gains are never decayed)")
@@ -118,7 +121,7 @@ class OptimSection:
 
     @property
     def table_peak_lr(self) -> float:
-        return self.lr if self.table_lr is None else self.table_lr
+        return TABLE_LR_SCALE * self.lr if self.table_lr is None else self.table_lr
 
 
 @dataclass
