@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from .config import TABLE_KINDS, ModelConfig
 from .ffn import FFN_CLASSES, HashMoEFFN, token_expert_hash
+from .loss import linear_cross_entropy
 from .tables import StemTable, check_ids, init_table_
 
 
@@ -164,12 +165,14 @@ class StemLM(nn.Module):
             init_module_(module, self.cfg)
 
     def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
-                return_hidden: bool = False) -> torch.Tensor:
+                return_hidden: bool = False, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
         ``cache`` (optional) keeps keys/values across calls (see ``kv_cache.KVCache``);
         ``doc_ids (B, T)`` masks attention across documents; ``return_hidden`` returns the
-        final normed hidden states ``(B, T, d)`` instead of logits.
+        final normed hidden states ``(B, T, d)`` instead of logits; with ``targets (B, T)``
+        (``-100`` = ignore) the mean cross-entropy is returned instead, computed by
+        ``loss.linear_cross_entropy`` without materialising the logits.
         """
         cfg = self.cfg
         if ids.dim() != 2:
@@ -186,6 +189,8 @@ class StemLM(nn.Module):
             rows = self.tables[str(i)].lookup(ids) if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
+        if targets is not None:
+            return linear_cross_entropy(h, self.lm_head.weight, targets)
         return h if return_hidden else self.lm_head(h)
 
     def table_parameters(self) -> list[nn.Parameter]:

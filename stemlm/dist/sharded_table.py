@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..tables import WeightRows, check_ids
+from ..tables import WeightRows, check_ids, expand_rows
 
 
 class ShardedTable(WeightRows, nn.Module):
@@ -74,7 +74,7 @@ class ShardedTable(WeightRows, nn.Module):
             rows.requires_grad_(True)
             self.touched.append((union, rows))
         position = torch.searchsorted(union, local_unique)  # local unique id -> row of the union
-        return rows[position][inverse].view(*ids.shape, self.dim)
+        return expand_rows(rows, position[inverse], ids.shape)
 
     def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Owned ``(local_row_ids, rows_leaf with .grad)`` pairs, gradients averaged over ranks."""

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn as nn
 
-from ..tables import check_ids, unique_ids
+from ..tables import check_ids, expand_rows, unique_ids
 from .cache import HotRowCache
 
 
@@ -97,7 +97,7 @@ class OffloadedTable(nn.Module):
         if self.sparse_grad and torch.is_grad_enabled():
             rows = rows.detach().requires_grad_(True)  # (U, dim) leaf: the gradient stays row-sparse
             self.touched.append((uniq, rows))
-        return rows[inverse.to(rows.device)].view(*ids.shape, self.dim)
+        return expand_rows(rows, inverse.to(rows.device), ids.shape)
 
     def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The ``(unique_ids, rows_leaf)`` pairs recorded since the last call."""

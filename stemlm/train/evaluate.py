@@ -12,7 +12,6 @@ import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import yaml
 
 from ..checkpoint import load_model, resolve_checkpoint
@@ -20,9 +19,8 @@ from ..data import TokenDataset, iter_eval_batches
 
 
 def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
-    """Mean next-token cross-entropy (nats) of ``batch``; logits are flattened to ``(B·T, V)``."""
-    logits = model(batch.inputs, doc_ids=batch.doc_ids if doc_masking else None)  # (B, T, V)
-    return F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), batch.targets.view(-1))
+    """Mean next-token cross-entropy (nats) of ``batch`` (the model fuses it with its LM head)."""
+    return model(batch.inputs, doc_ids=batch.doc_ids if doc_masking else None, targets=batch.targets)
 
 
 def autocast(device: torch.device, dtype: str):

@@ -1,0 +1,79 @@
+"""Next-token cross-entropy fused with the LM head, computed in chunks of tokens.
+
+``F.cross_entropy(h @ W.T, y)`` materialises the ``(N, V)`` logits, their log-softmax and, in
+backward, the gradient of both: at N = 4096 tokens and V = 8192 that is three 134 MB tensors per
+step, and the head's matmuls run on operands that no longer fit in cache. Here the tokens are
+processed ``chunk`` at a time: each chunk's logits are formed, reduced to the loss, turned into
+``softmax - onehot`` in place, and multiplied straight into the gradients of the hidden states and
+the head weight. Backward only scales those by the incoming gradient. Same FLOPs as the plain
+path (three matmuls), a fraction of the memory traffic, and peak memory ``chunk × V`` instead of
+``N × V``; the result equals ``F.cross_entropy`` up to float summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -100
+CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in fp32): chunk = CHUNK_ELEMENTS // V tokens
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``hidden (N, d) @ weight (V, d).T`` against ``targets (N,)``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk: int):
+        need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        n_valid = (targets != IGNORE_INDEX).sum()
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if need_grad else None
+        grad_weight = torch.zeros_like(weight) if need_grad else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start:start + chunk]  # (c, d)
+            t = targets[start:start + chunk]  # (c,)
+            valid = t != IGNORE_INDEX
+            safe_t = torch.where(valid, t, 0)[:, None]  # (c, 1)
+            logits = (h @ weight.t()).float()  # (c, V)
+            lse = torch.logsumexp(logits, dim=-1)  # (c,)
+            per_token = lse - logits.gather(1, safe_t).squeeze(1)
+            total += torch.where(valid, per_token, 0.0).sum()
+            if need_grad:
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+                probs.scatter_add_(1, safe_t, torch.full_like(safe_t, -1.0, dtype=probs.dtype))
+                probs.mul_(valid[:, None])  # ignored tokens contribute nothing
+                probs = probs.to(hidden.dtype)
+                grad_hidden[start:start + chunk] = probs @ weight
+                grad_weight.addmm_(probs.t(), h.to(weight.dtype))
+        denom = n_valid.clamp(min=1).to(torch.float32)
+        ctx.save_for_backward(grad_hidden, grad_weight, denom)
+        return total / denom
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight, denom = ctx.saved_tensors
+        scale = grad_loss / denom
+        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                         chunk: int | None = None) -> torch.Tensor:
+    """Mean next-token cross-entropy (nats) of the logits ``hidden @ weight.T`` without forming them.
+
+    ``hidden (..., d)``, ``weight (V, d)`` (the LM head), ``targets (...)`` with ``-100`` = ignore.
+    ``chunk`` tokens are processed at a time (default: ``CHUNK_ELEMENTS // V``). Under autocast the
+    head matmuls run in the autocast dtype; the softmax and the loss are always fp32.
+    """
+    hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
+    targets = targets.reshape(-1)  # (N,)
+    if hidden.shape[0] != targets.shape[0]:
+        raise ValueError(f"{hidden.shape[0]} hidden states but {targets.shape[0]} targets")
+    if chunk is None:
+        chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+
+
+def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The plain path (full logits, ``F.cross_entropy``), for tests and comparisons."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()  # (N, V)
+    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)

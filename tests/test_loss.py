@@ -1,0 +1,70 @@
+"""The chunked LM-head cross-entropy equals the plain one: values, gradients, ignore_index, autocast."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stemlm.config import ModelConfig
+from stemlm.loss import linear_cross_entropy, reference_cross_entropy
+from stemlm.model import StemLM
+
+
+def _loss_and_grads(fn, hidden, weight, targets, **kw):
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss = fn(h, w, targets, **kw)
+    (3.0 * loss).backward()  # a non-unit upstream gradient
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 64, 1000])
+def test_matches_plain_cross_entropy(chunk):
+    gen = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(2, 50, 16, generator=gen), torch.randn(97, 16, generator=gen)
+    targets = torch.randint(0, 97, (2, 50), generator=gen)
+    targets[0, :5] = -100  # ignored positions
+    ref = _loss_and_grads(reference_cross_entropy, hidden, weight, targets)
+    got = _loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk=chunk)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert got[1][0, :5].abs().max() == 0  # ignored positions get no gradient
+
+
+def test_no_grad_and_all_ignored():
+    hidden, weight = torch.randn(4, 8), torch.randn(11, 8)
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, torch.tensor([1, 2, 3, 4]))
+    torch.testing.assert_close(loss, reference_cross_entropy(hidden, weight, torch.tensor([1, 2, 3, 4])))
+    assert linear_cross_entropy(hidden, weight, torch.full((4,), -100)).item() == 0.0
+
+
+def test_shape_mismatch_is_refused():
+    with pytest.raises(ValueError, match="3 hidden states but 4 targets"):
+        linear_cross_entropy(torch.randn(3, 8), torch.randn(11, 8), torch.zeros(4, dtype=torch.long))
+
+
+def test_model_loss_path_equals_logits_path():
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=48, max_seq_len=32,
+                      ffn="stem", stem_layers="1/2")
+    torch.manual_seed(0)
+    model = StemLM(cfg)
+    ids, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    fused = model(ids, targets=targets)
+    fused.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    plain = F.cross_entropy(model(ids).view(-1, 64), targets.view(-1))
+    plain.backward()
+    torch.testing.assert_close(fused, plain, rtol=1e-6, atol=1e-6)
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(grads[n], p.grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
+def test_bf16_autocast_runs_close():
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(32, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    targets = torch.randint(0, 40, (32,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk=8)
+    ref = _loss_and_grads(reference_cross_entropy, hidden, weight, targets)
+    assert got[1].dtype == hidden.dtype and got[2].dtype == weight.dtype
+    torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=2e-2)
