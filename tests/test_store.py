@@ -56,6 +56,16 @@ def test_checkpoint_on_every_tier_matches_memory(setup, tier, cache_rows, prefet
     store.close()
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_cache_window_matches_memory(setup, tier):
+    cfg, _, ckpt, batches, ref, greedy = setup
+    model, store = load_model_with_tables(ckpt, tier, cache_rows=6, cache_window=0.5)
+    _check(model, store, batches, ref, greedy, True)
+    cache = store.stats()["cache"]
+    assert cache["hits"] > 0 and cache["evictions"] > 0
+    store.close()
+
+
 @pytest.mark.parametrize("tier", ["host", "disk", "device"])
 def test_offload_built_model_and_back(setup, tmp_path, tier):
     cfg, model, _, batches, ref, greedy = setup

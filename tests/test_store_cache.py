@@ -86,6 +86,55 @@ def test_matches_reference_policy_on_a_zipf_stream(capacity):
         assert resident(c) == expected
 
 
+def _reference_window(stream, capacity, window_rows):
+    """W-TinyLFU as documented, one id per lookup: LRU window, LFU main, count-based admission."""
+    freq, last, win, main, out = {}, {}, [], set(), []
+    for clock, i in enumerate(stream, 1):
+        freq[i] = freq.get(i, 0) + 1
+        last[i] = clock
+        if i in win:
+            win.remove(i)
+        if i not in main:
+            win.append(i)  # most recent at the end
+        if len(win) > window_rows:
+            cand = win.pop(0)
+            if len(main) < capacity - window_rows:
+                main.add(cand)
+            else:
+                victim = min((m for m in main if last[m] != clock), key=lambda m: (freq[m], last[m], m), default=None)
+                if victim is not None and freq[cand] > freq[victim]:
+                    main.remove(victim)
+                    main.add(cand)
+        out.append(sorted(main | set(win)))
+    return out
+
+
+@pytest.mark.parametrize("capacity,window", [(5, 0.2), (10, 0.3), (3, 0.34)])
+def test_window_matches_reference_policy(capacity, window):
+    rng = np.random.default_rng(1)
+    stream = [int(x) for x in (rng.zipf(1.2, size=400) - 1) % V]
+    c = HotRowCache(V, D, capacity, window=window)
+    want = _reference_window(stream, capacity, c.window_rows)
+    for i, expected in zip(stream, want):
+        fetch(c, [i])
+        assert resident(c) == expected
+    assert c.stats()["hits"] + c.stats()["misses"] == len(stream)
+
+
+def test_window_with_batched_lookups_and_warm_start():
+    rng = np.random.default_rng(2)
+    c = HotRowCache(V, D, capacity=8, window=0.25)
+    counts = np.bincount((rng.zipf(1.3, size=500) - 1) % V, minlength=V)
+    c.warm(counts, load)
+    assert len(resident(c)) == 8 and int(c.in_window.sum()) == 2
+    for _ in range(200):  # values stay right and the segments within their sizes
+        fetch(c, ((rng.zipf(1.3, size=rng.integers(1, 12)) - 1) % V).tolist())
+        in_win = (c.id_of >= 0) & c.in_window
+        assert int(in_win.sum()) <= c.window_rows and int(((c.id_of >= 0) & ~c.in_window).sum()) <= 6
+    with pytest.raises(ValueError, match="window"):
+        HotRowCache(V, D, capacity=4, window=1.0)
+
+
 def test_warm_start_and_aging():
     counts = np.zeros(V, dtype=np.int64)
     counts[[4, 9, 13]] = [50, 30, 10]

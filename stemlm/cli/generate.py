@@ -25,6 +25,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tables-file", default=None,
                         help="safetensors file holding the tables (default: the checkpoint's model.safetensors)")
     parser.add_argument("--cache-rows", type=int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")
+    parser.add_argument("--cache-window", type=float, default=0.0,
+                        help="fraction of the cache kept as an LRU admission window (W-TinyLFU; default 0 = plain LFU)")
     parser.add_argument("--no-prefetch", action="store_true", help="gather table rows synchronously (no background prefetch)")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
@@ -46,7 +48,8 @@ def run(args) -> int:
     ckpt = resolve_checkpoint(args.ckpt)
     codec = load_text_codec(ckpt, args.tokenizer)
     model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
-                                          cache_rows=args.cache_rows, prefetch=not args.no_prefetch,
+                                          cache_rows=args.cache_rows, cache_window=args.cache_window,
+                                          prefetch=not args.no_prefetch,
                                           device=args.device)
     prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(args.device)
     sys.stdout.write(args.prompt)

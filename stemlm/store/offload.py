@@ -150,7 +150,7 @@ def _load_counts(warm_counts):
 
 
 def _install(model: nn.Module, tier: str, backends: dict, device, dtype, cache_rows=0, cache_bytes=None,
-             prefetch=True, warm_counts=None, decay_every=0, path=None) -> TableStore:
+             prefetch=True, warm_counts=None, decay_every=0, path=None, cache_window=0.0) -> TableStore:
     """Replace ``model.tables`` entries by tables over ``backends`` (StemTable for ``device``)."""
     old = store_of(model)
     sparse = {k: getattr(t, "sparse_grad", False) for k, t in model.tables.items()}
@@ -163,7 +163,7 @@ def _install(model: nn.Module, tier: str, backends: dict, device, dtype, cache_r
             table = backend
         else:
             capacity = _cache_capacity(cache_rows, cache_bytes, backend.shape[1], dtype)
-            cache = HotRowCache(*backend.shape, capacity, device, dtype, decay_every) if capacity > 0 else None
+            cache = HotRowCache(*backend.shape, capacity, device, dtype, decay_every, cache_window) if capacity > 0 else None
             table = OffloadedTable(backend, device, dtype, cache)
             table.name = name
             if cache is not None and counts is not None:
@@ -187,13 +187,14 @@ def _check_tier(tier: str, cache_rows, cache_bytes, path) -> None:
 def offload_tables(model: StemLM, tier: str, path: str | os.PathLike | None = None, cache_rows: int = 0,
                    cache_bytes: int | None = None, prefetch: bool = True, device=None, dtype: torch.dtype | None = None,
                    storage_dtype: torch.dtype | None = None, warm_counts=None, decay_every: int = 0,
-                   overwrite: bool = False) -> TableStore:
+                   overwrite: bool = False, cache_window: float = 0.0) -> TableStore:
     """Move ``model.tables`` to ``tier`` and return the ``TableStore`` handle.
 
     ``path``: the tables file of the ``disk`` tier (written here, then mapped read-write).
     ``device``/``dtype``: where and as what rows are served (default: those of the model's
     parameters). ``storage_dtype``: dtype of the stored rows (default: unchanged).
-    ``cache_rows`` / ``cache_bytes``: per-table LFU cache on ``device`` (host/disk tiers).
+    ``cache_rows`` / ``cache_bytes``: per-table LFU cache on ``device`` (host/disk tiers);
+    ``cache_window``: the fraction of it kept as an LRU admission window (``HotRowCache``).
     ``warm_counts``: token counts (array or ``.npy`` path) to warm-start the caches.
     """
     _check_tier(tier, cache_rows, cache_bytes, path)
@@ -224,7 +225,7 @@ def offload_tables(model: StemLM, tier: str, path: str | os.PathLike | None = No
                 rows = rows.clone() if on_disk and rows.data_ptr() == full.data_ptr() else rows  # leave the mmap
                 backends[k] = HostRows(rows, pin=device.type == "cuda" and torch.cuda.is_available())
     return _install(model, tier, backends, device, dtype, cache_rows, cache_bytes, prefetch, warm_counts,
-                    decay_every, path)
+                    decay_every, path, cache_window)
 
 
 def _skeleton(ckpt: Path, device, dtype) -> StemLM:
@@ -253,7 +254,7 @@ def _skeleton(ckpt: Path, device, dtype) -> StemLM:
 def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables_path: str | os.PathLike | None = None,
                            writable: bool = False, cache_rows: int = 0, cache_bytes: int | None = None,
                            prefetch: bool = True, device="cpu", dtype: torch.dtype | None = None, warm_counts=None,
-                           decay_every: int = 0) -> tuple[StemLM, TableStore]:
+                           decay_every: int = 0, cache_window: float = 0.0) -> tuple[StemLM, TableStore]:
     """Load a checkpoint (or a run's newest one) with its tables on ``tier``.
 
     Tables come from ``tables_path`` if given (a tables file, see ``export_tables``), else from
@@ -281,4 +282,4 @@ def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables
             table.weight.data = disk.weight.to(device, dtype).clone()
             backends[str(i)] = table
     return model, _install(model, tier, backends, device, dtype, cache_rows, cache_bytes, prefetch, warm_counts,
-                           decay_every, src if tier == "disk" else None)
+                           decay_every, src if tier == "disk" else None, cache_window)
