@@ -33,6 +33,8 @@ from collections.abc import Mapping
 
 import torch
 
+from ..tables import WeightRows
+
 
 def table_device(table) -> torch.device:
     """Where a table keeps its rows (moments are kept there too)."""
@@ -126,11 +128,16 @@ class SparseRowAdamW:
             rows.mul_(decay.to(torch.float32))
         st["last_step"].index_fill_(0, ids, self.global_step)
         n64 = n.to(torch.float64)[:, None]  # (U, 1)
-        step_size = (self.lr / (1 - b1 ** n64)).to(torch.float32)
-        bc2_sqrt = (1 - b2 ** n64).sqrt().to(torch.float32)
-        denom = torch.sqrt(v, out=buf_d).div_(bc2_sqrt).add_(self.eps)
-        rows.sub_(torch.div(m, denom, out=denom).mul_(step_size))
-        table.write_rows(ids, rows)
+        # lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps) == (lr·sqrt(bc2)/bc1) · m / (sqrt(v) + eps·sqrt(bc2)):
+        # the per-row bias corrections become two (U, 1) factors, saving two passes over (U, dim)
+        bc2_sqrt = (1 - b2 ** n64).sqrt()
+        neg_step = (-self.lr * bc2_sqrt / (1 - b1 ** n64)).to(torch.float32)
+        denom = torch.sqrt(v, out=buf_d).add_((self.eps * bc2_sqrt).to(torch.float32))
+        rows.addcdiv_(torch.mul(m, neg_step, out=buf_m), denom)  # m is stored already: reuse its buffer
+        if isinstance(table, WeightRows):  # rows held as a tensor; ids are unique: index_copy_ is safe and fast
+            table.weight.data.index_copy_(0, ids, rows.to(table.weight.dtype))
+        else:
+            table.write_rows(ids, rows)
 
     def _workspace(self, name: str, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
         """Three ``(rows, dim)`` scratch tensors kept across steps (grown when a step needs more)."""
