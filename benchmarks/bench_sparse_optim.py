@@ -5,7 +5,8 @@ unique ids of a Zipf draw of B·L = 8192 tokens (a few thousand rows). The spars
 coalesces and updates only those U rows; torch AdamW updates all V rows from a dense gradient
 (the official code's setup). Each side is timed in two parts, interleaved in the same run:
 
-* ``step``: the optimizer step alone — ``SparseRowAdamW.step()`` (coalesce + row update) against
+* ``step``: the optimizer step alone — ``SparseRowAdamW.step()`` (coalesce + row update; eager,
+  and with ``compile=True``: one compiled gather-update-scatter kernel) against
   ``AdamW.step()`` + ``zero_grad(set_to_none=False)``. This is the P2 metric.
 * ``lookup_backward``: the table lookup of the 8192 positions and its backward (for dense, this
   writes the V × d_ff gradient). Reported so the whole table cost per step is visible too.
@@ -40,12 +41,13 @@ class TableSide:
         torch.nn.init.normal_(self.table.weight, std=0.02)
         self.ids = ids
         self.grad_out = None
-        if optimizer == "sparse":
-            self.opt = SparseRowAdamW({"0": self.table}, lr=1e-3, weight_decay=0.1)
+        if optimizer.startswith("sparse"):
+            self.opt = SparseRowAdamW({"0": self.table}, lr=1e-3, weight_decay=0.1,
+                                      compile=optimizer == "sparse_compiled")
         else:
             self.opt = torch.optim.AdamW(self.table.parameters(), lr=1e-3, weight_decay=0.1,
                                          fused=optimizer == "dense_fused" or None)
-        self.sparse = optimizer == "sparse"
+        self.sparse = optimizer.startswith("sparse")
 
     def lookup_backward(self) -> None:
         rows = self.table.lookup(self.ids)  # (N, d)
@@ -84,17 +86,19 @@ def ids_with_unique(n_tokens: int, vocab: int, unique: int | None, seed: int = 0
     return toks
 
 
-def measure(V: int, d: int, ids: torch.Tensor, steps: int, dense: tuple[str, ...] = ("dense", "dense_fused")) -> dict:
-    """Times of the sparse side and the given dense sides on one table shape and one id draw."""
-    sides = {"sparse": TableSide(V, d, ids, "sparse")} | {k: TableSide(V, d, ids, k) for k in dense}
+def measure(V: int, d: int, ids: torch.Tensor, steps: int, dense: tuple[str, ...] = ("dense", "dense_fused"),
+            sparse: tuple[str, ...] = ("sparse", "sparse_compiled")) -> dict:
+    """Times of the sparse sides and the given dense sides on one table shape and one id draw."""
+    sides = {k: TableSide(V, d, ids, k) for k in sparse + dense}
     t = time_sides(sides, steps)
     out = {"V": V, "d_ff": d, "unique": int(torch.unique(ids).numel())}
     for name, parts in t.items():
         out[f"{name}_step_s"] = parts["step"]
         out[f"{name}_lookup_backward_s"] = parts["lookup_backward"]
     for name in dense:
-        out[f"{name}_over_sparse_step"] = t[name]["step"] / t["sparse"]["step"]
-        out[f"{name}_over_sparse_total"] = sum(t[name].values()) / sum(t["sparse"].values())
+        for sp in sparse:
+            out[f"{name}_over_{sp}_step"] = t[name]["step"] / t[sp]["step"]
+            out[f"{name}_over_{sp}_total"] = sum(t[name].values()) / sum(t[sp].values())
     del sides
     return out
 
@@ -115,17 +119,19 @@ def main() -> None:
     print(f"V={V} d_ff={d}, Zipf draw of {args.tokens} tokens -> U={main_row['unique']} unique rows "
           f"({torch.get_num_threads()} threads)")
     print(f"{'':24}{'step':>10}{'lookup+bwd':>13}")
-    for name in ("sparse", "dense", "dense_fused"):
+    for name in ("sparse", "sparse_compiled", "dense", "dense_fused"):
         print(f"  {name:<22}{ms(main_row[f'{name}_step_s'])}{ms(main_row[f'{name}_lookup_backward_s'])}")
     for name, label in (("dense", "torch AdamW (defaults)"), ("dense_fused", "torch AdamW fused=True")):
-        print(f"  {label}: step {main_row[f'{name}_over_sparse_step']:.1f}x slower than sparse, "
-              f"lookup+backward+step {main_row[f'{name}_over_sparse_total']:.1f}x")
-    sweep_v = [measure(v, d, ids_with_unique(args.tokens, v, None), args.steps, dense=("dense",))
+        for sp in ("sparse", "sparse_compiled"):
+            print(f"  {label} / {sp}: step {main_row[f'{name}_over_{sp}_step']:.1f}x, "
+                  f"lookup+backward+step {main_row[f'{name}_over_{sp}_total']:.1f}x")
+    sweep_v = [measure(v, d, ids_with_unique(args.tokens, v, None), args.steps, dense=("dense",), sparse=("sparse",))
                for v in (V // 4, V // 2, V)]
     print("sweep V (Zipf ids), step:  " + "  ".join(
         f"V={r['V']}: U={r['unique']} sparse {ms(r['sparse_step_s'])} dense {ms(r['dense_step_s'])}" for r in sweep_v))
     units = [u for u in (250, 1000, 4000) if u < V] if not args.quick else [50, 200]
-    sweep_u = [measure(V, d, ids_with_unique(args.tokens, V, u), args.steps, dense=()) for u in units]
+    sweep_u = [measure(V, d, ids_with_unique(args.tokens, V, u), args.steps, dense=(), sparse=("sparse",))
+               for u in units]
     print("sweep U (V fixed), step:   " + "  ".join(f"U={r['unique']}: sparse {ms(r['sparse_step_s'])}" for r in sweep_u))
     path = write_result("sparse_optim", args.quick, {"main": main_row, "sweep_vocab": sweep_v, "sweep_unique": sweep_u})
     print(f"wrote {path}")

@@ -124,3 +124,42 @@ def test_clip_includes_sparse_table_grads():
     assert norm.item() == pytest.approx(5.0)
     assert torch.allclose(p.grad, torch.tensor([0.6, 0.0]), atol=1e-6)
     assert torch.allclose(table_grad, torch.tensor([[0.8]]), atol=1e-6)
+
+
+@pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
+def test_compiled_row_update_equals_eager(decay_untouched):
+    tables = [_table(), _table()]
+    opts = [SparseRowAdamW({"0": t}, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched, compile=c)
+            for t, c in zip(tables, (False, True))]
+    gen = torch.Generator().manual_seed(3)
+    for step in range(5):
+        ids = torch.randint(0, V, (2, 3 + step), generator=gen)  # varying, repeated ids: U changes per step
+        target = torch.randn(2, 3 + step, D, generator=gen)
+        for t, opt in zip(tables, opts):
+            _loss(t.lookup(ids), target).backward()
+            opt.step()
+        torch.testing.assert_close(tables[1].weight, tables[0].weight, rtol=1e-6, atol=1e-6)
+    assert opts[1].compile  # it really ran compiled (a failure would have switched it off with a warning)
+    for key in ("exp_avg", "exp_avg_sq", "step", "last_step"):
+        torch.testing.assert_close(opts[1].state["0"][key], opts[0].state["0"][key], rtol=1e-6, atol=1e-6)
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    import stemlm.train.sparse_adam as sa
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(sa, "_compiled_row_update", broken)
+    tables = [_table(), _table()]
+    opts = [SparseRowAdamW({"0": t}, lr=0.05, weight_decay=0.1, compile=c) for t, c in zip(tables, (False, True))]
+    ids, target = torch.tensor([[1, 2, 2]]), torch.randn(1, 3, D)
+    for t, opt in zip(tables, opts):
+        _loss(t.lookup(ids), target).backward()
+        if opt.compile:
+            with pytest.warns(UserWarning, match="no compiler here"):
+                opt.step()
+        else:
+            opt.step()
+    assert not opts[1].compile
+    torch.testing.assert_close(tables[1].weight, tables[0].weight, rtol=0, atol=0)

@@ -29,6 +29,7 @@ If every row is touched every step, both modes equal ``torch.optim.AdamW``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -58,13 +59,33 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, device) -
     return uniq, out.index_add_(0, inverse, grads)  # (U, dim)
 
 
+def _row_update(weight, exp_avg, exp_avg_sq, ids, grad, decay, neg_step, eps_r, buf_m, buf_v, buf_w,
+                b1: float, b2: float) -> None:
+    """AdamW on the rows ``ids`` of ``weight`` and its moments, in place; ``torch.compile`` turns it
+    into a few fused loops. ``decay``/``neg_step``/``eps_r`` are ``(U, 1)``; the ``(U, dim)``
+    buffers are reused across steps (fresh ones would page-fault on every step)."""
+    buf_m.copy_(exp_avg[ids].lerp(grad, 1 - b1))
+    buf_v.copy_(exp_avg_sq[ids] * b2 + (1 - b2) * grad * grad)
+    buf_w.copy_(weight[ids] * decay + neg_step * buf_m / (buf_v.sqrt() + eps_r))
+    exp_avg.index_copy_(0, ids, buf_m)
+    exp_avg_sq.index_copy_(0, ids, buf_v)
+    weight.index_copy_(0, ids, buf_w)
+
+
+_compiled_row_update = None
+
+
 class SparseRowAdamW:
     """AdamW over the touched rows of a set of named table objects (see module docstring)."""
 
     def __init__(self, tables: Mapping[str, object], lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, decay_untouched: str = "lazy"):
+                 weight_decay: float = 0.0, decay_untouched: str = "lazy", compile: bool = False):
+        """``compile``: run the row update of in-memory tables as one ``torch.compile``-d kernel that
+        gathers, updates and scatters in place (compiled once per process, ~6 s on CPU; about 2x
+        faster steps). Falls back to the eager path, with a warning, where compiling fails."""
         if decay_untouched not in ("lazy", "catchup"):
             raise ValueError(f"decay_untouched must be 'lazy' or 'catchup', got {decay_untouched!r}")
+        self.compile = compile
         self.tables = dict(tables)
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.decay_untouched = decay_untouched
@@ -115,6 +136,10 @@ class SparseRowAdamW:
         # index_select / index_copy_ (ids are unique): several times faster on CPU than t[ids] / t[ids] = x
         n = st["step"].index_select(0, ids) + 1  # (U,) per-row update count
         st["step"].index_copy_(0, ids, n)
+        decay, neg_step, eps_r = self._row_factors(st, ids, n, grad.device)
+        if self.compile and isinstance(table, WeightRows) and table.weight.dtype == torch.float32:
+            if self._update_compiled(name, table, st, ids, grad, decay, neg_step, eps_r):
+                return
         buf_m, buf_v, buf_d = self._workspace(name, len(ids), grad)  # reused: no page faults per step
         m = torch.index_select(st["exp_avg"], 0, ids, out=buf_m).lerp_(grad, 1 - b1)  # (U, dim)
         v = torch.index_select(st["exp_avg_sq"], 0, ids, out=buf_v).mul_(b2).addcmul_(grad, grad, value=1 - b2)
@@ -122,22 +147,46 @@ class SparseRowAdamW:
         st["exp_avg_sq"].index_copy_(0, ids, v)
         rows = table.read_rows(ids).to(grad.device, torch.float32)  # (U, dim)
         if self.weight_decay:
-            decay = torch.full((len(ids), 1), 1 - self.lr * self.weight_decay, dtype=torch.float64, device=grad.device)
-            if self.decay_untouched == "catchup":  # steps since the last update, this one included
-                decay = decay.pow((self.global_step - st["last_step"].index_select(0, ids)).to(torch.float64)[:, None])
-            rows.mul_(decay.to(torch.float32))
-        st["last_step"].index_fill_(0, ids, self.global_step)
-        n64 = n.to(torch.float64)[:, None]  # (U, 1)
-        # lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps) == (lr·sqrt(bc2)/bc1) · m / (sqrt(v) + eps·sqrt(bc2)):
-        # the per-row bias corrections become two (U, 1) factors, saving two passes over (U, dim)
-        bc2_sqrt = (1 - b2 ** n64).sqrt()
-        neg_step = (-self.lr * bc2_sqrt / (1 - b1 ** n64)).to(torch.float32)
-        denom = torch.sqrt(v, out=buf_d).add_((self.eps * bc2_sqrt).to(torch.float32))
+            rows.mul_(decay)
+        denom = torch.sqrt(v, out=buf_d).add_(eps_r)
         rows.addcdiv_(torch.mul(m, neg_step, out=buf_m), denom)  # m is stored already: reuse its buffer
         if isinstance(table, WeightRows):  # rows held as a tensor; ids are unique: index_copy_ is safe and fast
             table.weight.data.index_copy_(0, ids, rows.to(table.weight.dtype))
         else:
             table.write_rows(ids, rows)
+
+    def _row_factors(self, st: dict, ids: torch.Tensor, n: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
+        """Per-row ``(decay, -step, eps)`` factors ``(U, 1)`` fp32 of this step, from which
+        ``w <- w·decay + (-step)·m / (sqrt(v) + eps)``. The bias corrections are folded in:
+        lr/bc1 · m / (sqrt(v)/sqrt(bc2) + eps) == (lr·sqrt(bc2)/bc1) · m / (sqrt(v) + eps·sqrt(bc2)),
+        which saves two passes over the rows. Records this step as the rows' last update."""
+        b1, b2 = self.betas
+        decay = torch.ones(len(ids), 1, dtype=torch.float64, device=device)
+        if self.weight_decay:
+            decay.fill_(1 - self.lr * self.weight_decay)
+            if self.decay_untouched == "catchup":  # steps since the last update, this one included
+                decay = decay.pow((self.global_step - st["last_step"].index_select(0, ids)).to(torch.float64)[:, None])
+        st["last_step"].index_fill_(0, ids, self.global_step)
+        n64 = n.to(torch.float64)[:, None]  # (U, 1) per-row update count
+        bc2_sqrt = (1 - b2 ** n64).sqrt()
+        neg_step = -self.lr * bc2_sqrt / (1 - b1 ** n64)
+        return tuple(x.to(torch.float32) for x in (decay, neg_step, self.eps * bc2_sqrt))
+
+    def _update_compiled(self, name: str, table, st: dict, ids, grad, decay, neg_step, eps_r) -> bool:
+        """The row update as one compiled kernel; False (and eager from now on) if compiling fails."""
+        global _compiled_row_update
+        try:
+            if _compiled_row_update is None:
+                _compiled_row_update = torch.compile(_row_update, dynamic=True)
+            _compiled_row_update(table.weight.data, st["exp_avg"], st["exp_avg_sq"], ids, grad, decay, neg_step,
+                                 eps_r, *self._workspace(name, len(ids), grad), *self.betas)
+            return True
+        except Exception as e:  # no C++ compiler, unsupported device, ...: the eager path is exact too
+            first = str(e).splitlines()[0] if str(e) else ""
+            warnings.warn(f"SparseRowAdamW(compile=True): compiling the row update failed ({type(e).__name__}: "
+                          f"{first}); using the eager update", stacklevel=3)
+            self.compile = False
+            return False
 
     def _workspace(self, name: str, rows: int, like: torch.Tensor) -> list[torch.Tensor]:
         """Three ``(rows, dim)`` scratch tensors kept across steps (grown when a step needs more)."""
