@@ -25,6 +25,7 @@ Goal: >= 90% hits at 10% of the rows. Writes ``results/cache_hit.json`` and ``ca
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -137,6 +138,13 @@ def belady_hit_rate(tokens: np.ndarray, capacity: int) -> float:
     return hits / n
 
 
+def replot(path_json, path_png) -> None:
+    """Redraw the PNG from a results JSON (no replay)."""
+    import json
+
+    plot(json.loads(Path(path_json).read_text())["streams"], path_png)
+
+
 def plot(results: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -146,10 +154,13 @@ def plot(results: dict, path) -> None:
     styles = {"lfu_cold": ("o", "LFU cold"), "lfu_warm": ("s", "LFU warm (train counts)"),
               "window_warm": ("D", "W-TinyLFU warm"), "static_oracle": ("^", "static top-k bound"),
               "belady_cold": ("v", "Belady optimum, cold")}
-    for (name, res), ls in zip(results.items(), ("-", "--", ":")):
+    colors = dict(zip(styles, ("tab:blue", "tab:orange", "tab:green", "tab:grey", "tab:purple")))
+    for (name, res), ls in zip(results.items(), ("-", "--", ":")):  # line style: stream; colour: policy
         x = [100 * r["fraction"] for r in res["rows"]]
         for key, (marker, label) in styles.items():
-            ax.plot(x, [100 * r[key] for r in res["rows"]], ls=ls, marker=marker,
+            if res["rows"][0].get(key) is None:
+                continue
+            ax.plot(x, [100 * r[key] for r in res["rows"]], ls=ls, marker=marker, color=colors[key],
                     label=f"{label}, {name} (V={res['vocab_size']})")
     ax.axhline(90, color="grey", ls="--", lw=1)
     ax.axvline(10, color="grey", ls=":", lw=1)
