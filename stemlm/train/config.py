@@ -89,6 +89,7 @@ class OptimSection:
 
     lr: float = _f(3e-3, "peak learning rate of the backbone")
     table_lr: Optional[float] = _f(None, f"peak learning rate of the STEM tables (None = {TABLE_LR_SCALE:g} x lr, see docs/training.md)")
+    embed_lr: Optional[float] = _f(None, "peak learning rate of the input embedding (None = lr; 0 = frozen at its init; with tied embeddings also the LM head's)")
     betas: Any = _f((0.9, 0.95), "AdamW betas (beta1, beta2) for backbone and tables")
     eps: float = _f(1e-8, "AdamW epsilon")
     weight_decay: float = _f(0.1, "decoupled weight decay of backbone matrices (norm gains are never decayed)")
@@ -114,10 +115,16 @@ class OptimSection:
         _positive(self, "optim", ("lr", "grad_accum", "eps"))
         if self.table_lr is not None and self.table_lr <= 0:
             raise ConfigError(f"optim.table_lr must be positive, got {self.table_lr}")
+        if self.embed_lr is not None and (isinstance(self.embed_lr, bool) or self.embed_lr < 0):
+            raise ConfigError(f"optim.embed_lr must be >= 0 (0 = frozen), got {self.embed_lr}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError("optim.warmup_ratio must be in [0, 1) and optim.min_lr_ratio in [0, 1]")
         if self.weight_decay < 0 or self.table_weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("optim.weight_decay, optim.table_weight_decay and optim.grad_clip must be >= 0")
+
+    @property
+    def embed_peak_lr(self) -> float:
+        return self.lr if self.embed_lr is None else float(self.embed_lr)
 
     @property
     def table_peak_lr(self) -> float:

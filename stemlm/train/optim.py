@@ -3,6 +3,8 @@
 Parameter groups (each parameter in exactly one, asserted):
 
 * ``decay``: matrices and embeddings of the backbone (``p.dim() >= 2``), ``weight_decay``;
+* ``embed`` (only when ``embed_lr`` is set): the input embedding, ``weight_decay``, peak lr
+  ``embed_lr`` (0 = frozen at its initial value: lr 0 also means no decay step);
 * ``no_decay``: RMSNorm gains (1-D), never decayed: decaying a gain pulls the normalised
   activations toward zero instead of regularising a projection;
 * ``tables`` (``table_optimizer="dense"`` only): the table weights in torch AdamW with
@@ -28,9 +30,14 @@ def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.A
     tables = dict(model.tables.items()) if hasattr(model, "tables") else {}
     table_params = {id(p) for t in tables.values() if isinstance(t, nn.Module) for p in t.parameters()}
     backbone = [p for p in _unique_params(model) if id(p) not in table_params and p.requires_grad]
+    embed = getattr(model, "tok_embeddings", None)
+    embed_ids = {id(embed.weight)} if cfg.embed_lr is not None and embed is not None else set()
     groups = [
-        {"name": "decay", "params": [p for p in backbone if p.dim() >= 2], "weight_decay": cfg.weight_decay, "peak_lr": cfg.lr},
+        {"name": "decay", "params": [p for p in backbone if p.dim() >= 2 and id(p) not in embed_ids],
+         "weight_decay": cfg.weight_decay, "peak_lr": cfg.lr},
         {"name": "no_decay", "params": [p for p in backbone if p.dim() < 2], "weight_decay": 0.0, "peak_lr": cfg.lr},
+        {"name": "embed", "params": [p for p in backbone if id(p) in embed_ids], "weight_decay": cfg.weight_decay,
+         "peak_lr": cfg.embed_peak_lr},
     ]
     table_opt = None
     if cfg.table_optimizer == "dense":
