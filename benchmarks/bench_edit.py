@@ -33,22 +33,47 @@ RUN_DIR = ROOT / "runs" / "edit"
 SHAPES = {"facts": ["data.batch_size=32", "data.seq_len=64"], "r16": ["data.batch_size=16", "data.seq_len=128"],
           "default": ["data.batch_size=16", "data.seq_len=128"]}
 BASE = ["model.vocab_size=4096", "run.progress=False", "run.plots=False"]
+TLR1 = ["optim.table_lr=0.003"]  # = the backbone's peak lr (the default is 10x since TABLE_LR_SCALE)
 TLR30 = ["optim.table_lr=0.1"]  # 33x the backbone's peak lr of 3e-3
+TLR100 = ["optim.table_lr=0.3"]  # 100x
+TLR333 = ["optim.table_lr=1.0"]  # 333x
 DENSE = ["optim.table_optimizer=dense"]
+EMB0 = ["optim.embed_lr=0"]  # input embedding frozen at its initialisation
+SWEEP = dict(swaps_only=True, heldout_pairs=160)  # few held-out phrasings are known: 4x the pairs
 RUNS: dict[str, dict] = {
     # name: stem layers, extra overrides, steps, data: "facts" (templated training facts only),
     # "r16" (the default corpus with every training fact repeated 16 times instead of 4), "default"
-    "facts_full_tlr1": dict(stem="full", steps=600, over=[], data="facts"),
+    "facts_full_tlr1": dict(stem="full", steps=600, over=TLR1, data="facts"),
     "facts_full_tlr30": dict(stem="full", steps=600, over=TLR30, data="facts"),
     "facts_all4_tlr30": dict(stem="0,1,2,3", steps=600, over=TLR30, data="facts"),
     "r16_all4_tlr30": dict(stem="0,1,2,3", steps=600, over=TLR30, data="r16"),
     # torch AdamW on whole tables (as the official code and as the embedding) instead of row-sparse AdamW
-    "facts_full_dense": dict(stem="full", steps=600, over=DENSE, data="facts"),
-    "facts_all4_dense": dict(stem="0,1,2,3", steps=600, over=DENSE, data="facts"),
+    "facts_full_dense": dict(stem="full", steps=600, over=TLR1 + DENSE, data="facts"),
+    "facts_all4_dense": dict(stem="0,1,2,3", steps=600, over=TLR1 + DENSE, data="facts"),
     # plain Adam as in a minimal loop: beta2 0.999, no clipping, no weight decay, constant lr
     "facts_all4_tlr30_adam": dict(stem="0,1,2,3", steps=600, data="facts", over=TLR30 + [
         "optim.betas=[0.9,0.999]", "optim.grad_clip=0", "optim.weight_decay=0", "optim.min_lr_ratio=1.0",
         "optim.warmup_ratio=0"]),
+    # sweep toward >= 90 % swap success (SWEEP: all table layers only, no injection / removal)
+    "facts_all4_tlr100": dict(stem="0,1,2,3", steps=600, over=TLR100, data="facts", **SWEEP),
+    "facts_all4_tlr333": dict(stem="0,1,2,3", steps=600, over=TLR333, data="facts", **SWEEP),
+    "facts_full_tlr100": dict(stem="full", steps=600, over=TLR100, data="facts", **SWEEP),
+    # input-embedding lr: 0.1x the backbone's, or 0 = frozen at its random init
+    "facts_all4_tlr30_emb01": dict(stem="0,1,2,3", steps=600, over=TLR30 + ["optim.embed_lr=0.0003"], data="facts",
+                                   **SWEEP),
+    "facts_all4_tlr30_emb0": dict(stem="0,1,2,3", steps=600, over=TLR30 + EMB0, data="facts", **SWEEP),
+    "facts_full_tlr30_emb0": dict(stem="full", steps=600, over=TLR30 + EMB0, data="facts", **SWEEP),
+    # every embedding row the same (frozen) vector: token identity enters only through the tables
+    "facts_all4_tlr30_embconst": dict(stem="0,1,2,3", steps=600, over=TLR30 + EMB0, data="facts", init="const_embed",
+                                      **SWEEP),
+    "facts_all4_tlr10_embconst": dict(stem="0,1,2,3", steps=600, over=["optim.table_lr=0.03"] + EMB0, data="facts",
+                                      init="const_embed", **SWEEP),
+    "facts_all4_tlr1_embconst": dict(stem="0,1,2,3", steps=600, over=TLR1 + EMB0, data="facts", init="const_embed",
+                                     **SWEEP),
+    # training length
+    "facts_full_tlr30_emb0_s2000": dict(stem="full", steps=2000, over=TLR30 + EMB0, data="facts", **SWEEP),
+    "facts_all4_tlr30_embconst_s2000": dict(stem="0,1,2,3", steps=2000, over=TLR30 + EMB0, data="facts",
+                                            init="const_embed", **SWEEP),
 }
 QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
 # Made-up country names: several tokens each, pieces shared with real words.
@@ -82,6 +107,26 @@ def corpus(kind: str) -> Path:
     return prepare_default_corpus(progress=False)
 
 
+def const_embed_init(name: str, spec: dict) -> Path:
+    """A fresh model of the run's shape (seed 0) whose input-embedding rows all equal row 0, saved
+    as the run's ``run.init_from``: with ``optim.embed_lr=0`` the embedding then carries no token
+    identity and every token-specific signal enters through the STEM tables."""
+    from stemlm.checkpoint import save_model
+    from stemlm.model import StemLM
+    from stemlm.train import load_train_config
+
+    out = RUN_DIR / f"{name}_init"
+    if (out / "config.json").exists():
+        return out
+    model_over = [o for o in spec["over"] if o.startswith("model.")]
+    cfg = load_train_config("debug", None, [*BASE, f"model.stem_layers={spec['stem']}", *model_over])
+    torch.manual_seed(cfg.run.seed)
+    model = StemLM(cfg.model.build())
+    with torch.no_grad():
+        model.tok_embeddings.weight.copy_(model.tok_embeddings.weight[0].expand_as(model.tok_embeddings.weight))
+    return save_model(model, out)
+
+
 def train(name: str, spec: dict) -> Path:
     """Train one run with the CLI unless its final checkpoint exists; returns the run dir."""
     out = RUN_DIR / name
@@ -89,9 +134,10 @@ def train(name: str, spec: dict) -> Path:
     if (final / "config.json").exists():
         return out
     data = corpus(spec["data"])
+    init = [f"run.init_from={const_embed_init(name, spec)}"] if spec.get("init") == "const_embed" else []
     cmd = ["nice", "-n", "10", sys.executable, "-m", "stemlm", "train", "--preset", "debug", "--stem-layers",
            spec["stem"], "--steps", str(spec["steps"]), "--out", str(out), *BASE, *SHAPES[spec["data"]],
-           *spec["over"],
+           *spec["over"], *init,
            f"run.ckpt_every={spec['steps']}", f"run.eval_every={spec['steps']}", "--data", str(data)]
     if out.exists():
         cmd.append("--resume")
@@ -102,8 +148,13 @@ def train(name: str, spec: dict) -> Path:
     return out
 
 
-def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
-    """Swap / injection / removal metrics of a run's newest checkpoint (``data``: its corpus)."""
+def evaluate(run: Path, data: Path, n_pairs: int, quick: bool, swaps_only: bool = False,
+             heldout_pairs: int | None = None) -> dict:
+    """Swap / injection / removal metrics of a run's newest checkpoint (``data``: its corpus).
+
+    ``swaps_only`` (sweep runs) edits all table layers only (no layer sweep) and stops after the
+    swaps and the embedding diagnostic; ``heldout_pairs`` (default ``n_pairs``) country pairs are
+    swapped on held-out phrasings, ``n_pairs * 3 // 4`` on trained phrasings."""
     import numpy as np
 
     from stemlm.data.facts import load_countries
@@ -118,8 +169,9 @@ def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
     facts = load_facts(facts_dir)
     model, tok = load_model_and_tokenizer(run, data)
     out = {"summary": json.loads((run / "summary.json").read_text()) if (run / "summary.json").exists() else None}
-    sweep = layer_sweep(model)
-    for split, pairs, sets in (("heldout_template", n_pairs, sweep), ("train", n_pairs * 3 // 4, {"all": None})):
+    sweep = {"all": None} if swaps_only else layer_sweep(model)
+    held_pairs = heldout_pairs or n_pairs
+    for split, pairs, sets in (("heldout_template", held_pairs, sweep), ("train", n_pairs * 3 // 4, {"all": None})):
         cfg = EditEvalConfig(split=split, n_pairs=pairs, layer_sets=sets)
         out[f"swap_{split}"] = run_edit_eval(model, tok, facts, cfg, progress=False)
     from stemlm.analyze.text import token_stream, windows
@@ -127,9 +179,11 @@ def evaluate(run: Path, data: Path, n_pairs: int, quick: bool) -> dict:
     stream, _ = token_stream(default_data_dir(), tok)  # unrelated prose: the validation passages
     text = torch.from_numpy(windows(stream, 128, 4))  # (4, 128)
     # diagnostic: the input embedding's share of the entity (not a STEM edit)
-    for split, pairs in (("heldout_template", n_pairs), ("train", n_pairs * 3 // 4)):
+    for split, pairs in (("heldout_template", held_pairs), ("train", n_pairs * 3 // 4)):
         cfg = EditEvalConfig(split=split, n_pairs=pairs, layer_sets={"tables+emb": None, "emb_only": []}, embedding=True)
         out[f"diag_embedding_{split}"] = run_edit_eval(model, tok, facts, cfg, progress=False)
+    if swaps_only:
+        return out
     ev = EditEvaluator(model, tok, facts, EditEvalConfig(split="train", n_pairs=1), text=text)
     vocab = model.cfg.vocab_size
     meta = json.loads((facts_dir / "meta.json").read_text())
@@ -159,10 +213,11 @@ def headline(name: str, res: dict) -> str:
         return next(r for r in res[f"swap_{split}"]["runs"] if r["layers_label"] == "all")
     h, t = pick("heldout_template"), pick("train")
     pct = lambda x: "  -  " if x is None else f"{100 * x:5.1f}"  # noqa: E731
-    inj = res["inject_heldout_country"]
+    inj = res.get("inject_heldout_country", {"success": None})
+    forget = res.get("forget_mean", {"success": None})
     return (f"{name:<18} known {h['known']:>4}/{t['known']:>4}  swap% heldout {pct(h['success'])} train "
             f"{pct(t['success'])}  loc% {pct(h['locality_top1'])}  undo% {pct(h['reversible'])}  "
-            f"inject% {pct(inj['success'])}  forget% {pct(res['forget_mean']['success'])}")
+            f"inject% {pct(inj['success'])}  forget% {pct(forget['success'])}")
 
 
 def main() -> int:
@@ -171,14 +226,15 @@ def main() -> int:
     parser.add_argument("--runs", default=None, help="comma list of run names (default: all)")
     parser.add_argument("--pairs", type=int, default=40, help="country pairs per swap evaluation")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, min(2, os.cpu_count() or 1)))))
     runs = QUICK if args.quick else {k: v for k, v in RUNS.items() if args.runs is None or k in args.runs.split(",")}
     path = RESULTS / ("edit_eval.quick.json" if args.quick else "edit_eval.json")
     results = json.loads(path.read_text()) if path.exists() and not args.quick else {}
     for name, spec in runs.items():
         run = train(name, spec)
         t0 = time.time()
-        res = evaluate(run, corpus(spec["data"]), 4 if args.quick else args.pairs, args.quick)
+        res = evaluate(run, corpus(spec["data"]), 4 if args.quick else args.pairs, args.quick,
+                       spec.get("swaps_only", False), None if args.quick else spec.get("heldout_pairs"))
         results[name] = {"spec": spec, "eval_seconds": round(time.time() - t0), **res}
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
