@@ -207,16 +207,6 @@ def test_disk_tier_reads_only_touched_rows(setup, tmp_path):
     assert s["rows_moved"] == 2 * len(cfg.table_layers) and s["unique_rows"] == s["rows_moved"]
 
 
-def test_read_ahead_hint_on_any_rows(setup):
-    cfg, model, ckpt, _, _, _ = setup
-    m, _ = load_model_with_tables(ckpt, "disk", cache_rows=4)
-    for name, table in m.tables.items():  # rows at unaligned offsets, all rows, none: a hint never fails
-        table.advise(torch.tensor([0, 1, 7, cfg.vocab_size - 1]))
-        table.backend.advise(torch.arange(cfg.vocab_size))
-        table.advise(torch.tensor([], dtype=torch.long))
-        torch.testing.assert_close(table.read_rows(torch.tensor([7])), model.tables[name].weight.detach()[[7]])
-
-
 def test_bad_tier_and_options_are_clear(setup):
     cfg, model, _, _, _, _ = setup
     with pytest.raises(ValueError, match="unknown table tier"):

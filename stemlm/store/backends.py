@@ -14,7 +14,6 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
 
 from __future__ import annotations
 
-import mmap
 import os
 from pathlib import Path
 
@@ -49,9 +48,6 @@ class HostRows:
         """Overwrite rows at unique CPU ``ids``."""
         self.weight.index_copy_(0, ids, rows.to("cpu", self.weight.dtype))
 
-    def advise(self, ids: torch.Tensor) -> None:
-        """Hint that rows ``ids`` are needed soon (RAM rows: nothing to do)."""
-
     def flush(self) -> None:
         pass
 
@@ -80,26 +76,6 @@ class DiskRows(HostRows):
             raise PermissionError(f"table {self.key!r} is served read-only from {self.path}; open the disk tier "
                                   "writable (a separate tables file, or copy-on-write) to change rows")
         super().scatter(ids, rows)
-
-    def advise(self, ids: torch.Tensor) -> None:
-        """Start reading the pages of rows ``ids`` in the background (``MADV_WILLNEED``).
-
-        The prefetch worker advises the rows of *every* layer before gathering the first, so the
-        kernel reads them in parallel instead of one page fault after another (cold page cache).
-        """
-        m = getattr(self._mm, "_mmap", None)
-        advice = getattr(mmap, "MADV_WILLNEED", None)
-        if m is None or advice is None or not len(ids):
-            return
-        base = self._mm.offset % mmap.ALLOCATIONGRANULARITY  # the tensor's first byte inside the mapping
-        row = self.weight.shape[1] * self.weight.element_size()
-        for r in ids.tolist():
-            a = base + r * row
-            start = a - a % mmap.PAGESIZE  # madvise wants a page-aligned start
-            try:
-                m.madvise(advice, start, a + row - start)
-            except (OSError, ValueError):  # a hint only
-                return
 
     def flush(self) -> None:
         """Push written rows to the file (``r+``); a no-op otherwise."""

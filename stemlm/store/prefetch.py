@@ -1,9 +1,8 @@
 """Background gathering of table rows, issued as soon as the token ids of a forward pass are known.
 
 ``Prefetcher.prefetch(ids)`` deduplicates the ids once and hands one job to a single worker
-thread, which first asks the disk tier to read ahead the rows of every layer (``MADV_WILLNEED``:
-the kernel then reads them in parallel rather than one page fault after another), then gathers
-them in layer order (through each table's cache) and publishes them layer by layer. ``OffloadedTable.lookup`` then ``take``s its layer's rows: if
+thread, which gathers the rows of every table layer in layer order (through each table's cache)
+and publishes them layer by layer. ``OffloadedTable.lookup`` then ``take``s its layer's rows: if
 the worker has not finished that layer yet the lookup waits, and the wait is counted as a stall.
 A lookup whose ids differ from the prefetched ones (or for which nothing was prefetched) gathers
 synchronously, so issuing a prefetch never changes results, only timing.
@@ -73,8 +72,6 @@ class Prefetcher:
         try:
             if self._stream is not None:
                 self._stream.wait_stream(job.main_stream)  # see writes queued on the main stream
-            for table in self.tables:  # disk tier: let the kernel read every layer's rows at once
-                table.advise(job.uniq)
             for table in self.tables:
                 fut = job.futures[id(table)]
                 if fut.set_running_or_notify_cancel():

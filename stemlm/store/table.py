@@ -66,14 +66,6 @@ class OffloadedTable(nn.Module):
                 return self.cache.fetch(uniq, self._load)
             return self._load(uniq)
 
-    def advise(self, uniq: torch.Tensor) -> None:
-        """Hint the backing store that the rows of ``uniq`` not in the cache are needed soon."""
-        uniq = uniq.to("cpu")
-        if self.cache is not None:
-            with self._lock:
-                uniq = uniq[self.cache.slot_of[uniq] < 0]
-        self.backend.advise(uniq)
-
     def _load(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.backend.gather(ids)  # (n, dim) on CPU
         self.stats.rows_moved += len(ids)
