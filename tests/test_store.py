@@ -215,3 +215,22 @@ def test_bad_tier_and_options_are_clear(setup):
         offload_tables(StemLM(cfg), "disk")
     with pytest.raises(ValueError, match="host and disk"):
         offload_tables(StemLM(cfg), "device", cache_rows=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
+    from stemlm.store.backends import DiskRows
+    from stemlm.store.safetensors_io import write_safetensors
+
+    weight = torch.randn(50, 12).to(dtype)
+    path = write_safetensors(tmp_path / "t.safetensors", [("w", dtype, (50, 12), lambda a, b: weight[a:b])])
+    rows = DiskRows(path, "w", (50, 12))  # mode "r": pread
+    assert rows._file is not None
+    ids = torch.tensor([0, 1, 2, 7, 9, 10, 49])  # runs of consecutive ids and singles, both ends
+    assert torch.equal(rows.gather(ids), weight[ids]) and rows.gather(ids).dtype == dtype
+    assert rows.gather(torch.tensor([], dtype=torch.long)).shape == (0, 12)
+    with open(path, "r+b") as f:  # truncated under the reader
+        f.truncate(path.stat().st_size - 10)
+    with pytest.raises(TableFileError, match="shorter than its header"):
+        rows.gather(torch.tensor([49]))
+    rows.close()

@@ -5,9 +5,12 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
 
 * ``HostRows``: a CPU tensor, pinned when the compute device is CUDA (so host -> device copies
   can run asynchronously on a side stream).
-* ``DiskRows``: one tensor of a safetensors file, memory-mapped. ``mode="r"`` never writes the
-  file (a checkpoint's own ``model.safetensors`` is served this way, without a copy);
-  ``mode="c"`` is copy-on-write: writes change the process's view only (edited pages become
+* ``DiskRows``: one tensor of a safetensors file. ``mode="r"`` never writes the file (a
+  checkpoint's own ``model.safetensors`` is served this way, without a copy) and reads the rows
+  a gather needs with ``pread`` into a fresh tensor: the page cache serves repeated reads, and no
+  file page is mapped into the process, so its resident set holds only the rows it copied (a
+  mapped file counts its touched pages in RSS, and whole large folios of a freshly written file
+  at that). Writable modes memory-map the tensor: ``mode="c"`` is copy-on-write: writes change the process's view only (edited pages become
   private RAM) and the file stays intact; ``mode="r+"`` writes rows through to the file (use a
   separate tables file, never a checkpoint you want to keep unchanged).
 """
@@ -19,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_io import map_tensor, tensor_info
+from .safetensors_io import TableFileError, map_tensor, tensor_info
 
 DISK_MODES = ("r", "c", "r+")
 
@@ -59,7 +62,8 @@ class HostRows:
 
 
 class DiskRows(HostRows):
-    """One ``(num_rows, dim)`` tensor of a safetensors file, memory-mapped (see module docstring)."""
+    """One ``(num_rows, dim)`` tensor of a safetensors file: read with ``pread`` (mode ``r``) or
+    memory-mapped (modes ``c``, ``r+``; see the module docstring)."""
 
     def __init__(self, path: str | os.PathLike, key: str, shape: tuple[int, int] | None = None, mode: str = "r"):
         if mode not in DISK_MODES:
@@ -70,6 +74,29 @@ class DiskRows(HostRows):
             raise ValueError(f"{path}: {key!r} has shape {info.shape}; a table must be 2-D")
         self.weight, self._mm = map_tensor(path, info, writable=(mode == "r+"))
         self.writable = mode != "r"
+        self._offset, self._row_bytes = info.offset, info.nbytes // max(1, info.shape[0])
+        self._file = open(path, "rb", buffering=0) if mode == "r" and hasattr(os, "preadv") else None
+        if self._file is not None and hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self._file.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead around rows
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``(len(ids), dim)`` at CPU ``ids``; runs of consecutive ids are read with one ``preadv``."""
+        if self._file is None:  # writable: the mapping holds the edits
+            return super().gather(ids)
+        out = torch.empty(tuple(ids.shape) + (self.shape[1],), dtype=self.dtype)
+        if out.numel() == 0:
+            return out
+        buf, rb, fd = memoryview(out.view(torch.uint8).numpy()).cast("B"), self._row_bytes, self._file.fileno()
+        ids_list, i = ids.tolist(), 0
+        while i < len(ids_list):
+            j = i + 1  # extend the run while ids are consecutive
+            while j < len(ids_list) and ids_list[j] == ids_list[j - 1] + 1:
+                j += 1
+            want = (j - i) * rb
+            if os.preadv(fd, [buf[i * rb:j * rb]], self._offset + ids_list[i] * rb) != want:
+                raise TableFileError(f"table file {self.path} is shorter than its header says (truncated while open?)")
+            i = j
+        return out
 
     def scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
         if not self.writable:
@@ -85,7 +112,9 @@ class DiskRows(HostRows):
     def close(self) -> None:
         """Flush and unmap (the tensor must not be used afterwards)."""
         self.flush()
-        self.weight, self._mm = None, None
+        if self._file is not None:
+            self._file.close()
+        self.weight, self._mm, self._file = None, None, None
 
     def describe(self) -> str:
         return f"disk ({self.path.name}, mode {self.mode})"
