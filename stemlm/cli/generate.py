@@ -21,7 +21,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt", required=True, help="text to continue")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--tables", choices=("device", "host", "disk"), default="device",
-                        help="where the STEM tables live: model memory, host RAM, or memory-mapped from disk")
+                        help="where the STEM tables live: model memory, host RAM, or a file on disk")
     parser.add_argument("--tables-file", default=None,
                         help="safetensors file holding the tables (default: the checkpoint's model.safetensors)")
     parser.add_argument("--cache-rows", type=int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")

@@ -10,9 +10,10 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
   a gather needs with ``pread`` into a fresh tensor: the page cache serves repeated reads, and no
   file page is mapped into the process, so its resident set holds only the rows it copied (a
   mapped file counts its touched pages in RSS, and whole large folios of a freshly written file
-  at that). Writable modes memory-map the tensor: ``mode="c"`` is copy-on-write: writes change the process's view only (edited pages become
-  private RAM) and the file stays intact; ``mode="r+"`` writes rows through to the file (use a
-  separate tables file, never a checkpoint you want to keep unchanged).
+  at that). Writable modes memory-map the tensor: ``mode="c"`` is copy-on-write (writes change
+  the process's view only, edited pages become private RAM, the file stays intact);
+  ``mode="r+"`` writes rows through to the file (use a separate tables file, never a checkpoint
+  you want to keep unchanged).
 """
 
 from __future__ import annotations
