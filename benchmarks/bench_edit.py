@@ -71,9 +71,16 @@ RUNS: dict[str, dict] = {
     "facts_all4_tlr1_embconst": dict(stem="0,1,2,3", steps=600, over=TLR1 + EMB0, data="facts", init="const_embed",
                                      **SWEEP),
     # training length
-    "facts_full_tlr30_emb0_s2000": dict(stem="full", steps=2000, over=TLR30 + EMB0, data="facts", **SWEEP),
+    "facts_full_tlr30_emb0_s1200": dict(stem="full", steps=1200, over=TLR30 + EMB0, data="facts", **SWEEP),
+    "facts_full_tlr30_emb0_s2000": dict(stem="full", steps=2000, over=TLR30 + EMB0, data="facts", heldout_pairs=160),
     "facts_all4_tlr30_embconst_s2000": dict(stem="0,1,2,3", steps=2000, over=TLR30 + EMB0, data="facts",
                                             init="const_embed", **SWEEP),
+    # width: d_model 128, d_ff 256 (4x the debug model's parameters per layer)
+    "facts_full_tlr30_emb0_w128": dict(stem="full", steps=600, data="facts", **SWEEP,
+                                       over=TLR30 + EMB0 + ["model.d_model=128", "model.d_ff=256"]),
+    # the default corpus (Wikipedia prose + facts, each training fact 16x): frozen embedding or not
+    "r16_full_tlr30_emb0_s4000": dict(stem="full", steps=4000, over=TLR30 + EMB0, data="r16", heldout_pairs=160),
+    "r16_full_tlr30_s4000": dict(stem="full", steps=4000, over=TLR30, data="r16", **SWEEP),
 }
 QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
 # Made-up country names: several tokens each, pieces shared with real words.
@@ -220,12 +227,47 @@ def headline(name: str, res: dict) -> str:
             f"inject% {pct(inj['success'])}  forget% {pct(forget['success'])}")
 
 
+def plot_levers(results: dict, path: Path) -> Path:
+    """Swap success on held-out and on trained phrasings for every run (in ``RUNS`` order), as
+    horizontal bars with the number of known cases, and the 90 % goal."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [n for n in RUNS if n in results] + [n for n in results if n not in RUNS]
+    fig, ax = plt.subplots(figsize=(9, 0.38 * len(names) + 1.2))
+    for i, name in enumerate(names):
+        for j, (split, colour) in enumerate((("heldout_template", "tab:orange"), ("train", "tab:blue"))):
+            run = next(r for r in results[name][f"swap_{split}"]["runs"] if r["layers_label"] == "all")
+            y, value = i + (0.2 if j else -0.2), 100 * (run["success"] or 0)
+            label = ("held-out phrasing", "trained phrasing")[j] if i == 0 else None
+            ax.barh(y, value, height=0.38, color=colour, label=label)
+            ax.text(value + 1, y, f"{value:.0f} % (n={run['known']})", va="center", fontsize=7)
+    ax.axvline(90, color="k", ls="--", lw=0.8, label="goal 90 %")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlim(0, 125)
+    ax.set_xlabel("swap success, all table layers edited (%)")
+    ax.set_title("What moves swap success (debug shape, row swaps of two countries)", fontsize=10)
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="30-step smoke run; writes edit_eval.quick.json")
     parser.add_argument("--runs", default=None, help="comma list of run names (default: all)")
     parser.add_argument("--pairs", type=int, default=40, help="country pairs per swap evaluation")
+    parser.add_argument("--replot", action="store_true", help="only redraw edit_levers.png from edit_eval.json")
     args = parser.parse_args()
+    if args.replot:
+        results = json.loads((RESULTS / "edit_eval.json").read_text())
+        print(f"wrote {plot_levers(results, RESULTS / 'edit_levers.png')}")
+        return 0
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", max(1, min(2, os.cpu_count() or 1)))))
     runs = QUICK if args.quick else {k: v for k, v in RUNS.items() if args.runs is None or k in args.runs.split(",")}
     path = RESULTS / ("edit_eval.quick.json" if args.quick else "edit_eval.json")
@@ -239,6 +281,8 @@ def main() -> int:
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
         print(headline(name, results[name]), flush=True)
+    if not args.quick:
+        print(f"wrote {plot_levers(results, RESULTS / 'edit_levers.png')}")
     print(f"wrote {path}")
     return 0
 
