@@ -142,10 +142,12 @@ def replot(path_json, path_png) -> None:
     """Redraw the PNG from a results JSON (no replay)."""
     import json
 
-    plot(json.loads(Path(path_json).read_text())["streams"], path_png)
+    res = json.loads(Path(path_json).read_text())
+    plot(res["streams"], path_png, res["config"]["split"])
 
 
-def plot(results: dict, path) -> None:
+def plot(results: dict, path, split: str = "val") -> None:
+    """Hit rate vs capacity: colour = policy, line style = tokenizer; W-TinyLFU cold only without warm runs."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -153,12 +155,13 @@ def plot(results: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     styles = {"lfu_cold": ("o", "LFU cold"), "lfu_warm": ("s", "LFU warm (train counts)"),
               "window_warm": ("D", "W-TinyLFU warm"), "static_oracle": ("^", "static top-k bound"),
-              "belady_cold": ("v", "Belady optimum, cold")}
-    colors = dict(zip(styles, ("tab:blue", "tab:orange", "tab:green", "tab:grey", "tab:purple")))
+              "belady_cold": ("v", "Belady optimum, cold"), "window_cold": ("P", "W-TinyLFU cold")}
+    colors = dict(zip(styles, ("tab:blue", "tab:orange", "tab:green", "tab:grey", "tab:purple", "tab:red")))
     for (name, res), ls in zip(results.items(), ("-", "--", ":")):  # line style: stream; colour: policy
         x = [100 * r["fraction"] for r in res["rows"]]
         for key, (marker, label) in styles.items():
-            if res["rows"][0].get(key) is None:
+            first = res["rows"][0]
+            if first.get(key) is None or (key == "window_cold" and first.get("window_warm") is not None):
                 continue
             ax.plot(x, [100 * r[key] for r in res["rows"]], ls=ls, marker=marker, color=colors[key],
                     label=f"{label}, {name} (V={res['vocab_size']})")
@@ -166,7 +169,8 @@ def plot(results: dict, path) -> None:
     ax.axvline(10, color="grey", ls=":", lw=1)
     ax.set_xlabel("cache capacity (% of the vocabulary rows)")
     ax.set_ylabel("hit rate (%)")
-    ax.set_title("Hot-row cache hit rate, validation token stream (decode order)")
+    stream = {"val": "validation", "train": "training"}.get(split, split)
+    ax.set_title(f"Hot-row cache hit rate, {stream} token stream (decode order)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -180,9 +184,11 @@ def sweep(tokens: np.ndarray, counts: np.ndarray, vocab: int, per_lookup: int) -
     for frac in tqdm(FRACTIONS, desc="capacities", leave=False):
         cap = max(1, round(frac * vocab))
         cold = lfu_hit_rate(tokens, vocab, cap, per_lookup)
-        warm = lfu_hit_rate(tokens, vocab, cap, per_lookup, warm_counts=counts)
         wcold = lfu_hit_rate(tokens, vocab, cap, per_lookup, window=WINDOW)
-        wwarm = lfu_hit_rate(tokens, vocab, cap, per_lookup, warm_counts=counts, window=WINDOW)
+        none = {"hit_rate": None, "evictions": None}  # no warm start: the counts would include the stream
+        warm = lfu_hit_rate(tokens, vocab, cap, per_lookup, warm_counts=counts) if counts is not None else none
+        wwarm = (lfu_hit_rate(tokens, vocab, cap, per_lookup, warm_counts=counts, window=WINDOW)
+                 if counts is not None else none)
         rows.append({"fraction": frac, "capacity_rows": cap, "lfu_cold": cold["hit_rate"], "lfu_warm": warm["hit_rate"],
                      "window_cold": wcold["hit_rate"], "window_warm": wwarm["hit_rate"],
                      "static_oracle": static_oracle(tokens, vocab, cap),
@@ -193,7 +199,9 @@ def sweep(tokens: np.ndarray, counts: np.ndarray, vocab: int, per_lookup: int) -
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--split", default="val", help="token split to replay (default val)")
+    ap.add_argument("--split", default="val",
+                    help="token split to replay (default val); 'train' (a longer stream) runs cold policies only and "
+                         "writes cache_hit_train.json/png")
     ap.add_argument("--streams", default="corpus,smollm2", help="comma list of tokenizations: corpus, smollm2")
     ap.add_argument("--tokens-per-lookup", type=int, default=1, help="tokens per lookup (1 = decoding; default 1)")
     ap.add_argument("--max-tokens", type=int, default=0, help="replay only the first N tokens (default: all)")
@@ -204,22 +212,25 @@ def main() -> None:
     for name in args.streams.split(","):
         tokens, counts, vocab = STREAMS[name](args.split, 20 if args.quick else 0)
         tokens = tokens[:limit] if limit else tokens
+        counts = counts if args.split != "train" else None  # training counts would know the stream
         rows = sweep(tokens, counts, vocab, args.tokens_per_lookup)
         at10 = next(r for r in rows if r["fraction"] == 0.10)
         n_unique = int(len(np.unique(tokens)))
         results[name] = {"vocab_size": vocab, "tokens": int(len(tokens)), "unique_tokens": n_unique,
                          "cold_start_bound": 1 - n_unique / len(tokens),  # every first occurrence misses a cold cache
                          "rows": rows, "hit_rate_at_10pct": {k: at10[k] for k in POLICIES},
-                         "goal_0.9_at_10pct": max(at10[k] for k in POLICIES) >= 0.9}
+                         "goal_0.9_at_10pct": max(at10[k] or 0 for k in POLICIES) >= 0.9}
         for r in rows:
+            f3 = lambda x: "  -  " if x is None else f"{x:.3f}"  # noqa: E731
             print(f"{name:>8} V={vocab:6d} {100 * r['fraction']:4.0f}% ({r['capacity_rows']:5d} rows): LFU cold "
-                  f"{r['lfu_cold']:.3f} warm {r['lfu_warm']:.3f} | W-TinyLFU cold {r['window_cold']:.3f} warm "
-                  f"{r['window_warm']:.3f} | static bound {r['static_oracle']:.3f}"
+                  f"{f3(r['lfu_cold'])} warm {f3(r['lfu_warm'])} | W-TinyLFU cold {f3(r['window_cold'])} warm "
+                  f"{f3(r['window_warm'])} | static bound {r['static_oracle']:.3f}"
                   + (f"  Belady cold {r['belady_cold']:.3f}" if r["belady_cold"] is not None else ""))
-    png = RESULTS / f"cache_hit{'.quick' if args.quick else ''}.png"
+    name = "cache_hit" if args.split == "val" else f"cache_hit_{args.split}"
+    png = RESULTS / f"{name}{'.quick' if args.quick else ''}.png"
     RESULTS.mkdir(parents=True, exist_ok=True)
-    plot(results, png)
-    path = write_result("cache_hit", args.quick, {
+    plot(results, png, args.split)
+    path = write_result(name, args.quick, {
         "config": {"corpus": str(corpus_dir()), "split": args.split, "tokens_per_lookup": args.tokens_per_lookup,
                    "fractions": list(FRACTIONS)}, "streams": results, "plot": png.name})
     print(f"goal >= 0.90 at 10%: " + ", ".join(f"{k}: {v['goal_0.9_at_10pct']}" for k, v in results.items()))
