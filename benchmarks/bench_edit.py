@@ -81,6 +81,9 @@ RUNS: dict[str, dict] = {
     # the default corpus (Wikipedia prose + facts, each training fact 16x): frozen embedding or not
     "r16_full_tlr30_emb0_s4000": dict(stem="full", steps=4000, over=TLR30 + EMB0, data="r16", heldout_pairs=160),
     "r16_full_tlr30_s4000": dict(stem="full", steps=4000, over=TLR30, data="r16", **SWEEP),
+    # the default corpus exactly as `stemlm data prepare` builds it (each training fact 4x)
+    "default_full_tlr30_emb0_s4000": dict(stem="full", steps=4000, over=TLR30 + EMB0, data="default",
+                                          heldout_pairs=160),
 }
 QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
 # Made-up country names: several tokens each, pieces shared with real words.
