@@ -84,6 +84,8 @@ RUNS: dict[str, dict] = {
     # the default corpus exactly as `stemlm data prepare` builds it (each training fact 4x)
     "default_full_tlr30_emb0_s4000": dict(stem="full", steps=4000, over=TLR30 + EMB0, data="default",
                                           heldout_pairs=160),
+    "default_full_tlr30_emb0_s10000": dict(stem="full", steps=10000, over=TLR30 + EMB0, data="default",
+                                           heldout_pairs=160),
 }
 QUICK = {"quick": dict(stem="full", steps=30, over=[], data="default")}
 # Made-up country names: several tokens each, pieces shared with real words.
