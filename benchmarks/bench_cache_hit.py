@@ -178,8 +178,8 @@ def plot(results: dict, path, split: str = "val") -> None:
     plt.close(fig)
 
 
-def sweep(tokens: np.ndarray, counts: np.ndarray, vocab: int, per_lookup: int) -> list[dict]:
-    """Hit rates of every policy at every capacity fraction."""
+def sweep(tokens: np.ndarray, counts: np.ndarray | None, vocab: int, per_lookup: int) -> list[dict]:
+    """Hit rates of every policy at every capacity fraction (warm policies are None without ``counts``)."""
     rows = []
     for frac in tqdm(FRACTIONS, desc="capacities", leave=False):
         cap = max(1, round(frac * vocab))
