@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import tempfile
 import time
@@ -46,8 +47,9 @@ def make_trainer(overrides: list[str], preset: str = "tiny"):
 
 
 def preset_run_args(doc: str, name: str, steps: int):
-    """Parsed ``--preset --batch-size --seq-len --steps --quick`` of a benchmark on a model preset,
-    plus the data/shape overrides for ``make_trainer`` (``--quick``: debug preset, tiny batches)."""
+    """Parsed ``--preset --batch-size --seq-len --steps --quick [model.FIELD=VALUE ...]`` of a benchmark
+    on a model preset, plus the data/shape overrides for ``make_trainer`` (``--quick``: debug preset,
+    tiny batches). ``args.result_name`` is ``name`` with the shape overrides appended."""
     import argparse
 
     from stemlm.presets import PRESETS
@@ -58,16 +60,24 @@ def preset_run_args(doc: str, name: str, steps: int):
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     ap.add_argument("--steps", type=int, default=steps, help=f"timed steps per model (default: {steps})")
     ap.add_argument("--quick", action="store_true", help=f"debug preset, 4x64 tokens, 2 steps; writes {name}.quick.json")
+    ap.add_argument("overrides", nargs="*", metavar="model.FIELD=VALUE",
+                    help="change the preset's shape, e.g. model.d_model=512 model.d_ff=1376; "
+                         f"results go to {name}_<overrides>.json")
     args = ap.parse_args()
+    bad = [o for o in args.overrides if not re.fullmatch(r"model\.\w+=\S+", o)]
+    if bad:
+        ap.error(f"overrides must look like model.FIELD=VALUE, got {bad}")
+    args.result_name = "_".join([name, *(o.removeprefix("model.").replace("=", "") for o in args.overrides)])
     if args.quick:
         args.preset, args.batch_size, args.seq_len, args.steps = "debug", 4, 64, 2
     common = [f"data.dir={synthetic_data_dir(PRESETS[args.preset]['vocab_size'])}", f"data.batch_size={args.batch_size}",
-              f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 64)}"]
+              f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 64)}", *args.overrides]
     return args, common
 
 
-def time_interleaved(fns: dict, steps: int, warmup: int = 2) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved so machine noise hits all alike."""
+def time_interleaved(fns: dict, steps: int, warmup: int = 2, samples: dict | None = None) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved so machine noise hits all alike.
+    ``samples`` (optional dict) receives every timed call's seconds, per function, in round order."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -77,7 +87,15 @@ def time_interleaved(fns: dict, steps: int, warmup: int = 2) -> dict[str, float]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
+    if samples is not None:
+        samples.update(times)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def paired_ratio(numer: list[float], denom: list[float]) -> float:
+    """Median over rounds of ``numer[i] / denom[i]``: the two calls of a round ran back to back, so
+    slow drifts of the machine's speed (which move whole rounds) cancel in each ratio."""
+    return statistics.median(a / b for a, b in zip(numer, denom, strict=True))
 
 
 def write_result(name: str, quick: bool, payload: dict) -> Path:
