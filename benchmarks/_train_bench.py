@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import tempfile
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# Where results go; tests point STEMLM_BENCH_RESULTS at a temporary directory.
+RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def zipf_tokens(n: int, vocab: int, s: float = 1.1, seed: int = 0) -> np.ndarray:

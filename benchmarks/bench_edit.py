@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 RUN_DIR = ROOT / "runs" / "edit"
 
 # Shape: the debug preset (d_model 64, 4 layers, d_ff 128) with the corpus vocabulary; 2048 tokens/step.

@@ -1,0 +1,72 @@
+"""The benchmark scripts' ``--quick`` smoke modes run end to end and write well-formed results.
+
+Timings of a smoke run mean nothing; these tests check that each script still runs and that its
+JSON has the fields the README table is read from. Results go to a temporary directory.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_quick(script: str, tmp_path: Path, *args: str) -> str:
+    """Run ``benchmarks/<script> --quick`` with results under ``tmp_path``; returns its stdout."""
+    env = {**os.environ, "STEMLM_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args], env=env, cwd=BENCH,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_train_step_quick_splits_the_gap(tmp_path):
+    out = run_quick("bench_train_step.py", tmp_path, "model.d_model=32")
+    r = json.loads((tmp_path / "train_step_d_model32.quick.json").read_text())
+    assert r["meta"]["quick"] is True
+    assert r["overrides"] == ["model.d_model=32"] and r["stem_layers"] == 3
+    times = r["seconds_per_step"]
+    assert set(times) == {"dense", "stem", "up_projection", "stem_own"} and min(times.values()) > 0
+    assert r["flop_ratio"] == pytest.approx(r["train_flops_per_token"]["stem"] / r["train_flops_per_token"]["dense"])
+    assert r["gap"] == pytest.approx(r["time_ratio"] / r["flop_ratio"] - 1)
+    assert r["flop_ratio_causal"] < r["flop_ratio"] < 1
+    assert "STEM's own work" in out
+
+
+def test_bad_shape_override_is_a_clear_error(tmp_path):
+    env = {**os.environ, "STEMLM_BENCH_RESULTS": str(tmp_path)}
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_train_step.py"), "--quick", "d_model=32"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "overrides must look like model.FIELD=VALUE" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_vs_hf_quick_reports_paired_ratio(tmp_path):
+    run_quick("bench_vs_hf.py", tmp_path)
+    r = json.loads((tmp_path / "vs_hf.quick.json").read_text())
+    steps = r["step_seconds"]
+    assert len(steps["stemlm"]) == len(steps["hf"]) == r["steps"] == 2
+    ratios = sorted(h / s for h, s in zip(steps["hf"], steps["stemlm"]))
+    assert r["ratio"] == pytest.approx(sum(ratios) / 2)  # median of two rounds
+    assert r["goal_met"] == (r["ratio"] >= 1.3)
+
+
+@pytest.mark.parametrize("script, result", [("bench_mfu.py", "mfu.quick.json"),
+                                            ("bench_sparse_optim.py", "sparse_optim.quick.json")])
+def test_other_training_benchmarks_quick(tmp_path, script, result):
+    run_quick(script, tmp_path)
+    r = json.loads((tmp_path / result).read_text())
+    assert r["meta"]["quick"] is True
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, result", [("bench_offload_decode.py", "offload_decode.quick.json"),
+                                            ("bench_stem_vs_dense_decode.py", "stem_vs_dense_decode.quick.json"),
+                                            ("bench_cache_hit.py", "cache_hit.quick.json")])
+def test_store_benchmarks_quick(tmp_path, script, result):
+    run_quick(script, tmp_path)
+    assert json.loads((tmp_path / result).read_text())["meta"]["quick"] is True
