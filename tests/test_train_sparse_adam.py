@@ -126,6 +126,13 @@ def test_clip_includes_sparse_table_grads():
     assert torch.allclose(table_grad, torch.tensor([[0.8]]), atol=1e-6)
 
 
+def test_table_compile_option_reaches_the_sparse_optimizer():
+    model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2", vocab_size=64))
+    for flag in (False, True):
+        _, table_opt = build_optimizers(model, OptimSection(table_compile=flag))
+        assert table_opt.compile is flag
+
+
 @pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
 def test_compiled_row_update_equals_eager(decay_untouched):
     tables = [_table(), _table()]

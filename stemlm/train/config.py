@@ -101,6 +101,8 @@ class OptimSection:
     grad_accum: int = _f(1, "micro-batches per optimizer step")
     table_optimizer: str = _f("sparse", f"{' | '.join(TABLE_OPTIMIZERS)}: row-sparse AdamW, or torch AdamW on whole tables")
     decay_untouched: str = _f("lazy", "sparse tables: 'lazy' (decay touched rows only) or 'catchup' (apply missed decay on next touch)")
+    table_compile: bool = _f(False, "sparse tables: torch.compile the row update (one fused kernel; compiled at the "
+                                    "first step, eager with a warning if compiling fails)")
 
     def __post_init__(self):
         if isinstance(self.betas, (list, tuple)) and len(self.betas) == 2:

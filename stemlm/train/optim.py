@@ -51,7 +51,8 @@ def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.A
                        "peak_lr": cfg.table_peak_lr})
     elif tables:
         table_opt = SparseRowAdamW(tables, lr=cfg.table_peak_lr, betas=cfg.betas, eps=cfg.eps,
-                                   weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched)
+                                   weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched,
+                                   compile=cfg.table_compile)
     groups = [g for g in groups if g["params"]]
     for g in groups:
         g["lr"] = g["peak_lr"]
