@@ -5,7 +5,7 @@ Both models run the real training loop (``Trainer.train_step``: data, forward, b
 table optimizer, clipping, AdamW) on the same synthetic Zipf data; steps are interleaved so
 machine noise affects both alike, and the time ratio is the median of the per-round ratios.
 
-    python benchmarks/bench_train_step.py            # tiny preset, 16 x 256 tokens, 20 steps
+    python benchmarks/bench_train_step.py            # tiny preset, 16 x 256 tokens, 40 steps
     python benchmarks/bench_train_step.py --quick    # smoke run
     python benchmarks/bench_train_step.py model.d_model=512 model.d_ff=1376   # a wider backbone
 
@@ -63,7 +63,7 @@ def stem_own_work(trainer):
 
 
 def main() -> None:
-    args, common = preset_run_args(__doc__, "train_step", steps=20)
+    args, common = preset_run_args(__doc__, "train_step", steps=40)
     trainers = {kind: make_trainer(common + [f"model.ffn={kind}", "model.stem_layers=full"], args.preset)
                 for kind in ("dense", "stem")}
     tokens = args.batch_size * args.seq_len
