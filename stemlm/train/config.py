@@ -147,7 +147,7 @@ class RunSection:
     seed: int = _f(0, "seed of the model initialisation")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = _f("float32", f"compute dtype: {' | '.join(DTYPES)} (bfloat16 = autocast, fp32 weights)")
-    compile: bool = _f(False, "torch.compile the model")
+    compile: bool = _f(False, "torch.compile each transformer block (lookups and loss stay eager)")
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
     init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = measured once by a fp32 matmul probe")

