@@ -53,3 +53,11 @@ def test_fsdp_backbone_matches_one_process(tmp_path, data):
     a = load_file(tmp_path / "one/checkpoints/step_00000005/optimizer.safetensors")
     b = load_file(tmp_path / "fsdp/checkpoints/step_00000005/optimizer.safetensors")
     assert a.keys() == b.keys() and max((a[k].float() - b[k].float()).abs().max().item() for k in a) < 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_compiled_blocks_under_two_processes_match_eager(tmp_path, data, parallel):
+    one = _run(data, tmp_path / "one", 1)
+    two = _run(data, tmp_path / "two", 2, "run.compile=true", f"run.parallel={parallel}")
+    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-4
