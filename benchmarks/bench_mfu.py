@@ -28,8 +28,9 @@ def main() -> None:
         rows[kind] = {"tokens_per_s": tok_s, "train_flops_per_token": t.flops_per_token,
                       "achieved_flops": achieved, "mfu": achieved / peak}
         print(f"  {kind:>5}: {tok_s:8.0f} tok/s  {achieved / 1e9:7.1f} GFLOP/s  MFU {100 * achieved / peak:5.1f}%")
-    path = write_result(args.result_name, args.quick, {"preset": args.preset, "overrides": args.overrides, "batch_size": args.batch_size,
-                                            "seq_len": args.seq_len, "peak_flops": peak, "runs": rows})
+    path = write_result(args.result_name, args.quick, {"preset": args.preset, "overrides": args.overrides,
+                                                       "batch_size": args.batch_size, "seq_len": args.seq_len,
+                                                       "peak_flops": peak, "runs": rows})
     print(f"wrote {path}")
 
 

@@ -29,7 +29,6 @@ import torch
 from _train_bench import make_trainer, paired_ratio, preset_run_args, time_interleaved, write_result
 
 from stemlm.accounting import train_flops_per_token
-from stemlm.train.sparse_adam import SparseRowAdamW
 
 
 def up_projection_matmuls(cfg, tokens: int, n_layers: int):
@@ -48,10 +47,8 @@ def up_projection_matmuls(cfg, tokens: int, n_layers: int):
 def stem_own_work(trainer):
     """A function doing what only STEM does in a step: lookups of a real batch (forward and backward)
     and the sparse AdamW update of the touched rows, on a copy of ``trainer``'s tables."""
-    tables = copy.deepcopy(dict(trainer.model.tables))
-    ref = trainer.table_opt
-    opt = SparseRowAdamW(tables, lr=ref.lr, betas=ref.betas, eps=ref.eps, weight_decay=ref.weight_decay,
-                         decay_untouched=ref.decay_untouched)
+    opt = copy.deepcopy(trainer.table_opt)  # copies its tables and moments along: the trainer's stay untouched
+    tables = opt.tables
     ids = trainer.batch(0).inputs  # (B, T)
     grad = torch.randn(*ids.shape, trainer.model.cfg.d_ff, generator=torch.Generator().manual_seed(0))
 
@@ -75,6 +72,7 @@ def main() -> None:
     flops = {k: train_flops_per_token(t.model.cfg, args.seq_len) for k, t in trainers.items()}
     causal = {k: train_flops_per_token(t.model.cfg, args.seq_len, causal=True) for k, t in trainers.items()}
     measured, theory = paired_ratio(samples["stem"], samples["dense"]), flops["stem"] / flops["dense"]
+    ratio_of_medians = times["stem"] / times["dense"]
     theory_causal = causal["stem"] / causal["dense"]
     gap = measured / theory - 1
     rate = {"dense_step": flops["dense"] * tokens / times["dense"],
@@ -84,7 +82,7 @@ def main() -> None:
     for k in trainers:
         print(f"  {k:>5}: {1000 * times[k]:8.1f} ms/step   {flops[k] / 1e6:8.2f} MFLOP/token (train)")
     print(f"  STEM-full / dense time  {measured:.3f}   (median of per-round ratios; "
-          f"ratio of median times {times['stem'] / times['dense']:.3f})")
+          f"ratio of median times {ratio_of_medians:.3f})")
     print(f"  STEM-full / dense FLOPs {theory:.3f}   gap {100 * gap:+.1f}%  (goal: within 3%: "
           f"{'met' if abs(gap) <= 0.03 else 'not met'})")
     print(f"  with causal attention FLOPs {theory_causal:.3f}   gap {100 * (measured / theory_causal - 1):+.1f}%")
@@ -95,8 +93,8 @@ def main() -> None:
     path = write_result(args.result_name, args.quick, {
         "preset": args.preset, "overrides": args.overrides, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "steps": args.steps, "stem_layers": n_stem, "seconds_per_step": times, "train_flops_per_token": flops,
-        "flops_per_s": rate, "time_ratio": measured, "time_ratio_of_medians": times["stem"] / times["dense"], "flop_ratio": theory, "flop_ratio_causal": theory_causal,
-        "gap": gap, "gap_causal": measured / theory_causal - 1, "goal_met": abs(gap) <= 0.03})
+        "flops_per_s": rate, "time_ratio": measured, "time_ratio_of_medians": ratio_of_medians, "flop_ratio": theory,
+        "flop_ratio_causal": theory_causal, "gap": gap, "gap_causal": measured / theory_causal - 1, "goal_met": abs(gap) <= 0.03})
     print(f"wrote {path}")
 
 

@@ -15,11 +15,16 @@ import pytest
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_quick(script: str, tmp_path: Path, *args: str) -> str:
-    """Run ``benchmarks/<script> --quick`` with results under ``tmp_path``; returns its stdout."""
+def launch(script: str, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """Run ``benchmarks/<script> --quick ARGS`` with results under ``tmp_path``."""
     env = {**os.environ, "STEMLM_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(BENCH / script), "--quick", *args], env=env, cwd=BENCH,
+    return subprocess.run([sys.executable, str(BENCH / script), "--quick", *args], env=env, cwd=BENCH,
                           capture_output=True, text=True, timeout=600)
+
+
+def run_quick(script: str, tmp_path: Path, *args: str) -> str:
+    """``launch`` that must succeed; returns its stdout."""
+    proc = launch(script, tmp_path, *args)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout
 
@@ -38,9 +43,7 @@ def test_train_step_quick_splits_the_gap(tmp_path):
 
 
 def test_bad_shape_override_is_a_clear_error(tmp_path):
-    env = {**os.environ, "STEMLM_BENCH_RESULTS": str(tmp_path)}
-    proc = subprocess.run([sys.executable, str(BENCH / "bench_train_step.py"), "--quick", "d_model=32"], env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = launch("bench_train_step.py", tmp_path, "d_model=32")
     assert proc.returncode == 2 and "overrides must look like model.FIELD=VALUE" in proc.stderr
     assert not list(tmp_path.iterdir())
 
