@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .matmul import mm_nn, mm_nt
+
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in fp32): chunk = CHUNK_ELEMENTS // V tokens
 
@@ -23,7 +25,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy of ``hidden (N, d) @ weight (V, d).T`` against ``targets (N,)``."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk: int):
+    def forward(ctx, hidden, weight, targets, chunk: int, backend: str):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
         n_valid = (targets != IGNORE_INDEX).sum()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -34,7 +36,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             t = targets[start:start + chunk]  # (c,)
             valid = t != IGNORE_INDEX
             safe_t = torch.where(valid, t, 0)[:, None]  # (c, 1)
-            logits = (h @ weight.t()).float()  # (c, V)
+            logits = mm_nt(h, weight, backend).float()  # (c, V)
             lse = torch.logsumexp(logits, dim=-1)  # (c,)
             per_token = lse - logits.gather(1, safe_t).squeeze(1)
             total += torch.where(valid, per_token, 0.0).sum()
@@ -43,7 +45,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 probs.scatter_add_(1, safe_t, torch.full_like(safe_t, -1.0, dtype=probs.dtype))
                 probs.mul_(valid[:, None])  # ignored tokens contribute nothing
                 probs = probs.to(hidden.dtype)
-                grad_hidden[start:start + chunk] = probs @ weight
+                grad_hidden[start:start + chunk] = mm_nn(probs, weight, backend)
                 grad_weight.addmm_(probs.t(), h.to(weight.dtype))
         denom = n_valid.clamp(min=1).to(torch.float32)
         ctx.save_for_backward(grad_hidden, grad_weight, denom)
@@ -53,16 +55,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight, denom = ctx.saved_tensors
         scale = grad_loss / denom
-        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None
+        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                         chunk: int | None = None) -> torch.Tensor:
+                         chunk: int | None = None, backend: str = "aten") -> torch.Tensor:
     """Mean next-token cross-entropy (nats) of the logits ``hidden @ weight.T`` without forming them.
 
     ``hidden (..., d)``, ``weight (V, d)`` (the LM head), ``targets (...)`` with ``-100`` = ignore.
     ``chunk`` tokens are processed at a time (default: ``CHUNK_ELEMENTS // V``). Under autocast the
-    head matmuls run in the autocast dtype; the softmax and the loss are always fp32.
+    head matmuls run in the autocast dtype; the softmax and the loss are always fp32. ``backend``
+    (``aten`` | ``onednn``, see ``stemlm.matmul``) computes the logits and the hidden-state gradient.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
     targets = targets.reshape(-1)  # (N,)
@@ -70,7 +73,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         raise ValueError(f"{hidden.shape[0]} hidden states but {targets.shape[0]} targets")
     if chunk is None:
         chunk = max(1, CHUNK_ELEMENTS // weight.shape[0])
-    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk)
+    return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, backend)
 
 
 def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

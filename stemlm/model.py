@@ -190,7 +190,8 @@ class StemLM(nn.Module):
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
         if targets is not None:
-            return linear_cross_entropy(h, self.lm_head.weight, targets)
+            backend = getattr(self.lm_head, "matmul_backend", "aten")  # set by stemlm.matmul.use_matmul_backend
+            return linear_cross_entropy(h, self.lm_head.weight, targets, backend=backend)
         return h if return_hidden else self.lm_head(h)
 
     def table_parameters(self) -> list[nn.Parameter]:

@@ -21,6 +21,7 @@ import yaml
 
 from ..args import dataclass_to_dict, resolve_config
 from ..config import ConfigError, ModelConfig
+from ..matmul import BACKENDS as MATMUL_BACKENDS
 from ..presets import PRESETS, model_config
 
 STAGES = ("pretrain", "midtrain", "context_extend")
@@ -148,6 +149,8 @@ class RunSection:
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = _f("float32", f"compute dtype: {' | '.join(DTYPES)} (bfloat16 = autocast, fp32 weights)")
     compile: bool = _f(False, "torch.compile each transformer block (lookups and loss stay eager)")
+    matmul: str = _f("auto", "GEMMs of linears and loss: auto (onednn for fp32 on CPU, else aten) | aten | onednn "
+                     "(oneDNN kernels; faster than MKL on CPUs it does not tune for)")
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
     init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = measured once by a fp32 matmul probe")
@@ -162,6 +165,7 @@ class RunSection:
         _choice(self.dtype, "run.dtype", DTYPES)
         _choice(self.stage, "run.stage", STAGES)
         _choice(self.parallel, "run.parallel", ("ddp", "fsdp"))
+        _choice(self.matmul, "run.matmul", MATMUL_BACKENDS)
         if self.eval_every < 0:
             raise ConfigError(f"run.eval_every must be >= 0, got {self.eval_every}")
         if self.stage != "pretrain" and not self.init_from:

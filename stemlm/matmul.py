@@ -1,0 +1,135 @@
+"""Matrix products of training through oneDNN on CPU (``run.matmul``).
+
+ATen's fp32 ``mm``/``linear`` on CPU call the BLAS PyTorch was built with (MKL in the official
+wheels). On CPUs MKL does not tune for, it runs far below oneDNN's JIT kernels, which PyTorch also
+ships: on this project's AMD EPYC (Zen 4, AVX-512) ``torch.ops.mkldnn._linear_pointwise`` ran the
+training shapes' forward and input-gradient GEMMs at 150-200 GFLOP/s against MKL's 85-150
+(``benchmarks/bench_vs_hf.py`` times the whole step both ways). The weight gradient
+(``grad.T @ x``, a long reduction over tokens) stays on ATen, where MKL was as fast.
+
+Applied from outside, like compile and parallelism: ``use_matmul_backend(model, "onednn")`` turns
+every ``nn.Linear`` of the model into a ``OneDNNLinear`` (same parameters, same state-dict names),
+and the model's chunked loss follows its LM head's ``matmul_backend``. A product falls back to
+ATen whenever oneDNN does not apply: a non-CPU tensor, a dtype other than float32, or autocast.
+The results equal ATen's up to float summation order.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+BACKENDS = ("auto", "aten", "onednn")
+
+
+def onednn_available() -> bool:
+    """True when this PyTorch build has oneDNN and its dense-tensor linear op."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def resolve_matmul_backend(name: str, device: torch.device | str, dtype: str = "float32") -> str:
+    """``aten`` or ``onednn`` for ``run.matmul=name`` on ``device`` with compute ``dtype``.
+
+    ``auto`` picks oneDNN for fp32 training on a CPU whose PyTorch has it, ATen otherwise.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"matmul backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    if name == "onednn":
+        if not on_cpu:
+            raise ValueError(f"run.matmul=onednn runs on CPU only, but the device is {device}; use auto or aten")
+        if not onednn_available():
+            raise ValueError("run.matmul=onednn: this PyTorch build has no oneDNN (torch.backends.mkldnn); "
+                             "use auto or aten")
+        return "onednn"
+    if name == "auto" and on_cpu and dtype == "float32" and onednn_available():
+        return "onednn"
+    return "aten"
+
+
+def _applies(*tensors: torch.Tensor) -> bool:
+    """oneDNN's fp32 path applies: CPU float32 tensors, autocast off."""
+    return (not torch.is_autocast_enabled("cpu")
+            and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
+
+
+@torch.library.custom_op("stemlm::onednn_mm_nt", mutates_args=())
+def _onednn_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a (M, K) @ b (N, K).T`` by oneDNN (``b`` may be a strided view).
+
+    A custom op, so ``torch.compile`` keeps it as one opaque call: inductor's own lowering of
+    ``mkldnn._linear_pointwise`` only accepts frozen (constant) weights.
+    """
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+
+
+@_onednn_nt.register_fake
+def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return a.new_empty(a.shape[0], b.shape[0])
+
+
+def mm_nt(a: torch.Tensor, b: torch.Tensor, backend: str = "aten") -> torch.Tensor:
+    """``a (M, K) @ b (N, K).T`` on ``backend`` (falling back to ATen where oneDNN does not apply)."""
+    if backend == "onednn" and _applies(a, b):
+        return _onednn_nt(a, b)
+    return a @ b.t()
+
+
+def mm_nn(a: torch.Tensor, b: torch.Tensor, backend: str = "aten") -> torch.Tensor:
+    """``a (M, K) @ b (K, N)`` on ``backend`` (falling back to ATen where oneDNN does not apply)."""
+    if backend == "onednn" and _applies(a, b):
+        return _onednn_nt(a, b.t())
+    return a @ b
+
+
+class _OneDNNLinearFn(torch.autograd.Function):
+    """``x @ weight.T`` with oneDNN forward and input gradient; ATen weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        flat = x.reshape(-1, x.shape[-1])  # (M, in)
+        return _onednn_nt(flat, weight).view(*x.shape[:-1], weight.shape[0])  # (..., out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        flat_grad = grad.reshape(-1, grad.shape[-1])  # (M, out)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _onednn_nt(flat_grad, weight.t()).view(x.shape)  # (M, out) @ (out, in)
+        if ctx.needs_input_grad[1]:
+            grad_w = flat_grad.t() @ x.reshape(-1, x.shape[-1])  # (out, M) @ (M, in)
+        return grad_x, grad_w
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` (no bias) through oneDNN where it applies, ATen otherwise."""
+    if _applies(x, weight) and x.numel() > 0:
+        return _OneDNNLinearFn.apply(x.contiguous(), weight)
+    return F.linear(x, weight)
+
+
+class OneDNNLinear(nn.Linear):
+    """An ``nn.Linear`` without bias whose product runs through oneDNN (see ``onednn_linear``)."""
+
+    matmul_backend = "onednn"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, self.weight)
+
+
+def use_matmul_backend(model: nn.Module, backend: str) -> int:
+    """Make every bias-free ``nn.Linear`` of ``model`` compute on ``backend`` in place; returns how
+    many changed. Parameters, their names and the state dict are untouched; ``aten`` restores."""
+    if backend not in ("aten", "onednn"):
+        raise ValueError(f"backend must be aten or onednn, got {backend!r}")
+    target = OneDNNLinear if backend == "onednn" else nn.Linear
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is None and type(module) is not target \
+                and type(module) in (nn.Linear, OneDNNLinear):
+            module.__class__ = target
+            changed += 1
+    return changed
