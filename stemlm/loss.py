@@ -30,23 +30,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
         n_valid = (targets != IGNORE_INDEX).sum()
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        grad_weight = torch.zeros_like(weight) if need_grad else None
+        transposed = backend == "onednn"  # oneDNN is faster at (d, c) @ (c, V) than at (V, c) @ (c, d)
+        grad_weight = weight.new_zeros(weight.shape[::-1] if transposed else weight.shape) if need_grad else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]  # (c, d)
             t = targets[start:start + chunk]  # (c,)
             valid = t != IGNORE_INDEX
             safe_t = torch.where(valid, t, 0)[:, None]  # (c, 1)
             logits = mm_nt(h, weight, backend).float()  # (c, V)
-            lse = torch.logsumexp(logits, dim=-1)  # (c,)
-            per_token = lse - logits.gather(1, safe_t).squeeze(1)
-            total += torch.where(valid, per_token, 0.0).sum()
+            target_logit = logits.gather(1, safe_t).squeeze(1)  # (c,)
+            row_max = logits.amax(dim=-1, keepdim=True)  # (c, 1)
+            probs = logits.sub_(row_max).exp_()  # unnormalised softmax, in place of the logits
+            row_sum = probs.sum(dim=-1, keepdim=True)  # (c, 1)
+            lse = (row_max + row_sum.log()).squeeze(1)  # (c,) log-sum-exp, one exp pass in all
+            total += torch.where(valid, lse - target_logit, 0.0).sum()
             if need_grad:
-                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-                probs.scatter_add_(1, safe_t, torch.full_like(safe_t, -1.0, dtype=probs.dtype))
-                probs.mul_(valid[:, None])  # ignored tokens contribute nothing
+                weight_of_row = valid[:, None] / row_sum  # (c, 1): normalises; 0 for ignored tokens
+                probs.mul_(weight_of_row).scatter_add_(1, safe_t, -valid[:, None].to(probs.dtype))  # softmax - onehot
                 probs = probs.to(hidden.dtype)
                 grad_hidden[start:start + chunk] = mm_nn(probs, weight, backend)
-                grad_weight.addmm_(probs.t(), h.to(weight.dtype))
+                if transposed:
+                    grad_weight += mm_nn(h.t().to(weight.dtype), probs, backend)  # (d, c) @ (c, V)
+                else:
+                    grad_weight.addmm_(probs.t(), h.to(weight.dtype))  # (V, c) @ (c, d)
+        if need_grad and transposed:
+            grad_weight = grad_weight.t().contiguous()  # (V, d)
         denom = n_valid.clamp(min=1).to(torch.float32)
         ctx.save_for_backward(grad_hidden, grad_weight, denom)
         return total / denom
