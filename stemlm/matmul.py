@@ -54,17 +54,21 @@ def _applies(*tensors: torch.Tensor) -> bool:
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
 
 
-@torch.library.custom_op("stemlm::onednn_mm_nt", mutates_args=())
 def _onednn_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a (M, K) @ b (N, K).T`` by oneDNN (``b`` may be a strided view).
+    """``a (M, K) @ b (N, K).T`` by oneDNN (``a`` and ``b`` may be strided views)."""
+    if torch.compiler.is_compiling():
+        return _onednn_nt_op(a, b)
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # eager: no custom-op dispatch (~25 us)
 
-    A custom op, so ``torch.compile`` keeps it as one opaque call: inductor's own lowering of
-    ``mkldnn._linear_pointwise`` only accepts frozen (constant) weights.
-    """
+
+@torch.library.custom_op("stemlm::onednn_mm_nt", mutates_args=())
+def _onednn_nt_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``_onednn_nt`` as one opaque op for ``torch.compile``: inductor's own lowering of
+    ``mkldnn._linear_pointwise`` only accepts frozen (constant) weights."""
     return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
 
 
-@_onednn_nt.register_fake
+@_onednn_nt_op.register_fake
 def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.new_empty(a.shape[0], b.shape[0])
 
