@@ -48,10 +48,11 @@ def make_trainer(overrides: list[str], preset: str = "tiny"):
     return trainer
 
 
-def preset_run_args(doc: str, name: str, steps: int):
+def preset_run_args(doc: str, name: str, steps: int, compile_option: bool = False):
     """Parsed ``--preset --batch-size --seq-len --steps --quick [model.FIELD=VALUE ...]`` of a benchmark
     on a model preset, plus the data/shape overrides for ``make_trainer`` (``--quick``: debug preset,
-    tiny batches). ``args.result_name`` is ``name`` with the shape overrides appended."""
+    tiny batches). ``args.result_name`` is ``name`` with the shape overrides appended.
+    ``compile_option`` adds ``--compile`` (``args.compile``: also time the models with compiled blocks)."""
     import argparse
 
     from stemlm.presets import PRESETS
@@ -62,6 +63,9 @@ def preset_run_args(doc: str, name: str, steps: int):
     ap.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
     ap.add_argument("--steps", type=int, default=steps, help=f"timed steps per model (default: {steps})")
     ap.add_argument("--quick", action="store_true", help=f"debug preset, 4x64 tokens, 2 steps; writes {name}.quick.json")
+    if compile_option:
+        ap.add_argument("--compile", action="store_true",
+                        help="also time both models with run.compile=true (each block compiled), same rounds")
     ap.add_argument("overrides", nargs="*", metavar="model.FIELD=VALUE",
                     help="change the preset's shape, e.g. model.d_model=512 model.d_ff=1376; "
                          f"results go to {name}_<overrides>.json")

@@ -8,6 +8,7 @@ machine noise affects both alike, and the time ratio is the median of the per-ro
     python benchmarks/bench_train_step.py            # tiny preset, 16 x 256 tokens, 40 steps
     python benchmarks/bench_train_step.py --quick    # smoke run
     python benchmarks/bench_train_step.py model.d_model=512 model.d_ff=1376   # a wider backbone
+    python benchmarks/bench_train_step.py --compile  # also both models with compiled blocks
 
 To split the gap, two more pieces are timed, interleaved with the steps: STEM's own work (the
 table lookups of a real batch, their backward and the sparse AdamW update of the touched rows, on
@@ -29,10 +30,12 @@ import torch
 from _train_bench import make_trainer, paired_ratio, preset_run_args, time_interleaved, write_result
 
 from stemlm.accounting import train_flops_per_token
+from stemlm.matmul import mm_nn, mm_nt
 
 
-def up_projection_matmuls(cfg, tokens: int, n_layers: int):
-    """A function running the up-projection matmuls (forward + 2 backward) of ``n_layers`` dense layers."""
+def up_projection_matmuls(cfg, tokens: int, n_layers: int, backend: str):
+    """A function running the up-projection matmuls (forward + 2 backward) of ``n_layers`` dense layers,
+    on the GEMM ``backend`` the training step uses (``stemlm.matmul``: forward and input gradient)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, cfg.d_model, generator=gen)  # (N, d)
     w = torch.randn(cfg.d_ff, cfg.d_model, generator=gen)  # (d_ff, d)
@@ -40,7 +43,7 @@ def up_projection_matmuls(cfg, tokens: int, n_layers: int):
 
     def run():
         for _ in range(n_layers):
-            x @ w.t(), g @ w, g.t() @ x  # forward, grad of x, grad of w
+            mm_nt(x, w, backend), mm_nn(g, w, backend), g.t() @ x  # forward, grad of x, grad of w
     return run
 
 
@@ -60,15 +63,20 @@ def stem_own_work(trainer):
 
 
 def main() -> None:
-    args, common = preset_run_args(__doc__, "train_step", steps=40)
+    args, common = preset_run_args(__doc__, "train_step", steps=40, compile_option=True)
     trainers = {kind: make_trainer(common + [f"model.ffn={kind}", "model.stem_layers=full"], args.preset)
                 for kind in ("dense", "stem")}
+    compiled = {f"{kind}_compiled": make_trainer(common + [f"model.ffn={kind}", "model.stem_layers=full",
+                                                          "run.compile=true"], args.preset)
+                for kind in ("dense", "stem")} if args.compile else {}
     tokens = args.batch_size * args.seq_len
     n_stem = len(trainers["stem"].model.cfg.stem_layer_ids)
-    pieces = {"up_projection": up_projection_matmuls(trainers["dense"].model.cfg, tokens, n_stem),
+    backend = trainers["dense"].matmul_backend
+    pieces = {"up_projection": up_projection_matmuls(trainers["dense"].model.cfg, tokens, n_stem, backend),
               "stem_own": stem_own_work(trainers["stem"])}
     samples: dict[str, list[float]] = {}
-    times = time_interleaved({**{k: t.train_step for k, t in trainers.items()}, **pieces}, args.steps, samples=samples)
+    steps = {k: t.train_step for k, t in {**trainers, **compiled}.items()}
+    times = time_interleaved({**steps, **pieces}, args.steps, samples=samples)
     flops = {k: train_flops_per_token(t.model.cfg, args.seq_len) for k, t in trainers.items()}
     causal = {k: train_flops_per_token(t.model.cfg, args.seq_len, causal=True) for k, t in trainers.items()}
     measured, theory = paired_ratio(samples["stem"], samples["dense"]), flops["stem"] / flops["dense"]
@@ -88,13 +96,19 @@ def main() -> None:
     print(f"  with causal attention FLOPs {theory_causal:.3f}   gap {100 * (measured / theory_causal - 1):+.1f}%")
     print(f"  STEM's own work (lookups, their backward, sparse AdamW): {1000 * times['stem_own']:.1f} ms "
           f"= {100 * times['stem_own'] / times['stem']:.1f}% of its step")
+    gap_compiled = None
+    if compiled:
+        measured_compiled = paired_ratio(samples["stem_compiled"], samples["dense_compiled"])
+        gap_compiled = measured_compiled / theory - 1
+        print(f"  compiled blocks: dense {1000 * times['dense_compiled']:.1f}, stem {1000 * times['stem_compiled']:.1f} "
+              f"ms/step; time ratio {measured_compiled:.3f}, gap {100 * gap_compiled:+.1f}%")
     print(f"  the {n_stem} up-projections STEM skips, alone: {1000 * times['up_projection']:.1f} ms at "
           f"{rate['skipped_matmuls'] / 1e9:.0f} GFLOP/s; the dense step averages {rate['dense_step'] / 1e9:.0f} GFLOP/s")
     path = write_result(args.result_name, args.quick, {
         "preset": args.preset, "overrides": args.overrides, "batch_size": args.batch_size, "seq_len": args.seq_len,
         "steps": args.steps, "stem_layers": n_stem, "seconds_per_step": times, "train_flops_per_token": flops,
         "flops_per_s": rate, "time_ratio": measured, "time_ratio_of_medians": ratio_of_medians, "flop_ratio": theory,
-        "flop_ratio_causal": theory_causal, "gap": gap, "gap_causal": measured / theory_causal - 1, "goal_met": abs(gap) <= 0.03})
+        "flop_ratio_causal": theory_causal, "gap": gap, "matmul": backend, "gap_compiled": gap_compiled, "gap_causal": measured / theory_causal - 1, "goal_met": abs(gap) <= 0.03})
     print(f"wrote {path}")
 
 
