@@ -5,7 +5,8 @@ backward, the gradient of both: at N = 4096 tokens and V = 8192 that is three 13
 step, and the head's matmuls run on operands that no longer fit in cache. Here the tokens are
 processed ``chunk`` at a time: each chunk's logits are formed, reduced to the loss, turned into
 ``softmax - onehot`` in place, and multiplied straight into the gradients of the hidden states and
-the head weight. Backward only scales those by the incoming gradient. Same FLOPs as the plain
+the head weight (already divided by the token count). Backward only scales those by the incoming
+gradient, and for the usual ``loss.backward()`` (gradient 1) hands them over untouched. Same FLOPs as the plain
 path (three matmuls), a fraction of the memory traffic, and peak memory ``chunk × V`` instead of
 ``N × V``; the result equals ``F.cross_entropy`` up to float summation order.
 """
@@ -27,7 +28,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk: int, backend: str):
         need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
-        n_valid = (targets != IGNORE_INDEX).sum()
+        denom = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)  # tokens in the mean
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
         transposed = backend == "onednn"  # oneDNN is faster at (d, c) @ (c, V) than at (V, c) @ (c, d)
@@ -45,8 +46,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse = (row_max + row_sum.log()).squeeze(1)  # (c,) log-sum-exp, one exp pass in all
             total += torch.where(valid, lse - target_logit, 0.0).sum()
             if need_grad:
-                weight_of_row = valid[:, None] / row_sum  # (c, 1): normalises; 0 for ignored tokens
-                probs.mul_(weight_of_row).scatter_add_(1, safe_t, -valid[:, None].to(probs.dtype))  # softmax - onehot
+                # (softmax - onehot) / denom: the gradient of the mean; ignored tokens get 0
+                weight_of_row = valid[:, None] / (row_sum * denom)  # (c, 1)
+                probs.mul_(weight_of_row).scatter_add_(1, safe_t, -(valid[:, None] / denom).to(probs.dtype))
                 probs = probs.to(hidden.dtype)
                 grad_hidden[start:start + chunk] = mm_nn(probs, weight, backend)
                 if transposed:
@@ -55,15 +57,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     grad_weight.addmm_(probs.t(), h.to(weight.dtype))  # (V, c) @ (c, d)
         if need_grad and transposed:
             grad_weight = grad_weight.t().contiguous()  # (V, d)
-        denom = n_valid.clamp(min=1).to(torch.float32)
-        ctx.save_for_backward(grad_hidden, grad_weight, denom)
+        ctx.save_for_backward(grad_hidden, grad_weight)
         return total / denom
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight, denom = ctx.saved_tensors
-        scale = grad_loss / denom
-        return grad_hidden * scale.to(grad_hidden.dtype), grad_weight * scale.to(grad_weight.dtype), None, None, None
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_loss.device.type == "cpu" and grad_loss.item() == 1.0:  # loss.backward(): no pass over the grads
+            return grad_hidden, grad_weight, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), grad_weight * grad_loss.to(grad_weight.dtype), None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,

@@ -9,11 +9,22 @@ from stemlm.loss import linear_cross_entropy, reference_cross_entropy
 from stemlm.model import StemLM
 
 
-def _loss_and_grads(fn, hidden, weight, targets, **kw):
+def _loss_and_grads(fn, hidden, weight, targets, upstream=3.0, **kw):
     h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
     loss = fn(h, w, targets, **kw)
-    (3.0 * loss).backward()  # a non-unit upstream gradient
+    (upstream * loss).backward()  # 3.0: a non-unit upstream gradient
     return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("upstream", [1.0, -0.5])
+def test_gradients_follow_the_upstream_gradient(upstream):
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(30, 16, generator=gen), torch.randn(41, 16, generator=gen)
+    targets = torch.randint(0, 41, (30,), generator=gen)
+    ref = _loss_and_grads(reference_cross_entropy, hidden, weight, targets, upstream)
+    got = _loss_and_grads(linear_cross_entropy, hidden, weight, targets, upstream, chunk=8)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 7, 64, 1000])
