@@ -122,3 +122,24 @@ def test_cli_errors_are_clear(ckpt, tmp_path, capsys, model):
     (bare / "model.safetensors").write_bytes(b"\x00" * 4)
     assert cli_main(["generate", "--ckpt", str(bare), "--prompt", "hi", "--tokenizer", str(path), "--tables", "disk"]) == 2
     assert "corrupt" in capsys.readouterr().err
+
+
+def test_onednn_generation_matches_aten_logits_and_tokens(ckpt, capsys):
+    from stemlm.checkpoint import load_model
+    from stemlm.matmul import onednn_available, use_matmul_backend
+
+    if not onednn_available():
+        pytest.skip("this PyTorch build has no oneDNN")
+    path, _ = ckpt
+    aten_model, onednn_model = load_model(path).eval(), load_model(path).eval()
+    use_matmul_backend(onednn_model, "onednn")
+    prompt = torch.randint(0, aten_model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(onednn_model(prompt), aten_model(prompt), rtol=1e-5, atol=1e-5)
+    assert torch.equal(generate_ids(onednn_model, prompt, 6), generate_ids(aten_model, prompt, 6))
+    texts = []
+    for backend in ("aten", "onednn"):
+        assert cli_main(["generate", "--ckpt", str(path), "--prompt", "The capital", "--max-new-tokens", "6",
+                         "--matmul", backend]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1]
