@@ -63,6 +63,15 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
     return out / "ckpt", out / "tables.safetensors"
 
 
+def use_matmul(model, name: str):
+    """``model`` with its linears on the GEMM backend ``name`` (auto | aten | onednn), as
+    ``stemlm generate --matmul`` does; returns the model."""
+    from stemlm.matmul import resolve_matmul_backend, use_matmul_backend
+
+    use_matmul_backend(model, resolve_matmul_backend(name, "cpu"))
+    return model
+
+
 def drop_page_cache(path: Path) -> None:
     """Ask the kernel to drop a file's clean pages from the page cache (no root needed)."""
     import os

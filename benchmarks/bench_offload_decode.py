@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 import torch
-from _store_bench import bench_checkpoint, drop_page_cache, proc_status, timed_decode
+from _store_bench import bench_checkpoint, drop_page_cache, proc_status, timed_decode, use_matmul
 from _train_bench import write_result
 
 from stemlm import model_config
@@ -49,6 +49,7 @@ def worker(args) -> dict:
     if cold:
         drop_page_cache(Path(args.tables))
     model, store = load_model_with_tables(args.ckpt, tier, tables_path=args.tables, cache_rows=args.cache_rows)
+    use_matmul(model, args.matmul)
     loaded = proc_status()
     gen = torch.Generator().manual_seed(args.seed)
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), generator=gen)
@@ -72,6 +73,8 @@ def parse_args():
     ap.add_argument("--cache-rows", type=int, default=0, help="hot-row cache per table for host/disk (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompt and sampling")
+    ap.add_argument("--matmul", choices=("auto", "aten", "onednn"), default="auto",
+                    help="GEMM kernels, as stemlm generate --matmul (default auto: oneDNN on CPU)")
     ap.add_argument("--repeats", type=int, default=3,
                     help="rounds over the runs, interleaved; speed ratios use the median per run (default 3)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, 8 tokens; writes offload_decode.quick.json")
@@ -97,7 +100,8 @@ def main() -> None:
         for run in rounds:
             cmd = [sys.executable, __file__, "--worker", run, "--ckpt", str(ckpt), "--tables", str(tables),
                    "--preset", args.preset, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
-                   "--cache-rows", str(args.cache_rows), "--threads", str(args.threads), "--seed", str(args.seed)]
+                   "--cache-rows", str(args.cache_rows), "--threads", str(args.threads), "--seed", str(args.seed),
+                   "--matmul", args.matmul]
             proc = subprocess.run(cmd, capture_output=True, text=True)
             if proc.returncode:
                 raise SystemExit(f"worker {run} failed:\n{proc.stderr[-3000:]}")
@@ -133,7 +137,7 @@ def main() -> None:
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),
                    "vocab_size": cfg.vocab_size, "d_ff": cfg.d_ff, "table_bytes": table_bytes,
                    "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "cache_rows": args.cache_rows,
-                   "repeats": len(next(iter(rounds.values()))), "ram_bytes": ram},
+                   "matmul": args.matmul, "repeats": len(next(iter(rounds.values()))), "ram_bytes": ram},
         "runs": results, "summary": summary})
     print(f"wrote {path}")
 

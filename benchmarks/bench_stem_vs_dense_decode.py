@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from _store_bench import bench_checkpoint, timed_decode
+from _store_bench import bench_checkpoint, timed_decode, use_matmul
 from _train_bench import write_result, zipf_tokens
 
 from stemlm import StemLM, model_config
@@ -42,10 +42,12 @@ def decode_speeds(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: i
     return {k: statistics.median(v) for k, v in speeds.items()}
 
 
-def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int) -> dict:
+def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int, matmul: str) -> dict:
     """Prefill tokens/s on the disk tier with and without prefetch, the gather time alone, and the
     bytes moved per forward vs the ``tables · uniq · d_ff · 4`` formula."""
     runs = {p: load_model_with_tables(ckpt, "disk", tables_path=tables, prefetch=p) for p in (False, True)}
+    for model, _ in runs.values():
+        use_matmul(model, matmul)
     cfg = runs[True][0].cfg
     times = {False: [], True: []}
     gather = []
@@ -79,9 +81,10 @@ def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int) -> dict:
             "bytes_formula": formula, "bytes_ratio": runs[False][1].stats()["bytes_moved"] / formula}
 
 
-def decode_bytes(ckpt, tables, prompt: torch.Tensor, new_tokens: int) -> dict:
+def decode_bytes(ckpt, tables, prompt: torch.Tensor, new_tokens: int, matmul: str) -> dict:
     """Bytes moved per decode step (disk tier, no cache) vs one row per table per new token."""
     model, store = load_model_with_tables(ckpt, "disk", tables_path=tables)
+    use_matmul(model, matmul)
     timed_decode(model, prompt, 2)
     store.reset_stats()
     tokens, _, _ = timed_decode(model, prompt, new_tokens)
@@ -101,6 +104,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per round (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     ap.add_argument("--prefill", default="1x512,4x256", help="prefill batch shapes BxL (default 1x512,4x256)")
+    ap.add_argument("--matmul", choices=("auto", "aten", "onednn"), default="auto",
+                    help="GEMM kernels, as stemlm generate --matmul (default auto: oneDNN on CPU)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, few tokens; writes stem_vs_dense_decode.quick.json")
     args = ap.parse_args()
     if args.quick:
@@ -111,9 +116,9 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (1, 32 if not args.quick else 8), generator=gen)
 
-    stem, _ = load_model_with_tables(ckpt, "device", tables_path=tables)
+    stem = use_matmul(load_model_with_tables(ckpt, "device", tables_path=tables)[0], args.matmul)
     torch.manual_seed(0)
-    dense = StemLM(dense_cfg).eval()
+    dense = use_matmul(StemLM(dense_cfg).eval(), args.matmul)
     speeds = decode_speeds({"stem": stem, "dense": dense}, prompt, args.new_tokens, args.rounds)
     del stem, dense
     gc.collect()
@@ -128,15 +133,15 @@ def main() -> None:
     for shape in args.prefill.split(","):
         B, L = (int(x) for x in shape.lower().split("x"))
         ids = torch.from_numpy(zipf_tokens(B * L, cfg.vocab_size, seed=1)).view(B, L)
-        prefill[shape] = p = prefill_overlap(ckpt, tables, ids, args.rounds)
+        prefill[shape] = p = prefill_overlap(ckpt, tables, ids, args.rounds, args.matmul)
         print(f"prefill {shape}: {p['prefill_tokens_per_s_sync']:.0f} tok/s sync, {p['prefill_tokens_per_s_prefetch']:.0f} "
               f"with prefetch (x{p['speedup_prefetch']:.3f}); gather {p['gather_all_layers_s'] * 1e3:.1f} ms of "
               f"{p['forward_sync_s'] * 1e3:.0f} ms; bytes/formula {p['bytes_ratio']:.3f}")
-    dec_bytes = decode_bytes(ckpt, tables, prompt, args.new_tokens)
+    dec_bytes = decode_bytes(ckpt, tables, prompt, args.new_tokens, args.matmul)
     print(f"decode bytes per step: {dec_bytes['bytes_per_decode_step']:.0f} (formula {dec_bytes['formula_per_step']})")
     path = write_result("stem_vs_dense_decode", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),
-                   "new_tokens": args.new_tokens, "rounds": args.rounds},
+                   "new_tokens": args.new_tokens, "rounds": args.rounds, "matmul": args.matmul},
         "decode": decode, "prefill_disk_tier": prefill, "decode_bytes_disk_tier": dec_bytes})
     print(f"wrote {path}")
 
