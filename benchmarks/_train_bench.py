@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
+import shutil
 import statistics
 import tempfile
 import time
@@ -37,10 +39,11 @@ def synthetic_data_dir(vocab: int, n_tokens: int = 400_000, seed: int = 0) -> Pa
 
 
 def make_trainer(overrides: list[str], preset: str = "tiny"):
-    """A ``Trainer`` of the real training loop writing into a throw-away run dir."""
+    """A ``Trainer`` of the real training loop writing into a throw-away run dir (removed at exit)."""
     from stemlm.train import Trainer, load_train_config
 
     out = tempfile.mkdtemp(prefix="stemlm-bench-run-")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     cfg = load_train_config(preset, None, [f"run.out={out}", "run.progress=false", "run.plots=false",
                                            "run.peak_flops=1", *overrides])
     trainer = Trainer(cfg)
