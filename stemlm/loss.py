@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .matmul import mm_nn, mm_nt
+from .matmul import mm_nn, mm_nt, onednn_applies
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in fp32): chunk = CHUNK_ELEMENTS // V tokens
@@ -31,7 +31,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
         denom = (targets != IGNORE_INDEX).sum().clamp(min=1).to(torch.float32)  # tokens in the mean
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden) if need_grad else None
-        transposed = backend == "onednn"  # oneDNN is faster at (d, c) @ (c, V) than at (V, c) @ (c, d)
+        # oneDNN is faster at (d, c) @ (c, V) than at (V, c) @ (c, d): accumulate the head gradient transposed
+        transposed = backend == "onednn" and onednn_applies(hidden, weight)
         grad_weight = weight.new_zeros(weight.shape[::-1] if transposed else weight.shape) if need_grad else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start:start + chunk]  # (c, d)

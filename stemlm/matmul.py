@@ -1,4 +1,4 @@
-"""Matrix products of training through oneDNN on CPU (``run.matmul``).
+"""Matrix products through oneDNN on CPU (training's ``run.matmul``, ``stemlm generate --matmul``).
 
 ATen's fp32 ``mm``/``linear`` on CPU call the BLAS PyTorch was built with (MKL in the official
 wheels). On CPUs MKL does not tune for, it runs far below oneDNN's JIT kernels, which PyTorch also
@@ -51,8 +51,8 @@ def resolve_matmul_backend(name: str, device: torch.device | str, dtype: str = "
     return "aten"
 
 
-def _applies(*tensors: torch.Tensor) -> bool:
-    """oneDNN's fp32 path applies: CPU float32 tensors, autocast off."""
+def onednn_applies(*tensors: torch.Tensor) -> bool:
+    """oneDNN's fp32 path applies to these operands: CPU float32 tensors, autocast off."""
     return (not torch.is_autocast_enabled("cpu")
             and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors))
 
@@ -78,16 +78,21 @@ def _(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def mm_nt(a: torch.Tensor, b: torch.Tensor, backend: str = "aten") -> torch.Tensor:
     """``a (M, K) @ b (N, K).T`` on ``backend`` (falling back to ATen where oneDNN does not apply)."""
-    if backend == "onednn" and _applies(a, b):
+    if backend == "onednn" and onednn_applies(a, b):
         return _onednn_nt(a, b)
     return a @ b.t()
 
 
 def mm_nn(a: torch.Tensor, b: torch.Tensor, backend: str = "aten") -> torch.Tensor:
     """``a (M, K) @ b (K, N)`` on ``backend`` (falling back to ATen where oneDNN does not apply)."""
-    if backend == "onednn" and _applies(a, b):
+    if backend == "onednn" and onednn_applies(a, b):
         return _onednn_nt(a, b.t())
     return a @ b
+
+
+def _linear_nd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x (..., in) @ weight (out, in).T -> (..., out)`` by oneDNN."""
+    return _onednn_nt(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
@@ -96,8 +101,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        flat = x.reshape(-1, x.shape[-1])  # (M, in)
-        return _onednn_nt(flat, weight).view(*x.shape[:-1], weight.shape[0])  # (..., out)
+        return _linear_nd(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,12 +117,11 @@ class _OneDNNLinearFn(torch.autograd.Function):
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` (no bias) through oneDNN where it applies, ATen otherwise."""
-    if not _applies(x, weight) or x.numel() == 0:
+    if not onednn_applies(x, weight) or x.numel() == 0:
         return F.linear(x, weight)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _OneDNNLinearFn.apply(x.contiguous(), weight)
-    flat = x.reshape(-1, x.shape[-1])  # (M, in): inference, no autograd node
-    return _onednn_nt(flat, weight).view(*x.shape[:-1], weight.shape[0])
+    return _linear_nd(x, weight)  # inference: no autograd node
 
 
 class OneDNNLinear(nn.Linear):
