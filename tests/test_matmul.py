@@ -14,6 +14,7 @@ from stemlm.matmul import (OneDNNLinear, mm_nn, mm_nt, onednn_available, onednn_
                            use_matmul_backend)
 from stemlm.model import StemLM
 from stemlm.train import Trainer, train
+from stemlm.train.evaluate import evaluate_checkpoint
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch build has no oneDNN")
 
@@ -110,6 +111,8 @@ def test_training_on_onednn_matches_aten_losses(data_dir, tmp_path):
     for backend in ("aten", "onednn"):
         train(debug_config(data_dir, tmp_path / backend, "run.steps=4", f"run.matmul={backend}"))
     np.testing.assert_allclose(losses(tmp_path / "onednn"), losses(tmp_path / "aten"), rtol=1e-5)
+    evals = [evaluate_checkpoint(tmp_path / "aten", batches=2, matmul=m)["loss"] for m in ("aten", "onednn")]
+    assert evals[1] == pytest.approx(evals[0], rel=1e-5)
     trainer = Trainer(debug_config(data_dir, tmp_path / "auto"))
     assert trainer.matmul_backend == "onednn"  # auto on a CPU fp32 run
 

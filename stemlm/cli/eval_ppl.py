@@ -24,6 +24,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's data.seq_len)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
+    parser.add_argument("--matmul", default="auto", choices=("auto", "aten", "onednn"),
+                        help="GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: auto)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -32,7 +34,8 @@ def run(args) -> int:
 
     if args.batches <= 0:
         raise ValueError(f"--batches must be positive, got {args.batches}")
-    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype)
+    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype,
+                              args.matmul)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -15,6 +15,7 @@ import torch
 import yaml
 
 from ..checkpoint import load_model, resolve_checkpoint
+from ..matmul import resolve_matmul_backend, use_matmul_backend
 from ..data import TokenDataset, iter_eval_batches
 
 
@@ -54,8 +55,10 @@ def evaluate(model, ds: TokenDataset, batch_size: int, seq_len: int, max_batches
 
 def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int = 50,
                         batch_size: int | None = None, seq_len: int | None = None,
-                        device: str = "cpu", dtype: str = "float32") -> dict:
+                        device: str = "cpu", dtype: str = "float32", matmul: str = "auto") -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
+
+    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
@@ -69,6 +72,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     batch_size = batch_size or run_cfg.get("data", {}).get("batch_size", 8)
     seq_len = seq_len or run_cfg.get("data", {}).get("seq_len", 128)
     model = load_model(path, device=device)
+    use_matmul_backend(model, resolve_matmul_backend(matmul, device, dtype))
     ds = TokenDataset.open(Path(data_dir), "val")
     if ds.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")
