@@ -66,9 +66,9 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
 def use_matmul(model, name: str):
     """``model`` with its linears on the GEMM backend ``name`` (auto | aten | onednn), as
     ``stemlm generate --matmul`` does; returns the model."""
-    from stemlm.matmul import resolve_matmul_backend, use_matmul_backend
+    from stemlm.matmul import apply_matmul
 
-    use_matmul_backend(model, resolve_matmul_backend(name, "cpu"))
+    apply_matmul(model, name)
     return model
 
 

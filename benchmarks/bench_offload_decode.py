@@ -36,7 +36,7 @@ from _train_bench import write_result
 
 from stemlm import model_config
 from stemlm.artifacts import cache_dir
-from stemlm.matmul import BACKENDS as MATMUL_BACKENDS
+from stemlm.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
 
 RUNS = {"device": ("device", False), "host": ("host", False), "disk": ("disk", False), "disk-cold": ("disk", True)}
@@ -74,8 +74,7 @@ def parse_args():
     ap.add_argument("--cache-rows", type=int, default=0, help="hot-row cache per table for host/disk (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompt and sampling")
-    ap.add_argument("--matmul", choices=MATMUL_BACKENDS, default="auto",
-                    help="GEMM kernels, as stemlm generate --matmul (default auto: oneDNN on CPU)")
+    add_matmul_argument(ap)
     ap.add_argument("--repeats", type=int, default=3,
                     help="rounds over the runs, interleaved; speed ratios use the median per run (default 3)")
     ap.add_argument("--quick", action="store_true", help="tiny shape, 8 tokens; writes offload_decode.quick.json")

@@ -27,7 +27,7 @@ from _train_bench import write_result, zipf_tokens
 from stemlm import StemLM, model_config
 from stemlm.accounting import decode_param_bytes
 from stemlm.artifacts import cache_dir
-from stemlm.matmul import BACKENDS as MATMUL_BACKENDS
+from stemlm.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
 
 
@@ -105,8 +105,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per round (default 32)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
     ap.add_argument("--prefill", default="1x512,4x256", help="prefill batch shapes BxL (default 1x512,4x256)")
-    ap.add_argument("--matmul", choices=MATMUL_BACKENDS, default="auto",
-                    help="GEMM kernels, as stemlm generate --matmul (default auto: oneDNN on CPU)")
+    add_matmul_argument(ap)
     ap.add_argument("--quick", action="store_true", help="tiny shape, few tokens; writes stem_vs_dense_decode.quick.json")
     args = ap.parse_args()
     if args.quick:

@@ -26,6 +26,12 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "aten", "onednn")
 
 
+def add_matmul_argument(parser) -> None:
+    """``--matmul auto|aten|onednn`` (default auto) on an ``argparse`` parser, as the CLIs take it."""
+    parser.add_argument("--matmul", choices=BACKENDS, default="auto",
+                        help="GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: auto)")
+
+
 def onednn_available() -> bool:
     """True when this PyTorch build has oneDNN and its dense-tensor linear op."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -146,3 +152,11 @@ def use_matmul_backend(model: nn.Module, backend: str) -> int:
             module.__class__ = target
             changed += 1
     return changed
+
+
+def apply_matmul(model: nn.Module, name: str, device: torch.device | str = "cpu", dtype: str = "float32") -> str:
+    """Resolve ``run.matmul``/``--matmul`` ``name`` for ``device`` and ``dtype`` and apply it to
+    ``model`` (``use_matmul_backend``); returns the backend in use, ``aten`` or ``onednn``."""
+    backend = resolve_matmul_backend(name, device, dtype)
+    use_matmul_backend(model, backend)
+    return backend

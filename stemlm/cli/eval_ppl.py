@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..matmul import add_matmul_argument
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint dir, or a run dir (its newest checkpoint)")
@@ -24,8 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's data.seq_len)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
-    parser.add_argument("--matmul", default="auto", choices=("auto", "aten", "onednn"),
-                        help="GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: auto)")
+    add_matmul_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

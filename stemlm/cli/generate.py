@@ -15,6 +15,8 @@ import json
 import sys
 import time
 
+from ..matmul import add_matmul_argument, apply_matmul
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory")
@@ -34,15 +36,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory if the checkpoint has none")
     parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
-    parser.add_argument("--matmul", choices=("auto", "aten", "onednn"), default="auto",
-                        help="GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default auto)")
+    add_matmul_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
 
 
 def run(args) -> int:
     from ..checkpoint import resolve_checkpoint
     from ..generate import generate
-    from ..matmul import resolve_matmul_backend, use_matmul_backend
     from ..store import load_model_with_tables
     from ..text import encode_prompt, load_text_codec, stream_text
 
@@ -54,7 +54,7 @@ def run(args) -> int:
                                           cache_rows=args.cache_rows, cache_window=args.cache_window,
                                           prefetch=not args.no_prefetch,
                                           device=args.device)
-    use_matmul_backend(model, resolve_matmul_backend(args.matmul, args.device, "float32"))
+    apply_matmul(model, args.matmul, args.device)
     prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(args.device)
     sys.stdout.write(args.prompt)
     sys.stdout.flush()

@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from ..checkpoint import load_model, resolve_checkpoint
-from ..matmul import resolve_matmul_backend, use_matmul_backend
+from ..matmul import apply_matmul
 from ..data import TokenDataset, iter_eval_batches
 
 
@@ -72,7 +72,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     batch_size = batch_size or run_cfg.get("data", {}).get("batch_size", 8)
     seq_len = seq_len or run_cfg.get("data", {}).get("seq_len", 128)
     model = load_model(path, device=device)
-    use_matmul_backend(model, resolve_matmul_backend(matmul, device, dtype))
+    apply_matmul(model, matmul, device, dtype)
     ds = TokenDataset.open(Path(data_dir), "val")
     if ds.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")

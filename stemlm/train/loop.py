@@ -28,7 +28,7 @@ from ..accounting import train_flops_per_token
 from ..checkpoint import load_model
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch
-from ..matmul import resolve_matmul_backend, use_matmul_backend
+from ..matmul import apply_matmul
 from ..model import StemLM
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
@@ -120,10 +120,9 @@ class Trainer:
         self._check_shapes()
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
-            self.matmul_backend = resolve_matmul_backend(cfg.run.matmul, self.device, cfg.run.dtype)
+            self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        use_matmul_backend(self.model, self.matmul_backend)
         if cfg.run.compile:
             compile_blocks(self.model)
         self.forward_model = self.wrap_forward(self.model)
