@@ -234,3 +234,48 @@ def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
     with pytest.raises(TableFileError, match="shorter than its header"):
         rows.gather(torch.tensor([49]))
     rows.close()
+
+
+def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatch):
+    import os
+
+    from stemlm.store.backends import DiskRows, HostRows
+    from stemlm.store.safetensors_io import write_safetensors
+
+    weight = torch.randn(50, 12)
+    path = write_safetensors(tmp_path / "t.safetensors", [("w", torch.float32, (50, 12), lambda a, b: weight[a:b])])
+    rows = DiskRows(path, "w", (50, 12))
+    hints = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: (
+        hints.append((off, n)) if advice == os.POSIX_FADV_WILLNEED else None, real(fd, off, n, advice))[1])
+    rows.advise(torch.tensor([0, 1, 2, 7, 9, 10, 49]))
+    rb, at = 12 * 4, rows._offset
+    assert hints == [(at, 3 * rb), (at + 7 * rb, rb), (at + 9 * rb, 2 * rb), (at + 49 * rb, rb)]
+    assert torch.equal(rows.gather(torch.tensor([7, 9, 10])), weight[[7, 9, 10]])
+    assert rows.reads_ahead and not HostRows(weight).reads_ahead
+    rows.close()
+
+    # a table hints only the rows its hot-row cache does not hold; only disk tiers get the thread
+    cfg, _, ckpt, batches, ref, _ = setup
+    m, store = load_model_with_tables(ckpt, "disk", cache_rows=10_000, prefetch=False)
+    uniq = batches[0].unique()
+    hints.clear()
+    for table in m.tables.values():
+        table.advise(uniq)
+    assert sum(n for _, n in hints) == len(uniq) * len(cfg.table_layers) * cfg.d_ff * 4
+    with torch.no_grad():
+        torch.testing.assert_close(m(batches[0]), ref[0], rtol=0, atol=1e-6)  # fills the caches
+    hints.clear()
+    for table in m.tables.values():
+        table.advise(uniq)
+    assert hints == []
+    for min_rows, hinted in ((1, True), (10**9, False)):  # the worker hints jobs of at least min_rows ids
+        m, store = load_model_with_tables(ckpt, "disk")
+        store.prefetcher.hint_min_rows = min_rows
+        hints.clear()
+        with torch.no_grad():
+            store.prefetch(batches[1])
+            torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)
+        assert sum(n for _, n in hints) == (len(batches[1].unique()) * len(cfg.table_layers) * cfg.d_ff * 4) * hinted
+        store.close()

@@ -15,6 +15,12 @@ tested fallback.
 Writes (``write_rows``) invalidate the table's pending prefetched rows (they may be stale); the
 lookup then gathers again. A new ``prefetch`` cancels the layers of the previous job that the
 worker has not started.
+
+Read-ahead (disk tier): before gathering a layer, the worker tells the kernel the rows of that
+layer and the next (``advise``: ``POSIX_FADV_WILLNEED``), so the device serves those reads in
+parallel instead of one ``pread`` at a time. Jobs with fewer than ``HINT_MIN_ROWS`` unique ids
+skip it: one-token decode gained nothing from hints in A/B runs (its 16 reads take ~2 ms of a
+~95 ms step and are already hidden), and rows already in the page cache cost a hint ~1.4 µs each.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..tables import check_ids, unique_ids
+
+HINT_MIN_ROWS = 16  # jobs with fewer unique ids skip read-ahead hints (decode: nothing to gain)
+HINT_AHEAD = 3  # layers hinted beyond the one being gathered
 
 
 @dataclass
@@ -47,6 +56,7 @@ class Prefetcher:
         self.device = torch.device(device or "cpu")
         self.num_rows = self.tables[0].num_rows if self.tables else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stemlm-prefetch")
+        self.hint_min_rows, self.hint_ahead = HINT_MIN_ROWS, HINT_AHEAD
         self._lock = threading.Lock()
         self._job: _Job | None = None
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -72,7 +82,12 @@ class Prefetcher:
         try:
             if self._stream is not None:
                 self._stream.wait_stream(job.main_stream)  # see writes queued on the main stream
-            for table in self.tables:
+            hint = len(job.uniq) >= self.hint_min_rows
+            for i, table in enumerate(self.tables):
+                if hint:  # keep the reads of this layer and the next few queued with the device
+                    for ahead in self.tables[i:i + 1 + self.hint_ahead] if i == 0 else self.tables[i + self.hint_ahead:i + 1 + self.hint_ahead]:
+                        if ahead.backend.reads_ahead and not job.futures[id(ahead)].cancelled():
+                            ahead.advise(job.uniq)
                 fut = job.futures[id(table)]
                 if fut.set_running_or_notify_cancel():
                     self._gather_into(fut, table, job.uniq)

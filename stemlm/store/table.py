@@ -66,6 +66,16 @@ class OffloadedTable(nn.Module):
                 return self.cache.fetch(uniq, self._load)
             return self._load(uniq)
 
+    def advise(self, uniq: torch.Tensor) -> None:
+        """Let the backing store start reading the rows of ``uniq`` the cache does not hold.
+
+        Called from the read-ahead thread without the table lock: the cache lookup may be stale,
+        which costs at most a needless or a missing hint, never a wrong row."""
+        uniq = uniq.to("cpu")
+        if self.cache is not None:
+            uniq = uniq[self.cache.slot_of[uniq] < 0]
+        self.backend.advise(uniq)
+
     def _load(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.backend.gather(ids)  # (n, dim) on CPU
         self.stats.rows_moved += len(ids)
