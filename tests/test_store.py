@@ -270,9 +270,9 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
     for table in m.tables.values():
         table.advise(uniq)
     assert hints == []
-    for min_rows, hinted in ((1, True), (10**9, False)):  # the worker hints jobs of at least min_rows ids
+    for hinted in (True, False):  # the prefetch worker hints every disk layer's rows (unless told not to)
         m, store = load_model_with_tables(ckpt, "disk")
-        store.prefetcher.hint_min_rows = min_rows
+        store.prefetcher.read_ahead = hinted
         hints.clear()
         with torch.no_grad():
             store.prefetch(batches[1])

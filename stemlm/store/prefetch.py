@@ -16,11 +16,12 @@ Writes (``write_rows``) invalidate the table's pending prefetched rows (they may
 lookup then gathers again. A new ``prefetch`` cancels the layers of the previous job that the
 worker has not started.
 
-Read-ahead (disk tier): before gathering a layer, the worker tells the kernel the rows of that
-layer and the next (``advise``: ``POSIX_FADV_WILLNEED``), so the device serves those reads in
-parallel instead of one ``pread`` at a time. Jobs with fewer than ``HINT_MIN_ROWS`` unique ids
-skip it: one-token decode gained nothing from hints in A/B runs (its 16 reads take ~2 ms of a
-~95 ms step and are already hidden), and rows already in the page cache cost a hint ~1.4 µs each.
+Read-ahead (disk tier): before gathering a layer, the worker tells the kernel the rows of the
+next ``READ_AHEAD_LAYERS`` layers (``advise``: ``POSIX_FADV_WILLNEED``), so the device serves
+those reads in parallel instead of one ``pread`` at a time. Cold page cache, this machine: 16
+layers × 64 rows ready in 25 ms instead of 220-250 ms, × 4096 rows in 2.2-2.4 s instead of
+25-32 s; one-token decode 1.06× faster (paired A/B, 8 rounds). Rows already in the page cache
+cost a hint ~1.4 µs each (warm decode A/B: 1.00×). ``read_ahead = False`` turns it off.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ import torch
 
 from ..tables import check_ids, unique_ids
 
-HINT_MIN_ROWS = 16  # jobs with fewer unique ids skip read-ahead hints (decode: nothing to gain)
-HINT_AHEAD = 3  # layers hinted beyond the one being gathered
+READ_AHEAD_LAYERS = 3  # layers hinted beyond the one being gathered
 
 
 @dataclass
@@ -56,7 +56,7 @@ class Prefetcher:
         self.device = torch.device(device or "cpu")
         self.num_rows = self.tables[0].num_rows if self.tables else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stemlm-prefetch")
-        self.hint_min_rows, self.hint_ahead = HINT_MIN_ROWS, HINT_AHEAD
+        self.read_ahead = True  # hint disk reads before gathering (see the module docstring)
         self._lock = threading.Lock()
         self._job: _Job | None = None
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
@@ -82,10 +82,10 @@ class Prefetcher:
         try:
             if self._stream is not None:
                 self._stream.wait_stream(job.main_stream)  # see writes queued on the main stream
-            hint = len(job.uniq) >= self.hint_min_rows
+            k = READ_AHEAD_LAYERS
             for i, table in enumerate(self.tables):
-                if hint:  # keep the reads of this layer and the next few queued with the device
-                    for ahead in self.tables[i:i + 1 + self.hint_ahead] if i == 0 else self.tables[i + self.hint_ahead:i + 1 + self.hint_ahead]:
+                if self.read_ahead:  # keep the reads of this layer and the next k queued with the device
+                    for ahead in self.tables[:k + 1] if i == 0 else self.tables[i + k:i + k + 1]:
                         if ahead.backend.reads_ahead and not job.futures[id(ahead)].cancelled():
                             ahead.advise(job.uniq)
                 fut = job.futures[id(table)]
