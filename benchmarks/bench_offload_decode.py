@@ -3,7 +3,8 @@
 The model is the mobilellm-350m shape with STEM in every second layer (16 tables of 32000 × 2560
 fp32 = 5.24 GB) and random weights; the checkpoint and a separate tables file are generated once
 into the stemlm cache. Each tier runs in its own subprocess (so its resident set is clean) and
-reports JSON: the same seeded sampled generation on every tier, timed per decode step.
+reports JSON: the same seeded sampled generations (``--gens``, 3 by default) on every tier, timed
+per decode step.
 
 Decode timing on this shared CPU varies by up to 40 % between runs of a minute, so the runs are
 repeated in interleaved rounds (``--repeats``, default 5; the order of the runs rotates from round
@@ -12,8 +13,8 @@ the machine move whole rounds and cancel in each ratio); the ratio of the runs' 
 reported next to it.
 
 Goals: disk ÷ RAM decode tokens/s >= 0.95, and resident memory lower by >= 90% of the table bytes.
-``disk-cold`` first drops the tables file from the page cache (``posix_fadvise``), so every row
-touched is read from the device.
+``disk-cold`` drops the tables file from the page cache (``posix_fadvise``) before each
+generation, so every row touched is read from the device.
 
     python benchmarks/bench_offload_decode.py                # the real run (lead)
     python benchmarks/bench_offload_decode.py --quick        # tiny shape, seconds
@@ -59,11 +60,18 @@ def worker(args) -> dict:
     prompt = torch.randint(0, model.cfg.vocab_size, (1, args.prompt_len), generator=gen)
     timed_decode(model, prompt[:, :4], 4, seed=args.seed + 1)  # warm-up (allocator, kernels)
     store.reset_stats()
-    tokens, t_prefill, t_decode = timed_decode(model, prompt, args.new_tokens, seed=args.seed)
+    tokens, t_prefill, t_decode = [], [], 0.0
+    for g in range(args.gens):  # each generation samples other tokens: mostly rows not read yet
+        if cold:
+            drop_page_cache(Path(args.tables))
+        toks, t_p, t_d = timed_decode(model, prompt, args.new_tokens, seed=args.seed + 100 * g)
+        tokens.append(toks)
+        t_prefill.append(t_p)
+        t_decode += t_d
     after = proc_status()
     stats = {k: v for k, v in store.stats().items() if k != "per_table"}
     return {"run": args.worker, "tier": tier, "cold_page_cache": cold, "tokens": tokens,
-            "decode_tokens_per_s": (len(tokens) - 1) / t_decode, "prefill_s": t_prefill,
+            "decode_tokens_per_s": sum(len(t) - 1 for t in tokens) / t_decode, "prefill_s": t_prefill,
             "rss_start": base, "rss_loaded": loaded, "rss_end": after, "store": stats}
 
 
@@ -73,6 +81,9 @@ def parse_args():
     ap.add_argument("--stem-layers", default="1/2", help="STEM placement (default 1/2: 16 of 32 layers)")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens decoded per tier (default 64)")
     ap.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
+    ap.add_argument("--gens", type=int, default=3,
+                    help="timed generations per worker, each with its own seed (disk-cold drops the page cache "
+                         "before each); speed = all their tokens ÷ all their decode time (default 3)")
     ap.add_argument("--runs", default="device,disk,disk-cold", help=f"comma list of {', '.join(RUNS)}")
     ap.add_argument("--cache-rows", type=int, default=0, help="hot-row cache per table for host/disk (default 0)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads per worker (default: torch's choice)")
@@ -86,7 +97,7 @@ def parse_args():
     ap.add_argument("--tables", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.quick:
-        args.preset, args.new_tokens, args.prompt_len = "tiny", 8, 8
+        args.preset, args.new_tokens, args.prompt_len, args.gens = "tiny", 8, 8, 1
     return args
 
 
@@ -104,6 +115,7 @@ def main() -> None:
         for run in order:
             cmd = [sys.executable, __file__, "--worker", run, "--ckpt", str(ckpt), "--tables", str(tables),
                    "--preset", args.preset, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),
+                   "--gens", str(args.gens),
                    "--cache-rows", str(args.cache_rows), "--threads", str(args.threads), "--seed", str(args.seed),
                    "--matmul", args.matmul]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -113,7 +125,8 @@ def main() -> None:
             rounds[run].append(r)
             print(f"round {i + 1} {run:>10}: {r['decode_tokens_per_s']:7.2f} tok/s  RSS {r['rss_end']['VmRSS'] / 2**20:8.1f} MiB "
                   f"(anon {r['rss_end']['RssAnon'] / 2**20:.1f}, file {r['rss_end']['RssFile'] / 2**20:.1f})  "
-                  f"rows moved {r['store'].get('rows_moved', 0)}", flush=True)
+                  f"rows moved {r['store'].get('rows_moved', 0)}, stalls {r['store'].get('stalls', 0)} "
+                  f"({r['store'].get('stall_seconds', 0) * 1e3:.0f} ms)", flush=True)
     results = {}
     for run, rs in rounds.items():  # the round with the median speed stands for the run
         results[run] = sorted(rs, key=lambda r: r["decode_tokens_per_s"])[len(rs) // 2]
@@ -146,7 +159,7 @@ def main() -> None:
     path = write_result(name, args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),
                    "vocab_size": cfg.vocab_size, "d_ff": cfg.d_ff, "table_bytes": table_bytes,
-                   "new_tokens": args.new_tokens, "prompt_len": args.prompt_len, "cache_rows": args.cache_rows,
+                   "new_tokens": args.new_tokens, "gens": args.gens, "prompt_len": args.prompt_len, "cache_rows": args.cache_rows,
                    "matmul": args.matmul, "repeats": len(next(iter(rounds.values()))), "ram_bytes": ram},
         "runs": results, "summary": summary})
     print(f"wrote {path}")

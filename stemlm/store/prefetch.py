@@ -27,6 +27,7 @@ cost a hint ~1.4 µs each (warm decode A/B: 1.00×). ``read_ahead = False`` turn
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -120,7 +121,7 @@ class Prefetcher:
                 return None
             job.taken.add(key)
             fut = job.futures[key]
-        stalled = not fut.done()
+        stalled, t0 = not fut.done(), time.perf_counter()
         try:
             rows, event = fut.result()
         except CancelledError:
@@ -128,6 +129,7 @@ class Prefetcher:
         with table._lock:
             table.stats.prefetched += 1
             table.stats.stalls += int(stalled)
+            table.stats.stall_seconds += (time.perf_counter() - t0) if stalled else 0.0
         if event is not None:
             current = torch.cuda.current_stream(self.device)
             current.wait_event(event)

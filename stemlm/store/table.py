@@ -33,6 +33,7 @@ class TableStats:
     bytes_moved: int = 0
     prefetched: int = 0  # lookups served by a prefetch
     stalls: int = 0  # ... of which had to wait for it
+    stall_seconds: float = 0.0  # ... in total
     rows_written: int = 0
 
     def as_dict(self) -> dict:
