@@ -3,6 +3,9 @@
 1. Decode tokens/s of STEM-1/2 (tables in RAM) ÷ dense on the mobilellm-350m backbone, next to the
    ratio of parameter bytes loaded per decoded token (``stemlm.accounting.decode_param_bytes``):
    decoding is memory-bound, so the speed ratio should follow the inverse of the byte ratio.
+   Decode speed on this shared CPU swings by ±15 % between back-to-back runs of a few seconds, so
+   the ratio is the median of per-round ratios over ``--decode-rounds`` (default 10) alternating
+   rounds.
 2. Prefill throughput with the tables on disk, with and without prefetch overlap (the rows of all
    layers gathered by the worker thread while layer 0.. compute), plus the time of the gather alone.
 3. Bytes moved per step (store statistics) vs the formula ``tables · uniq(B·L) · d_ff · bytes``.
@@ -22,7 +25,7 @@ import time
 
 import torch
 from _store_bench import bench_checkpoint, timed_decode, use_matmul
-from _train_bench import write_result, zipf_tokens
+from _train_bench import paired_ratio, write_result, zipf_tokens
 
 from stemlm import StemLM, model_config
 from stemlm.accounting import decode_param_bytes
@@ -31,16 +34,17 @@ from stemlm.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
 
 
-def decode_speeds(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict[str, float]:
-    """Median decode tokens/s of each model, rounds interleaved so machine noise hits all alike."""
+def decode_speeds(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict[str, list[float]]:
+    """Decode tokens/s of each model per round; rounds interleaved (the order alternates) so the
+    machine's slow phases hit every model alike."""
     for m in models.values():
         timed_decode(m, prompt[:, :4], 4)  # warm-up
     speeds = {k: [] for k in models}
     for r in range(rounds):
-        for name, m in models.items():
-            tokens, _, t = timed_decode(m, prompt, new_tokens, seed=r)
+        for name in (list(models) if r % 2 == 0 else list(models)[::-1]):
+            tokens, _, t = timed_decode(models[name], prompt, new_tokens, seed=r)
             speeds[name].append((len(tokens) - 1) / t)
-    return {k: statistics.median(v) for k, v in speeds.items()}
+    return speeds
 
 
 def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int, matmul: str) -> dict:
@@ -103,13 +107,15 @@ def main() -> None:
     ap.add_argument("--preset", default="mobilellm-350m", help="backbone shape (default mobilellm-350m)")
     ap.add_argument("--stem-layers", default="1/2", help="STEM placement (default 1/2)")
     ap.add_argument("--new-tokens", type=int, default=32, help="decoded tokens per round (default 32)")
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds (default 3)")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved prefill timing rounds (default 3)")
+    ap.add_argument("--decode-rounds", type=int, default=10,
+                    help="interleaved decode rounds; the speed ratio is the median of per-round ratios (default 10)")
     ap.add_argument("--prefill", default="1x512,4x256", help="prefill batch shapes BxL (default 1x512,4x256)")
     add_matmul_argument(ap)
     ap.add_argument("--quick", action="store_true", help="tiny shape, few tokens; writes stem_vs_dense_decode.quick.json")
     args = ap.parse_args()
     if args.quick:
-        args.preset, args.new_tokens, args.rounds, args.prefill = "tiny", 6, 1, "1x64,2x32"
+        args.preset, args.new_tokens, args.rounds, args.decode_rounds, args.prefill = "tiny", 6, 1, 1, "1x64,2x32"
     cfg = model_config(args.preset, ffn="stem", stem_layers=args.stem_layers)
     dense_cfg = cfg.replace(ffn="dense")
     ckpt, tables = bench_checkpoint(cfg, cache_dir() / "bench" / "offload")
@@ -119,15 +125,20 @@ def main() -> None:
     stem = use_matmul(load_model_with_tables(ckpt, "device", tables_path=tables)[0], args.matmul)
     torch.manual_seed(0)
     dense = use_matmul(StemLM(dense_cfg).eval(), args.matmul)
-    speeds = decode_speeds({"stem": stem, "dense": dense}, prompt, args.new_tokens, args.rounds)
+    rounds = decode_speeds({"stem": stem, "dense": dense}, prompt, args.new_tokens, args.decode_rounds)
+    speeds = {k: statistics.median(v) for k, v in rounds.items()}
     del stem, dense
     gc.collect()
     byte_ratio = decode_param_bytes(cfg, 4) / decode_param_bytes(dense_cfg, 4)
-    decode = {"tokens_per_s": speeds, "speed_ratio_stem_over_dense": speeds["stem"] / speeds["dense"],
+    ratio = paired_ratio(rounds["stem"], rounds["dense"])
+    decode = {"tokens_per_s": speeds, "tokens_per_s_rounds": rounds, "speed_ratio_stem_over_dense": ratio,
+              "speed_ratio_rounds": [a / b for a, b in zip(rounds["stem"], rounds["dense"])],
+              "speed_ratio_of_medians": speeds["stem"] / speeds["dense"],
               "param_bytes_per_token": {"stem": decode_param_bytes(cfg, 4), "dense": decode_param_bytes(dense_cfg, 4)},
               "param_bytes_ratio_stem_over_dense": byte_ratio, "inverse_bytes_ratio": 1 / byte_ratio}
-    print(f"decode: STEM {speeds['stem']:.2f} tok/s, dense {speeds['dense']:.2f} tok/s, ratio "
-          f"{decode['speed_ratio_stem_over_dense']:.3f} (dense/STEM parameter bytes per token: {1 / byte_ratio:.3f})")
+    print(f"decode: STEM {speeds['stem']:.2f} tok/s, dense {speeds['dense']:.2f} tok/s (medians), ratio "
+          f"{ratio:.3f} (median of per-round ratios {', '.join(f'{x:.2f}' for x in decode['speed_ratio_rounds'])}; "
+          f"of medians {decode['speed_ratio_of_medians']:.3f}) (dense/STEM parameter bytes per token: {1 / byte_ratio:.3f})")
 
     prefill = {}
     for shape in args.prefill.split(","):
@@ -141,7 +152,7 @@ def main() -> None:
     print(f"decode bytes per step: {dec_bytes['bytes_per_decode_step']:.0f} (formula {dec_bytes['formula_per_step']})")
     path = write_result("stem_vs_dense_decode", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),
-                   "new_tokens": args.new_tokens, "rounds": args.rounds, "matmul": args.matmul},
+                   "new_tokens": args.new_tokens, "rounds": args.rounds, "decode_rounds": args.decode_rounds, "matmul": args.matmul},
         "decode": decode, "prefill_disk_tier": prefill, "decode_bytes_disk_tier": dec_bytes})
     print(f"wrote {path}")
 
