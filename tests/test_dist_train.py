@@ -22,7 +22,8 @@ def _run(data, out, nproc, *extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m", "stemlm.train"]
     proc = subprocess.run(cmd + ARGS + ["--data", str(data), "--out", str(out), *extra], env=env,
                           capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.returncode == 0, (f"{' '.join(cmd[-3:])} exited {proc.returncode}\n--- stdout (tail)\n{proc.stdout[-1500:]}"
+                                  f"\n--- stderr (tail)\n{proc.stderr[-6000:]}")
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
