@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .config import ModelConfig
+from .matmul import apply_matmul
 from .model import StemLM, init_module_
 
 _DEFAULTS = ModelConfig()  # StemConfig's defaults are ModelConfig's (checked by the tests)
@@ -137,7 +138,12 @@ def check_attention_mask(mask: torch.Tensor | None, start_pos: int, q_len: int) 
 
 
 class StemForCausalLM(PreTrainedModel, GenerationMixin):
-    """A ``StemLM`` (attribute ``model``) behind the transformers causal-LM interface."""
+    """A ``StemLM`` (attribute ``model``) behind the transformers causal-LM interface.
+
+    Like ``stemlm generate``, its linears compute fp32 CPU products with oneDNN where available
+    (``run.matmul=auto``; other devices and dtypes fall back to ATen per call, and the state dict
+    is unchanged). ``stemlm.matmul.use_matmul_backend(model, "aten")`` switches back.
+    """
 
     config_class = StemConfig
     config: StemConfig
@@ -149,6 +155,7 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
     def __init__(self, config: StemConfig):
         super().__init__(config)
         self.model = StemLM(config.model_config())
+        apply_matmul(self.model, "auto")
         self.post_init()
 
     @torch.no_grad()

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -275,3 +276,21 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(LlamaForCausalLM.from_pretrained(tmp_path / "l")(x).logits, llama(x).logits,
                                    rtol=0, atol=1e-5)
+
+
+def test_auto_model_computes_with_onednn_and_switches_back(tmp_path):
+    from stemlm.matmul import OneDNNLinear, onednn_available, use_matmul_backend
+
+    model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2")).eval()
+    save_model(model, tmp_path / "c")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c")
+    linears = [m for m in hf.modules() if isinstance(m, nn.Linear)]
+    assert linears and all(type(m) is (OneDNNLinear if onednn_available() else nn.Linear) for m in linears)
+    prompt = torch.randint(0, 512, (2, 6))
+    kw = dict(max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    with torch.no_grad():
+        fast_logits, fast = hf(prompt).logits, hf.generate(prompt, **kw)
+        use_matmul_backend(hf, "aten")
+        assert all(type(m) is nn.Linear for m in hf.modules() if isinstance(m, nn.Linear))
+        torch.testing.assert_close(hf(prompt).logits, fast_logits, rtol=0, atol=1e-5)
+        assert torch.equal(hf.generate(prompt, **kw), fast)
