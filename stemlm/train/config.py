@@ -151,6 +151,8 @@ class RunSection:
     compile: bool = _f(False, "torch.compile each transformer block (lookups and loss stay eager)")
     matmul: str = _f("auto", "GEMMs of linears and loss: auto (onednn for fp32 on CPU, else aten) | aten | onednn "
                      "(oneDNN kernels; faster than MKL on CPUs it does not tune for)")
+    keep_freed_memory: bool = _f(True, "CPU: keep freed memory in the glibc heap between steps instead of returning "
+                                 "it to the OS (no page faults on the next step; ~7% faster; RSS stays at its peak)")
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
     init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = measured once by a fp32 matmul probe")

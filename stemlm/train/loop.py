@@ -28,6 +28,7 @@ from ..accounting import train_flops_per_token
 from ..checkpoint import load_model
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch
+from ..malloc import keep_freed_memory
 from ..matmul import apply_matmul
 from ..model import StemLM
 from . import evaluate as evaluate_mod
@@ -112,6 +113,8 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg, self.run_dir = cfg, Path(cfg.run.out)
         self.device = resolve_device(cfg.run.device)
+        if cfg.run.keep_freed_memory and self.device.type == "cpu":
+            keep_freed_memory()  # process-wide, see stemlm/malloc.py
         resume_from = self._check_resume(resume)
         self.data_dir = resolve_data_dir(cfg.data.dir)
         self.train_ds = TokenDataset.open(self.data_dir, "train")

@@ -1,0 +1,41 @@
+"""Keep freed CPU memory in the process heap instead of handing it back to the OS each step.
+
+A CPU training step allocates and frees the same large activations and gradients every time.
+glibc's malloc serves blocks above its mmap threshold (128 KiB, raised on its own up to 32 MiB)
+with fresh ``mmap`` calls and returns freed memory at the top of the heap once more than the trim
+threshold is free, so the next step touches new pages: ~100 000 page faults per step of the
+P7 shape (d=256, 6 layers, 16 × 256 tokens) on this machine. Raising both thresholds keeps the
+memory mapped, much as PyTorch's CUDA caching allocator does on GPUs: ~600 faults per step and
+steps ~7 % faster (five process pairs, median of paired ratios 0.93). The cost: resident memory
+stays at its peak.
+
+The settings are process-wide (they also speed up any other model trained in the same process)
+and only exist on glibc; elsewhere ``keep_freed_memory`` does nothing and says so.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameter numbers (malloc.h)
+MMAP_THRESHOLD = 64 << 20  # blocks above this still get their own mapping
+TRIM_THRESHOLD = 1 << 30  # free memory kept at the top of the heap
+
+_applied = False
+
+
+def keep_freed_memory() -> bool:
+    """Raise glibc's mmap and trim thresholds (see the module docstring); returns whether they are
+    in effect (False on other C libraries, or if ``mallopt`` refused). Idempotent."""
+    global _applied
+    if _applied:
+        return True
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    _applied = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    return _applied
