@@ -70,8 +70,9 @@ class OffloadedTable(nn.Module):
     def advise(self, uniq: torch.Tensor) -> None:
         """Let the backing store start reading the rows of ``uniq`` the cache does not hold.
 
-        Called from the read-ahead thread without the table lock: the cache lookup may be stale,
-        which costs at most a needless or a missing hint, never a wrong row."""
+        The prefetch worker calls it for layers ahead of the one it gathers, without their table
+        lock: the cache lookup may be stale, which costs at most a needless or a missing hint,
+        never a wrong row."""
         uniq = uniq.to("cpu")
         if self.cache is not None:
             uniq = uniq[self.cache.slot_of[uniq] < 0]
