@@ -87,7 +87,7 @@ class Prefetcher:
             for i, table in enumerate(self.tables):
                 if self.read_ahead:  # keep the reads of this layer and the next k queued with the device
                     for ahead in self.tables[:k + 1] if i == 0 else self.tables[i + k:i + k + 1]:
-                        if ahead.backend.reads_ahead and not job.futures[id(ahead)].cancelled():
+                        if not job.futures[id(ahead)].cancelled():
                             ahead.advise(job.uniq)
                 fut = job.futures[id(table)]
                 if fut.set_running_or_notify_cancel():

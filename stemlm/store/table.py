@@ -72,7 +72,9 @@ class OffloadedTable(nn.Module):
 
         The prefetch worker calls it for layers ahead of the one it gathers, without their table
         lock: the cache lookup may be stale, which costs at most a needless or a missing hint,
-        never a wrong row."""
+        never a wrong row. Host rows need no hint: nothing is done for them."""
+        if not self.backend.reads_ahead:
+            return
         uniq = uniq.to("cpu")
         if self.cache is not None:
             uniq = uniq[self.cache.slot_of[uniq] < 0]
