@@ -101,10 +101,15 @@ def time_interleaved(fns: dict, steps: int, warmup: int = 2, samples: dict | Non
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def round_ratios(numer: list[float], denom: list[float]) -> list[float]:
+    """``numer[i] / denom[i]`` for each round."""
+    return [a / b for a, b in zip(numer, denom, strict=True)]
+
+
 def paired_ratio(numer: list[float], denom: list[float]) -> float:
     """Median over rounds of ``numer[i] / denom[i]``: the two calls of a round ran back to back, so
     slow drifts of the machine's speed (which move whole rounds) cancel in each ratio."""
-    return statistics.median(a / b for a, b in zip(numer, denom, strict=True))
+    return statistics.median(round_ratios(numer, denom))
 
 
 def write_result(name: str, quick: bool, payload: dict) -> Path:

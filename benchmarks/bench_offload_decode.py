@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from _store_bench import bench_checkpoint, drop_page_cache, proc_status, timed_decode, use_matmul
-from _train_bench import paired_ratio, write_result
+from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm import model_config
 from stemlm.artifacts import cache_dir
@@ -138,7 +138,7 @@ def main() -> None:
         if r["tier"] == "disk" and ref is not None:
             ref_speeds = ref["decode_tokens_per_s_rounds"]
             speed = paired_ratio(r["decode_tokens_per_s_rounds"], ref_speeds)
-            per_round = [a / b for a, b in zip(r["decode_tokens_per_s_rounds"], ref_speeds)]
+            per_round = round_ratios(r["decode_tokens_per_s_rounds"], ref_speeds)
             saved = ref["rss_end"]["VmRSS"] - r["rss_end"]["VmRSS"]
             summary[run] = {"speed_ratio_vs_ram": speed, "speed_ratio_rounds": per_round,
                             "speed_ratio_of_medians": r["decode_tokens_per_s"] / ref["decode_tokens_per_s"],

@@ -25,7 +25,7 @@ import time
 
 import torch
 from _store_bench import bench_checkpoint, timed_decode, use_matmul
-from _train_bench import paired_ratio, write_result, zipf_tokens
+from _train_bench import paired_ratio, round_ratios, write_result, zipf_tokens
 
 from stemlm import StemLM, model_config
 from stemlm.accounting import decode_param_bytes
@@ -132,7 +132,7 @@ def main() -> None:
     byte_ratio = decode_param_bytes(cfg, 4) / decode_param_bytes(dense_cfg, 4)
     ratio = paired_ratio(rounds["stem"], rounds["dense"])
     decode = {"tokens_per_s": speeds, "tokens_per_s_rounds": rounds, "speed_ratio_stem_over_dense": ratio,
-              "speed_ratio_rounds": [a / b for a, b in zip(rounds["stem"], rounds["dense"])],
+              "speed_ratio_rounds": round_ratios(rounds["stem"], rounds["dense"]),
               "speed_ratio_of_medians": speeds["stem"] / speeds["dense"],
               "param_bytes_per_token": {"stem": decode_param_bytes(cfg, 4), "dense": decode_param_bytes(dense_cfg, 4)},
               "param_bytes_ratio_stem_over_dense": byte_ratio, "inverse_bytes_ratio": 1 / byte_ratio}
