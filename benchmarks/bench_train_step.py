@@ -10,6 +10,9 @@ machine noise affects both alike, and the time ratio is the median of the per-ro
     python benchmarks/bench_train_step.py model.d_model=512 model.d_ff=1376   # a wider backbone
     python benchmarks/bench_train_step.py --compile  # also both models with compiled blocks
 
+Every run also redraws ``train_step_widths.png`` from all ``train_step*.json`` results: measured
+time ratio, FLOP ratio and gap against the backbone width, one point per shape measured.
+
 To split the gap, two more pieces are timed, interleaved with the steps: STEM's own work (the
 table lookups of a real batch, their backward and the sparse AdamW update of the touched rows, on
 a copy of the tables) and, on random operands of the step's shape, the matmuls a dense layer does
@@ -25,9 +28,11 @@ next to it.
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import torch
-from _train_bench import make_trainer, paired_ratio, preset_run_args, time_interleaved, write_result
+from _train_bench import RESULTS, make_trainer, paired_ratio, preset_run_args, time_interleaved, write_result
 
 from stemlm.accounting import train_flops_per_token
 from stemlm.matmul import mm_nn, mm_nt
@@ -60,6 +65,57 @@ def stem_own_work(trainer):
         torch.autograd.backward(rows, [grad] * len(rows))
         opt.step()
     return run
+
+
+def backbone_width(result: dict) -> int:
+    """``d_model`` of a results JSON: its preset's, or the ``model.d_model=`` override."""
+    from stemlm.presets import PRESETS
+
+    width = PRESETS[result["preset"]]["d_model"]
+    for override in result["overrides"]:
+        if override.startswith("model.d_model="):
+            width = int(override.split("=", 1)[1])
+    return width
+
+
+def same_sweep(a: dict, b: dict) -> bool:
+    """Whether two results differ at most in width: same preset, tokens per step and kind (smoke or
+    real), and no override other than ``model.d_model`` / ``model.d_ff``."""
+    widths_only = all(o.split("=", 1)[0] in ("model.d_model", "model.d_ff") for o in a["overrides"] + b["overrides"])
+    keys = ("preset", "batch_size", "seq_len")
+    return widths_only and a["meta"]["quick"] == b["meta"]["quick"] and all(a[k] == b[k] for k in keys)
+
+
+def plot_widths(latest: dict) -> Path:
+    """Redraw ``train_step_widths[.quick].png`` from every ``train_step*.json`` in the results dir of
+    the same sweep as ``latest``: time ratio and FLOP ratio (top), gap (bottom) vs width."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [json.loads(f.read_text()) for f in RESULTS.glob("train_step*.json")]
+    runs = sorted(((backbone_width(r), r) for r in runs if same_sweep(r, latest)), key=lambda wr: wr[0])
+    widths = [w for w, _ in runs]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5.5), sharex=True)
+    top.plot(widths, [r["time_ratio"] for _, r in runs], "o-", label="measured step time ratio")
+    top.plot(widths, [r["flop_ratio"] for _, r in runs], "s--", label="training-FLOP ratio (theory)")
+    top.set_ylabel("STEM-full ÷ dense")
+    top.legend(fontsize=8)
+    bottom.plot(widths, [100 * r["gap"] for _, r in runs], "o-", color="tab:red")
+    for w, r in runs:
+        bottom.annotate(f"{100 * r['gap']:+.1f}%", (w, 100 * r["gap"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    bottom.axhline(3, color="grey", ls="--", lw=1, label="goal: within 3 %")
+    bottom.set_ylabel("gap (time ratio ÷ FLOP ratio − 1, %)")
+    bottom.set_xlabel(f"d_model ({latest['preset']} preset otherwise; {latest['batch_size']}×{latest['seq_len']} tokens per step)")
+    bottom.legend(fontsize=8)
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+    top.set_title("P1: STEM-full ÷ dense training step vs backbone width (2-core CPU)")
+    fig.tight_layout()
+    path = RESULTS / f"train_step_widths{'.quick' if latest['meta']['quick'] else ''}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
@@ -110,6 +166,7 @@ def main() -> None:
         "flops_per_s": rate, "time_ratio": measured, "time_ratio_of_medians": ratio_of_medians, "flop_ratio": theory,
         "flop_ratio_causal": theory_causal, "gap": gap, "matmul": backend, "gap_compiled": gap_compiled, "gap_causal": measured / theory_causal - 1, "goal_met": abs(gap) <= 0.03})
     print(f"wrote {path}")
+    print(f"wrote {plot_widths(json.loads(path.read_text()))}")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,20 @@ def test_train_step_quick_splits_the_gap(tmp_path):
     assert r["gap"] == pytest.approx(r["time_ratio"] / r["flop_ratio"] - 1)
     assert r["flop_ratio_causal"] < r["flop_ratio"] < 1
     assert "STEM's own work" in out
+    assert (tmp_path / "train_step_widths.quick.png").stat().st_size > 0
+
+
+def test_train_step_width_plot_keeps_to_one_sweep(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import bench_train_step as bench
+
+    def result(overrides, batch=16, quick=False):
+        return {"meta": {"quick": quick}, "preset": "tiny", "overrides": overrides, "batch_size": batch, "seq_len": 256}
+    base = result([])
+    assert bench.backbone_width(base) == 256 and bench.backbone_width(result(["model.d_model=768"])) == 768
+    assert bench.same_sweep(base, result(["model.d_model=768", "model.d_ff=2048"]))
+    assert not bench.same_sweep(base, result(["model.n_layers=2"]))  # another shape change: not a width sweep
+    assert not bench.same_sweep(base, result([], batch=8)) and not bench.same_sweep(base, result([], quick=True))
 
 
 def test_bad_shape_override_is_a_clear_error(tmp_path):
