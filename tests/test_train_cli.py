@@ -50,6 +50,26 @@ def test_bad_override_is_a_one_line_error(data_dir, tmp_path, capsys):
     assert "unknown config field" in capsys.readouterr().err
 
 
+def test_train_on_raw_text_prepares_it_once(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
+    raw = tmp_path / "notes"
+    raw.mkdir()
+    for i in range(40):
+        (raw / f"note{i}.txt").write_text(f"Note {i}. The river flows past the old mill and the bridge. " * 3)
+    out = tmp_path / "run"
+    args = ["train", "--preset", "debug", "--data", str(raw), "--out", str(out), *QUIET, "model.vocab_size=300"]
+    assert main([*args, "--steps", "2"]) == 0
+    (prepared,) = (tmp_path / "cache" / "data").iterdir()
+    assert prepared.name.startswith("user-") and prepared.name.endswith("-v300") and (prepared / "COMPLETE").exists()
+    assert f"dir: {prepared}" in (out / "config.yaml").read_text()  # the run names the prepared dir
+    mtime = (prepared / "train.bin").stat().st_mtime_ns
+    assert main([*args, "--steps", "3", "--resume"]) == 0  # same text: same dir, reused; resume accepts it
+    assert (prepared / "train.bin").stat().st_mtime_ns == mtime and len(list((tmp_path / "cache" / "data").iterdir())) == 1
+    (prepared / "meta.json").unlink()  # a damaged prepared dir is reported as one, not re-read as raw text
+    assert main(["train", "--preset", "debug", "--data", str(prepared), "--out", str(tmp_path / "r2"), *QUIET]) == 2
+    assert "not a prepared data dir" in capsys.readouterr().err
+
+
 def _command(data_dir, out, *extra):
     return [sys.executable, "-m", "stemlm.train", "--preset", "debug", "--data", str(data_dir), "--out", str(out),
             *QUIET, *extra]

@@ -13,6 +13,7 @@ examples:
   stemlm train --ffn dense --out runs/dense          # the dense baseline of the default run
   stemlm train --compare dense                       # STEM and dense, same budget, both val losses
   stemlm train --data my_data --ffn stem_dagger --stem-layers 1/2 optim.lr=1e-3 run.dtype=bfloat16
+  stemlm train --data notes/ --preset debug          # raw .txt/.md/.jsonl: tokenized once into the cache
   stemlm train --out runs/debug --resume             # continue the newest checkpoint exactly
   stemlm train run.stage=midtrain run.init_from=runs/converted model.max_seq_len=512
   python -m stemlm.train ...                         # the same command
@@ -35,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model shape and its recommended run settings (default: tiny; debug = seconds-long run)")
     parser.add_argument("--ffn", default=None, choices=FFN_KINDS, help="FFN kind of the chosen layers (default: stem)")
     parser.add_argument("--stem-layers", default=None, help="placement: '1/3' (default), '1/2', 'full', 'none' or '2,5'")
-    parser.add_argument("--data", default=None, help="prepared data dir (default: the default corpus, built if missing)")
+    parser.add_argument("--data", default=None,
+                        help="a prepared data dir, or raw text (.txt/.md/.jsonl file or a dir of them) that is "
+                             "prepared once into the cache with a BPE of model.vocab_size (default 4096) tokens; "
+                             "default: the default corpus, built if missing")
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps (= run.steps)")
     parser.add_argument("--out", default=None, help="run directory (= run.out, default runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run directory")
@@ -66,7 +70,8 @@ def run(args) -> int:
     if args.compare:
         runs[args.compare] = load_train_config(args.preset, args.config, overrides + [
             f"model.ffn={args.compare}", f"run.out={cfg.run.out.rstrip('/')}-{args.compare}"])
-    cfg.data.dir = str(resolve_data_dir(cfg.data.dir))  # build the default corpus once, up front
+    # Build the default corpus (or prepare raw --data) once, up front: every run then names the prepared dir.
+    cfg.data.dir = str(resolve_data_dir(cfg.data.dir, cfg.model.overrides().get("vocab_size")))
     for other in runs.values():
         other.data.dir = cfg.data.dir
     results = {}

@@ -206,6 +206,22 @@ def prepare_corpus(sources: list[Path], out_dir: Path, vocab_size: int = 4096, t
     return out
 
 
+def looks_prepared(path: Path) -> bool:
+    """Whether ``path`` is (or was meant to be) a prepared data dir rather than raw text: it holds a
+    ``meta.json``, ``tokenizer.json`` or token file, so a damaged one still fails as a data dir."""
+    return Path(path).is_dir() and any((Path(path) / name).exists() for name in ("meta.json", "tokenizer.json", "train.bin"))
+
+
+def prepare_user_data(source: Path, vocab_size: int = 4096, progress: bool = True) -> Path:
+    """Raw text handed straight to training (a .txt/.md/.jsonl file or a directory of them), prepared
+    once into ``$STEMLM_CACHE/data/user-<sha256 of its documents>-v<vocab>`` and reused while the
+    text is unchanged (an edited file gets a new dir; nothing is rebuilt in place)."""
+    docs = read_documents([Path(source)])
+    digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
+    out = artifacts.cache_dir() / "data" / f"user-{digest[:16]}-v{vocab_size}"
+    return prepare_corpus([Path(source)], out, vocab_size=vocab_size, progress=progress)
+
+
 def data_info(data_dir: Path) -> dict:
     """Summary of a prepared dir: tokens, documents, vocab, file sizes, facts per split."""
     data_dir = Path(data_dir)
