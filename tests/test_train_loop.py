@@ -71,7 +71,24 @@ def test_config_change_on_resume_is_an_error(data_dir, tmp_path):
     train(debug_config(data_dir, tmp_path, "run.steps=10"), resume=True)  # run.steps may change
 
 
-def test_nan_loss_stops_and_keeps_checkpoint(data_dir, tmp_path, monkeypatch):
+class _InfGrad(torch.autograd.Function):
+    """Identity forward (a finite loss), infinite gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+@pytest.mark.parametrize("poison, message", [
+    (lambda loss: loss * float("nan"), "loss is nan"),
+    (lambda loss: loss * float("inf"), "loss is inf"),
+    (_InfGrad.apply, "gradient norm is (inf|nan)"),
+])
+def test_non_finite_step_stops_and_keeps_checkpoint(data_dir, tmp_path, monkeypatch, poison, message):
     train(debug_config(data_dir, tmp_path, "run.steps=10", "run.ckpt_every=3"), stop_at=3)
     ckpt = list_checkpoints(tmp_path)[-1]
     before = (ckpt / "model.safetensors").read_bytes()
@@ -81,10 +98,10 @@ def test_nan_loss_stops_and_keeps_checkpoint(data_dir, tmp_path, monkeypatch):
     def poisoned(model, batch, doc_masking=False):
         calls["n"] += 1
         loss = real(model, batch, doc_masking)
-        return loss * float("nan") if calls["n"] == 2 else loss
+        return poison(loss) if calls["n"] == 2 else loss
 
     monkeypatch.setattr(loop_mod.evaluate_mod, "compute_loss", poisoned)
-    with pytest.raises(TrainingDiverged, match=r"loss is nan at step 5.*step_00000003 is intact"):
+    with pytest.raises(TrainingDiverged, match=rf"{message} at step 5.*step_00000003 is intact"):
         train(debug_config(data_dir, tmp_path, "run.steps=10", "run.ckpt_every=3"), resume=True)
     assert list_checkpoints(tmp_path) == [ckpt] and (ckpt / "model.safetensors").read_bytes() == before
 
@@ -129,6 +146,23 @@ def test_bf16_autocast_and_midtrain_from_checkpoint(data_dir, tmp_path):
     assert trainer.model.cfg.max_seq_len == 64
     assert all(torch.equal(v, base[k]) for k, v in trainer.model.state_dict().items())
     assert np.isfinite(trainer.train_step()["loss"])
+
+
+def test_context_extend_stage_with_document_masking(data_dir, tmp_path):
+    train(debug_config(data_dir, tmp_path / "base", "run.steps=2", "data.seq_len=32"))
+    cfg = debug_config(data_dir, tmp_path / "long", "run.stage=context_extend", f"run.init_from={tmp_path / 'base'}",
+                       "model.max_seq_len=128", "model.rope_theta=100000", "data.seq_len=96", "data.doc_masking=true",
+                       "run.steps=2")
+    trainer = Trainer(cfg)
+    base = load_model(tmp_path / "base").state_dict()
+    assert trainer.model.cfg.max_seq_len == 128 and trainer.model.cfg.rope_theta == 100000
+    assert all(torch.equal(v, base[k]) for k, v in trainer.model.state_dict().items())
+    batch = trainer.batch(0)
+    assert batch.inputs.shape[1] == 96 and len(batch.doc_ids.unique()) > 1  # sequences cross documents
+    masked = loop_mod.evaluate_mod.compute_loss(trainer.model, batch, doc_masking=True)
+    assert not torch.allclose(masked, loop_mod.evaluate_mod.compute_loss(trainer.model, batch, doc_masking=False))
+    result = train(cfg)
+    assert result.steps == 2 and np.isfinite(result.val_loss)
 
 
 def test_compile_runs_each_block_compiled_with_eager_losses_and_names(data_dir, tmp_path):
