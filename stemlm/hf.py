@@ -169,14 +169,20 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         return self.model.lm_head
 
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs) -> CausalLMOutputWithPast:
+                use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
+                past_key_values: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
         """Logits (and ``loss`` when ``labels`` are given) for ``input_ids (B, T)``.
 
-        Positions continue from the cache: ``start_pos`` is the number of positions it holds.
-        ``position_ids``/``cache_position``, when passed, must agree with that.
+        The KV cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (older 5.x);
+        it is returned under the name the installed transformers uses. Positions continue from
+        the cache: ``start_pos`` is the number of positions it holds. ``position_ids`` /
+        ``cache_position``, when passed, must agree with that.
         """
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
+        past_key_values = cache if cache is not None else past_key_values
         if inputs_embeds is not None or input_ids is None:
             raise ValueError("StemForCausalLM needs input_ids: STEM layers look table rows up by token id, "
                              "so inputs_embeds are not supported")
@@ -196,7 +202,13 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=past_key_values if use_cache else None)
+        out_cache = {_OUTPUT_CACHE_FIELD: past_key_values if use_cache else None}
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **out_cache)
+
+
+# transformers 5.24 renamed the output's `past_key_values` field to `cache` (the old name is kept for
+# a while as an alias); use whichever field the installed release declares.
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def _check_positions(position_ids, cache_position, start_pos: int, q_len: int) -> None:

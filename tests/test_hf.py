@@ -192,6 +192,25 @@ def test_generate_with_cache_equals_no_cache_and_manual_loop(tmp_path):
     assert torch.equal(cached, uncached) and torch.equal(cached, manual)
 
 
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_cache_argument_under_either_name_continues_the_sequence(name):
+    """transformers >= 5.24 passes the cache as `cache`, older 5.x as `past_key_values`."""
+    from transformers import DynamicCache
+
+    hf = StemForCausalLM(StemConfig.from_model_config(model_config("debug", ffn="stem"))).eval()
+    x = torch.randint(0, 512, (2, 9))
+    with torch.no_grad():
+        full = hf(x).logits
+        kv = DynamicCache(config=hf.config)
+        first = hf(x[:, :6], **{name: kv})
+        out_cache = first.cache if hasattr(first, "cache") else first.past_key_values
+        assert out_cache is kv and kv.get_seq_length() == 6
+        rest = hf(x[:, 6:], **{name: kv}).logits
+    torch.testing.assert_close(torch.cat([first.logits, rest], dim=1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not both"):
+        hf(x, cache=DynamicCache(config=hf.config), past_key_values=DynamicCache(config=hf.config))
+
+
 def test_labels_give_the_shifted_cross_entropy(tmp_path):
     hf = StemForCausalLM(StemConfig.from_model_config(model_config("debug")))
     x = torch.randint(0, 512, (2, 9))
