@@ -1,16 +1,20 @@
 """torchrun with 2 CPU processes (gloo; DDP or FSDP2 backbone; sharded tables) equals 1 process."""
 
 import json
+import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from train_helpers import make_token_data
 
-ARGS = ["--preset", "debug", "--steps", "5", "run.peak_flops=1e11", "run.progress=false", "run.plots=false",
+STEPS, TOKENS_PER_STEP = 5, 8 * 128  # data.batch_size=8 sequences of the debug preset's 128 tokens
+TABLE_PEAK_LR = 3e-2  # the largest learning rate of the run (tables: 10 x the backbone's 3e-3)
+ARGS = ["--preset", "debug", "--steps", str(STEPS), "run.peak_flops=1e11", "run.progress=false", "run.plots=false",
         "run.eval_every=0", "data.batch_size=8", "run.ckpt_every=3"]
 
 
@@ -27,6 +31,30 @@ def _run(data, out, nproc, *extra):
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_losses_match(one, two):
+    """Losses of runs that differ only in the order of fp32 sums.
+
+    A mean over N tokens summed in another order differs by about log2(N) roundings of the
+    loss's size; a factor 4 covers the all-reduce and the weights' own rounding drift."""
+    assert len(one) == len(two) == STEPS
+    tol = 4 * math.ceil(math.log2(TOKENS_PER_STEP)) * torch.finfo(torch.float32).eps * max(one)
+    assert max(abs(a - b) for a, b in zip(one, two)) <= tol
+
+
+def assert_weights_match(a: dict, b: dict):
+    """Weights after the same steps with gradients summed in another order.
+
+    Adam divides each gradient by its own running size, so an element whose gradient is a
+    near-cancelling sum (size ~ rounding) can step differently by up to ~lr per step: no
+    elementwise bound tighter than 2 * lr * steps holds. The bulk must agree: 99.9 % of
+    elements within 1e-4 of the largest move one step can make.
+    """
+    assert a.keys() == b.keys()
+    diff = torch.cat([(a[k].float() - b[k].float()).abs().flatten() for k in a])
+    assert diff.max().item() <= 2 * TABLE_PEAK_LR * STEPS
+    assert diff.quantile(0.999).item() <= 1e-4 * TABLE_PEAK_LR
+
+
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
     return make_token_data(tmp_path_factory.mktemp("data"))
@@ -35,24 +63,25 @@ def data(tmp_path_factory):
 def test_two_processes_match_one_and_resume(tmp_path, data):
     one = _run(data, tmp_path / "one", 1)
     two = _run(data, tmp_path / "two", 2)
-    assert len(one) == len(two) == 5
-    assert max(abs(a - b) for a, b in zip(one, two)) <= 1e-5
+    assert_losses_match(one, two)
     # checkpoints are world-size independent: the same files a 1-process run writes
-    a = load_file(tmp_path / "one/checkpoints/step_00000005/model.safetensors")
-    b = load_file(tmp_path / "two/checkpoints/step_00000005/model.safetensors")
-    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-    # a distributed run paused at step 3 and resumed gives the same losses
+    assert_weights_match(load_file(tmp_path / "one/checkpoints/step_00000005/model.safetensors"),
+                         load_file(tmp_path / "two/checkpoints/step_00000005/model.safetensors"))
+    # a distributed run paused at step 3 and resumed gives exactly the uninterrupted 2-process losses
     _run(data, tmp_path / "three", 2, "--stop-at", "3")
     resumed = _run(data, tmp_path / "three", 2, "--resume")
-    assert max(abs(a - b) for a, b in zip(one, resumed)) <= 1e-5
+    assert resumed == two
 
 
 def test_fsdp_backbone_matches_one_process(tmp_path, data):
     one = _run(data, tmp_path / "one", 1)
     fsdp = _run(data, tmp_path / "fsdp", 2, "run.parallel=fsdp")
-    assert max(abs(a - b) for a, b in zip(one, fsdp)) <= 1e-5
+    assert_losses_match(one, fsdp)
+    assert_weights_match(load_file(tmp_path / "one/checkpoints/step_00000005/model.safetensors"),
+                         load_file(tmp_path / "fsdp/checkpoints/step_00000005/model.safetensors"))
     a = load_file(tmp_path / "one/checkpoints/step_00000005/optimizer.safetensors")
     b = load_file(tmp_path / "fsdp/checkpoints/step_00000005/optimizer.safetensors")
+    # Adam's moments are running sums of gradients (and their squares): rounding-sized differences
     assert a.keys() == b.keys() and max((a[k].float() - b[k].float()).abs().max().item() for k in a) < 1e-6
 
 
