@@ -1,18 +1,20 @@
 # Two entry points (see README): `make run` (the main job) and `make test`.
 # Both create .venv on first use: CPU torch 2.13.0 from the local wheel first, so pip never
-# pulls a CUDA build, then stemlm with its dev extras.
+# pulls a CUDA build, then stemlm with its dev extras at the versions in constraints.txt.
+# `make test-latest` checks the newest releases of every dependency in a separate .venv-latest.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.stemlm-installed
+LATEST := .venv-latest
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install run test test-slow bench
+.PHONY: install run test test-slow test-latest bench
 install: $(STAMP)
 
 run: $(STAMP)
@@ -23,6 +25,18 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
+
+# The newest releases (torch stays at the local CPU wheel): a new upstream release shows up here
+# before it reaches constraints.txt.
+test-latest:
+	rm -rf $(LATEST)
+	python3 -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install -q --upgrade pip
+	$(LATEST)/bin/python -m pip install -q torch==2.13.0
+	echo "torch==2.13.0" > $(LATEST)/torch-only.txt
+	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST)/torch-only.txt -e ".[dev]"
+	$(LATEST)/bin/python -m pip list | grep -i -E "^(transformers|tokenizers|safetensors|numpy) "
+	$(LATEST)/bin/python -m pytest
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
