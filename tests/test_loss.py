@@ -48,6 +48,24 @@ def test_no_grad_and_all_ignored():
     assert linear_cross_entropy(hidden, weight, torch.full((4,), -100)).item() == 0.0
 
 
+def test_no_grad_forms_no_gradient_products(monkeypatch):
+    """Under torch.no_grad only the logits product runs (validation, eval-ppl, eval pay no backward)."""
+    import stemlm.loss as loss_mod
+
+    calls = {"nt": 0, "nn": 0}
+    real_nt, real_nn = loss_mod.mm_nt, loss_mod.mm_nn
+    monkeypatch.setattr(loss_mod, "mm_nt", lambda *a: calls.__setitem__("nt", calls["nt"] + 1) or real_nt(*a))
+    monkeypatch.setattr(loss_mod, "mm_nn", lambda *a: calls.__setitem__("nn", calls["nn"] + 1) or real_nn(*a))
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    targets = torch.tensor([1, 2, 3, 4, 5, 6])
+    with torch.no_grad():
+        loss = linear_cross_entropy(hidden, weight, targets, chunk=2)
+    assert calls == {"nt": 3, "nn": 0} and loss.grad_fn is None
+    torch.testing.assert_close(loss, reference_cross_entropy(hidden, weight, targets).detach())
+    linear_cross_entropy(hidden, weight, targets, chunk=2).backward()  # with grad: the gradient products run
+    assert calls["nn"] == 3 and hidden.grad is not None
+
+
 def test_shape_mismatch_is_refused():
     with pytest.raises(ValueError, match="3 hidden states but 4 targets"):
         linear_cross_entropy(torch.randn(3, 8), torch.randn(11, 8), torch.zeros(4, dtype=torch.long))
