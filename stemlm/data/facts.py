@@ -191,15 +191,15 @@ def build_facts(countries: list[Country], heldout_fraction: float = 0.1, seed: i
     return facts
 
 
-def fact_documents(facts: list[dict], repeats: int = 4, seed: int = 0) -> list[str]:
-    """Training documents made of the ``train`` facts, each sentence appearing ``repeats`` times.
+def fact_documents(facts: list[dict], repeats: int = 4, seed: int = 0, split: str = "train") -> list[str]:
+    """Documents made of the facts of ``split`` (default: ``train``), each sentence ``repeats`` times.
 
     One document per (country, template, repetition) holds that country's sentences for that
     template in a shuffled order, e.g. "The capital of Spain is Madrid. The currency of ...".
     """
     groups: dict[tuple[str, int], list[str]] = {}
     for f in facts:
-        if f["split"] == "train":
+        if f["split"] == split:
             groups.setdefault((f["country"], f["template_id"]), []).append(f["text"])
     rng = np.random.default_rng([seed, 1])
     docs = []
