@@ -1,0 +1,151 @@
+"""The seam between evaluation tasks and the model that answers them.
+
+It has the shape of lm-evaluation-harness's ``LM`` API, so one model adapter serves stemlm's own
+tasks and the harness alike: ``loglikelihood`` of a continuation given a context,
+``loglikelihood_rolling`` of a whole text, and ``generate_until`` a stop sequence. Tasks build
+requests from strings and never see token ids; a ``LanguageModel`` never sees a task.
+
+``encode_pair`` is the harness's tokenization of a (context, continuation) pair: trailing
+whitespace of the context moves to the continuation, the pair is encoded whole, and the
+continuation's tokens are those past the context's. ``ReferenceLM`` answers every request with
+one plain forward pass of its own: slow, obviously right, and the yardstick of faster engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class LoglikelihoodRequest:
+    """log P(continuation | context), summed over the continuation's tokens."""
+
+    context: str
+    continuation: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """Greedy continuation of ``context``, cut before the first of ``until`` (at most ``max_new_tokens``)."""
+
+    context: str
+    until: tuple[str, ...] = ()
+    max_new_tokens: int = 32
+
+
+@dataclass(frozen=True)
+class Loglikelihood:
+    """Answer to a ``LoglikelihoodRequest``: summed log-prob, token count, and whether greedy decoding
+    would have produced exactly the continuation."""
+
+    logprob: float
+    n_tokens: int
+    is_greedy: bool
+
+
+class Tokens(Protocol):
+    """What the seam needs of a tokenizer."""
+
+    prefix_ids: list[int]  # put before every context (stemlm: the document-start token; HF Llama: none)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` without any special tokens."""
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` (special tokens dropped)."""
+
+
+class LanguageModel(Protocol):
+    """A model that answers evaluation requests (see the module docstring)."""
+
+    identity: str  # stable id of the weights (hash); keys the per-request result cache
+    max_length: int  # longest token sequence the model accepts
+
+    def loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> list[Loglikelihood]: ...
+
+    def loglikelihood_rolling(self, texts: Sequence[str]) -> list[Loglikelihood]: ...
+
+    def generate_until(self, requests: Sequence[GenerateRequest]) -> list[str]: ...
+
+
+def encode_pair(tokens: Tokens, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """``(context_ids, continuation_ids)`` as the harness tokenizes them; ``prefix_ids`` lead the
+    context, and an empty context (with no prefix) becomes the last prefix-less fallback, the
+    end-of-text token, which the caller passes as ``prefix_ids`` in that case."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
+    whole = tokens.encode(context + continuation)
+    ctx = tokens.encode(context)
+    cont = whole[len(ctx):]
+    if not cont:
+        raise ValueError(f"continuation {continuation!r} encodes to no tokens")
+    return list(tokens.prefix_ids) + ctx, cont
+
+
+def check_request_ids(ids: Sequence[int], vocab_size: int) -> None:
+    """A one-line error when a request encodes to ids the model does not have."""
+    if ids and max(ids) >= vocab_size:
+        raise ValueError(f"a request encodes to token id {max(ids)}, beyond the model's vocabulary of "
+                         f"{vocab_size}: the tokenizer does not belong to this model")
+
+
+class ReferenceLM:
+    """One full forward per request, no batching, no cache: the correctness yardstick.
+
+    ``model(ids (1, T)) -> logits (1, T, V)``; contexts longer than ``max_length`` keep their end.
+    """
+
+    def __init__(self, model, tokens: Tokens, vocab_size: int, max_length: int, identity: str = "reference"):
+        self.model, self.tokens, self.vocab_size = model, tokens, vocab_size
+        self.max_length, self.identity = max_length, identity
+
+    @torch.no_grad()
+    def _score(self, ctx: list[int], cont: list[int]) -> Loglikelihood:
+        ids = (ctx + cont)[-(self.max_length + 1):]
+        check_request_ids(ids, self.vocab_size)
+        x = torch.tensor([ids[:-1]], dtype=torch.long)
+        logp = self.model(x)[0, -len(cont):].float().log_softmax(-1)  # (n_cont, V)
+        target = torch.tensor(cont)
+        picked = logp.gather(-1, target[:, None]).squeeze(-1)
+        greedy = bool((logp.argmax(-1) == target).all())
+        return Loglikelihood(float(picked.sum()), len(cont), greedy)
+
+    def loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> list[Loglikelihood]:
+        """Summed log-prob of each continuation."""
+        return [self._score(*encode_pair(self.tokens, r.context, r.continuation)) for r in requests]
+
+    def loglikelihood_rolling(self, texts: Sequence[str]) -> list[Loglikelihood]:
+        """Log-prob of each whole text after ``prefix_ids`` (texts must fit ``max_length``)."""
+        out = []
+        for text in texts:
+            ids = self.tokens.encode(text)
+            if len(ids) > self.max_length:
+                raise ValueError(f"text of {len(ids)} tokens is longer than max_length={self.max_length}")
+            out.append(self._score(list(self.tokens.prefix_ids), ids))
+        return out
+
+    @torch.no_grad()
+    def generate_until(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        """Greedy decoding by repeated full forwards, cut at the first stop sequence."""
+        out = []
+        for r in requests:
+            ids = list(self.tokens.prefix_ids) + self.tokens.encode(r.context)
+            new: list[int] = []
+            for _ in range(r.max_new_tokens):
+                x = torch.tensor([(ids + new)[-self.max_length:]], dtype=torch.long)
+                new.append(int(self.model(x)[0, -1].argmax()))
+                text = self.tokens.decode(new)
+                if any(s in text for s in r.until):
+                    break
+            out.append(cut_at_stop(self.tokens.decode(new), r.until))
+        return out
+
+
+def cut_at_stop(text: str, until: Sequence[str]) -> str:
+    """``text`` up to (not including) the earliest stop sequence."""
+    cuts = [text.find(s) for s in until if s and s in text]
+    return text[:min(cuts)] if cuts else text
