@@ -50,6 +50,7 @@ class Tokens(Protocol):
     """What the seam needs of a tokenizer."""
 
     prefix_ids: list[int]  # put before every context (stemlm: the document-start token; HF Llama: none)
+    eot_id: int  # the end-of-text token: the whole context of a request whose context is empty
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` without any special tokens."""
@@ -73,8 +74,7 @@ class LanguageModel(Protocol):
 
 def encode_pair(tokens: Tokens, context: str, continuation: str) -> tuple[list[int], list[int]]:
     """``(context_ids, continuation_ids)`` as the harness tokenizes them; ``prefix_ids`` lead the
-    context, and an empty context (with no prefix) becomes the last prefix-less fallback, the
-    end-of-text token, which the caller passes as ``prefix_ids`` in that case."""
+    context, and a context that is still empty becomes ``[eot_id]`` (as in the harness)."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces:
         continuation, context = context[-n_spaces:] + continuation, context[:-n_spaces]
@@ -83,7 +83,8 @@ def encode_pair(tokens: Tokens, context: str, continuation: str) -> tuple[list[i
     cont = whole[len(ctx):]
     if not cont:
         raise ValueError(f"continuation {continuation!r} encodes to no tokens")
-    return list(tokens.prefix_ids) + ctx, cont
+    ctx = list(tokens.prefix_ids) + ctx
+    return (ctx or [tokens.eot_id]), cont
 
 
 def check_request_ids(ids: Sequence[int], vocab_size: int) -> None:
@@ -125,7 +126,7 @@ class ReferenceLM:
             ids = self.tokens.encode(text)
             if len(ids) > self.max_length:
                 raise ValueError(f"text of {len(ids)} tokens is longer than max_length={self.max_length}")
-            out.append(self._score(list(self.tokens.prefix_ids), ids))
+            out.append(self._score(list(self.tokens.prefix_ids) or [self.tokens.eot_id], ids))
         return out
 
     @torch.no_grad()
