@@ -27,6 +27,7 @@ import sys
 
 from ..config import FFN_KINDS
 from ..presets import PRESETS
+from .options import non_empty, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,16 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, choices=list(PRESETS),
                         help="model shape and its recommended run settings (default: tiny; debug = seconds-long run)")
     parser.add_argument("--ffn", default=None, choices=FFN_KINDS, help="FFN kind of the chosen layers (default: stem)")
-    parser.add_argument("--stem-layers", default=None, help="placement: '1/3' (default), '1/2', 'full', 'none' or '2,5'")
+    parser.add_argument("--stem-layers", type=non_empty, default=None, help="placement: '1/3' (default), '1/2', 'full', 'none' or '2,5'")
     parser.add_argument("--data", default=None,
                         help="a prepared data dir, or raw text (.txt/.md/.jsonl file or a dir of them) that is "
                              "prepared once into the cache with a BPE of model.vocab_size (default 4096) tokens; "
                              "default: the default corpus, built if missing")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (= run.steps)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (= run.steps)")
     parser.add_argument("--out", default=None, help="run directory (= run.out, default runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run directory")
     parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below")
-    parser.add_argument("--stop-at", type=int, default=None, metavar="N",
+    parser.add_argument("--stop-at", type=positive_int, default=None, metavar="N",
                         help="pause after step N with a checkpoint (the schedule still spans run.steps)")
     parser.add_argument("--compare", default=None, choices=FFN_KINDS, metavar="KIND",
                         help="also train model.ffn=KIND with the same budget into <out>-KIND and print both")

@@ -28,6 +28,7 @@ from ..accounting import train_flops_per_token
 from ..checkpoint import load_model
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
+from ..devices import resolve_device
 from ..malloc import keep_freed_memory
 from ..matmul import apply_matmul
 from ..model import StemLM
@@ -70,12 +71,6 @@ def resolve_data_dir(cfg: TrainConfig) -> Path:
     return Path(prepare_default_corpus())
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
     """A fresh model from ``cfg.model`` (vocab from the data unless set), or ``run.init_from``
     with the explicitly set ``model.*`` fields applied (e.g. ``max_seq_len`` for context extension)."""
@@ -112,7 +107,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg, self.run_dir = cfg, Path(cfg.run.out)
-        self.device = resolve_device(cfg.run.device)
+        self.device = resolve_device(cfg.run.device, "run.device")
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()  # process-wide, see stemlm/malloc.py
         resume_from = self._check_resume(resume)
