@@ -36,35 +36,37 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-p", type=probability, default=None, help="nucleus sampling: smallest set with probability >= p")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed for sampling (default 0)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory if the checkpoint has none")
-    parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto (default cpu)")
     add_matmul_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
 
 
 def run(args) -> int:
     from ..checkpoint import resolve_checkpoint
-    from ..generate import generate
+    from ..devices import resolve_device
+    from ..generate import check_sampling, generate
     from ..store import load_model_with_tables
     from ..text import encode_prompt, load_text_codec, stream_text
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    device = str(resolve_device(args.device))
+    check_sampling(args.temperature, args.top_k, args.top_p)
     ckpt = resolve_checkpoint(args.ckpt)
     codec = load_text_codec(ckpt, args.tokenizer)
     model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
                                           cache_rows=args.cache_rows, cache_window=args.cache_window,
                                           prefetch=not args.no_prefetch,
-                                          device=args.device)
-    apply_matmul(model, args.matmul, args.device)
-    prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(args.device)
+                                          device=device)
+    apply_matmul(model, args.matmul, device)
+    prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(device)
+    new_tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                          seed=args.seed, eos_id=codec.eos_id)  # checks everything before the prompt is echoed
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     n_tokens, start = 0, time.perf_counter()
 
     def tokens():
         nonlocal n_tokens
-        for tok in generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                            seed=args.seed, eos_id=codec.eos_id):
+        for tok in new_tokens:
             n_tokens += 1
             yield int(tok[0])
 

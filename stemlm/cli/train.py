@@ -62,11 +62,13 @@ def _flag_overrides(args) -> list[str]:
 def run(args) -> int:
     from ..train import TrainingDiverged, load_train_config, train
     from ..train.loop import resolve_data_dir
-    from ..train.report import summary_lines, unigram_entropy
+    from ..devices import resolve_device
+    from ..train.report import next_steps_lines, summary_lines, unigram_entropy
 
     default_run = not _given(args)
     overrides = _flag_overrides(args) + list(args.overrides)
     cfg = load_train_config(args.preset, args.config, overrides)
+    resolve_device(cfg.run.device, "run.device")  # a missing GPU fails now, not after the corpus is built
     runs = {args.ffn or cfg.model.ffn or "stem": cfg}
     if args.compare:
         runs[args.compare] = load_train_config(args.preset, args.config, overrides + [
@@ -84,11 +86,17 @@ def run(args) -> int:
         return 1
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports
         unigram = unigram_entropy(cfg.data.dir)
+        for r in results.values():
+            if r.finished_before:
+                print(f"{r.run_dir} is already finished ({r.steps} steps): nothing was trained or changed; "
+                      f"its stored result follows")
         print("\n".join(summary_lines(results, unigram)))
         if len(results) > 1 and cfg.run.plots:
             from ..train.plots import plot_run
             files = plot_run(cfg.run.out, {k: r.run_dir for k, r in results.items()}, unigram, prefix="compare_")
             print(f"comparison plots: {', '.join(str(f) for f in files)}")
+        for label, r in results.items():
+            print("\n".join(next_steps_lines(r, runs[label].model.ffn or label)))
     return 0
 
 
