@@ -69,6 +69,13 @@ def _top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    try:  # overrides (section.field=value) may come before or after flags
+        return parser.parse_intermixed_args(argv)
+    except TypeError:  # a parser with sub-commands: plain parsing
+        return parser.parse_args(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``stemlm`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -80,17 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = _top_parser()
         if argv and argv[0] not in ("-h", "--help"):
-            parser.error(f"unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}")
+            print(f"stemlm: error: unknown command {argv[0]!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+            return 2
         parser.print_help()
         return 0
     name = argv[0]
     module = importlib.import_module(COMMANDS[name][0])
     parser = ArgumentParser(prog=f"stemlm {name}", description=module.__doc__)
     module.add_arguments(parser)
-    try:  # overrides (section.field=value) may come before or after flags
-        args = parser.parse_intermixed_args(argv[1:])
-    except TypeError:  # a parser with sub-commands: plain parsing
-        args = parser.parse_args(argv[1:])
+    try:
+        args = _parse(parser, argv[1:])
+    except SystemExit as e:  # a bad option was reported in one line: return its status (--help exits as usual)
+        if e.code in (0, None):
+            raise
+        return int(e.code)
     try:
         return int(module.run(args) or 0)
     except USER_ERRORS as e:  # one clear line, no traceback, for bad input
