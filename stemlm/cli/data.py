@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                       help="times each training fact sentence appears in the default corpus (default 4)")
     prep.add_argument("--no-entity-tokens", action="store_true",
                       help="do not force country names and capitals to be single tokens")
-    prep.add_argument("--val-fraction", type=open_fraction, default=0.02, help="fraction of prose documents held out (0.02)")
+    prep.add_argument("--val-fraction", type=open_fraction, default=0.02, help="fraction of prose documents held out")
     prep.add_argument("--seed", type=non_negative_int, default=0, help="seed of the splits and the document shuffle")
     prep.add_argument("--quiet", action="store_true", help="no progress bars")
     info = sub.add_parser("info", help="summarize a prepared data dir", description="Summarize a prepared data dir.")

@@ -35,7 +35,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=probability, default=None, help="nucleus sampling: smallest set with probability >= p")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed for sampling (default 0)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory if the checkpoint has none")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the checkpoint's or its run's)")
     parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto (default cpu)")
     add_matmul_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")

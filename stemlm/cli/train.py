@@ -41,12 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a prepared data dir, or raw text (.txt/.md/.jsonl file or a dir of them) that is "
                              "prepared once into the cache with a BPE of model.vocab_size (default 4096) tokens; "
                              "default: the default corpus, built if missing")
-    parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (= run.steps)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (= run.steps; default: the preset's, 300 for tiny)")
     parser.add_argument("--out", default=None, help="run directory (= run.out, default runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run directory")
-    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below (default: none)")
     parser.add_argument("--stop-at", type=positive_int, default=None, metavar="N",
-                        help="pause after step N with a checkpoint (the schedule still spans run.steps)")
+                        help="pause after step N with a checkpoint (the schedule still spans run.steps; default: run to the end)")
     parser.add_argument("--compare", default=None, choices=FFN_KINDS, metavar="KIND",
                         help="also train model.ffn=KIND with the same budget into <out>-KIND and print both")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides (listed below)")
