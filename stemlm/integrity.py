@@ -73,13 +73,13 @@ def verify_checkpoint(directory: str | os.PathLike) -> bool:
     for name, want in files.items():
         f = directory / name
         if not f.is_file():
-            raise CheckpointError(f"checkpoint {directory} lacks {name}, listed in its manifest")
+            raise CheckpointError(f"corrupt checkpoint {directory}: {name}, listed in its manifest, is missing")
         size = f.stat().st_size
         if size != want["bytes"]:
-            raise CheckpointError(f"checkpoint {directory}: {name} has {size} bytes, its manifest says {want['bytes']} "
+            raise CheckpointError(f"corrupt checkpoint {directory}: {name} has {size} bytes, its manifest says {want['bytes']} "
                                   "(truncated or overwritten)")
         if file_digest(f)[1] != want["sha256"]:
-            raise CheckpointError(f"checkpoint {directory}: {name} does not match its sha256 in the manifest (corrupt)")
+            raise CheckpointError(f"corrupt checkpoint {directory}: {name} does not match its sha256 in the manifest")
     return True
 
 

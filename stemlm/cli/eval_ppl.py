@@ -28,6 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
     add_matmul_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
 
 
 def run(args) -> int:
@@ -36,7 +38,7 @@ def run(args) -> int:
     if args.batches <= 0:
         raise ValueError(f"--batches must be positive, got {args.batches}")
     out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype,
-                              args.matmul)
+                              args.matmul, verify=not args.no_verify)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -38,6 +38,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
     add_matmul_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
 
 
 def run(args) -> int:
@@ -53,7 +55,7 @@ def run(args) -> int:
     model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
                                           cache_rows=args.cache_rows, cache_window=args.cache_window,
                                           prefetch=not args.no_prefetch,
-                                          device=args.device)
+                                          device=args.device, verify=not args.no_verify)
     apply_matmul(model, args.matmul, args.device)
     prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(args.device)
     sys.stdout.write(args.prompt)

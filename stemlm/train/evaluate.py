@@ -55,10 +55,11 @@ def evaluate(model, ds: TokenDataset, batch_size: int, seq_len: int, max_batches
 
 def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int = 50,
                         batch_size: int | None = None, seq_len: int | None = None,
-                        device: str = "cpu", dtype: str = "float32", matmul: str = "auto") -> dict:
+                        device: str = "cpu", dtype: str = "float32", matmul: str = "auto", verify: bool = True) -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
 
-    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``).
+    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``);
+    ``verify`` checks the checkpoint's checksums first (``stemlm.integrity``).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
@@ -71,7 +72,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
         data_dir = default_data_dir()
     batch_size = batch_size or run_cfg.get("data", {}).get("batch_size", 8)
     seq_len = seq_len or run_cfg.get("data", {}).get("seq_len", 128)
-    model = load_model(path, device=device)
+    model = load_model(path, device=device, verify=verify)
     apply_matmul(model, matmul, device, dtype)
     ds = TokenDataset.open(Path(data_dir), "val")
     if ds.vocab_size > model.cfg.vocab_size:
