@@ -18,6 +18,7 @@ that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
@@ -105,8 +106,9 @@ def remove_directory(path: str | os.PathLike) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def clean_interrupted_saves(parent: str | os.PathLike) -> list[Path]:
-    """Tidy what killed ``atomic_directory``/``remove_directory`` calls left in ``parent``; returns what was removed.
+def clean_interrupted_saves(parent: str | os.PathLike, names: tuple[str, ...] = ("*",)) -> list[Path]:
+    """Tidy what killed ``atomic_directory``/``remove_directory``/``atomic_write_text`` calls left in ``parent``
+    for final names matching a glob of ``names``; returns what was removed.
 
     Half-written ``.tmp-`` directories and files and half-deleted ``.del-`` directories are removed; an
     ``.old-`` version whose replacement never arrived (killed between the two renames) is put back.
@@ -116,13 +118,12 @@ def clean_interrupted_saves(parent: str | os.PathLike) -> list[Path]:
     if not parent.is_dir():
         return removed
     for p in sorted(parent.glob(".*")):
-        name = p.name[1:]
-        if _OLD in name:
-            final = parent / name.split(_OLD)[0]
-            if not final.exists():
-                os.replace(p, final)
-                continue
-        elif _TMP not in name and _DEL not in name:
+        marker = next((m for m in (_TMP, _OLD, _DEL) if m in p.name), None)
+        name = p.name[1:].split(marker)[0] if marker else ""
+        if not marker or not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
+            continue
+        if marker == _OLD and not (parent / name).exists():
+            os.replace(p, parent / name)
             continue
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
         removed.append(p)

@@ -137,9 +137,12 @@ def test_interrupted_saves_are_tidied_and_a_replaced_checkpoint_restored(data_di
     (root / ".step_00000006.tmp-abc" / "model.safetensors").write_bytes(b"partial")
     os.replace(root / "step_00000004", root / ".step_00000004.old-123")  # killed between the two renames
     (root / ".step_00000002.del-9").mkdir()  # killed while deleting
+    (out / ".metrics.jsonl.tmp-7").write_text("{")  # killed while trimming metrics.jsonl
+    (out / ".notes.old-1").write_text("a user's file")  # not ours: left alone
     with Trainer(debug_config(data_dir, out, "run.steps=6", "run.ckpt_every=2"), resume=True) as trainer:
         assert trainer.step == 4
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002", "step_00000004"]
+    assert not (out / ".metrics.jsonl.tmp-7").exists() and (out / ".notes.old-1").exists()
 
 
 def _train_cmd(data_dir, out, *extra):

@@ -134,8 +134,8 @@ class Trainer:
     def _setup(self, resume: bool, allow_changes: tuple[str, ...]) -> None:
         cfg = self.cfg
         if self.is_main:  # under the lock: what a killed save left behind is no one's work in progress
-            for parent in (self.run_dir, self.run_dir / "checkpoints"):
-                clean_interrupted_saves(parent)
+            clean_interrupted_saves(self.run_dir, (ckpt_io.RUN_CONFIG, "metrics.jsonl"))
+            clean_interrupted_saves(self.run_dir / "checkpoints", ("step_*",))
         self.device = resolve_device(cfg.run.device)
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()  # process-wide, see stemlm/malloc.py
