@@ -49,15 +49,18 @@ PAUSE = 0.25  # seconds per pause; a save pauses three times
 
 
 def command(data: Path, out: Path, steps: int, resume: bool) -> list[str]:
+    """The ``stemlm.train`` command line of the checked run."""
     return [sys.executable, "-m", "stemlm.train", *RUN_ARGS, "--steps", str(steps), "--data", str(data),
             "--out", str(out), *(["--resume"] if resume else [])]
 
 
 def environment(pause: float = 0.0) -> dict:
+    """One thread (as the reference run) and, for save kills, the test-only save pause."""
     return {**os.environ, "OMP_NUM_THREADS": "1", SAVE_PAUSE_ENV: str(pause) if pause else ""}
 
 
 def metrics(out: Path) -> list[dict]:
+    """The complete records of ``metrics.jsonl`` (a line being written is skipped)."""
     path = out / "metrics.jsonl"
     if not path.exists():
         return []
@@ -71,11 +74,13 @@ def metrics(out: Path) -> list[dict]:
 
 
 def saving(out: Path) -> list[Path]:
+    """The temporary directories of checkpoint saves in progress."""
     root = out / "checkpoints"
     return sorted(root.glob(".step_*.tmp-*")) if root.is_dir() else []
 
 
 def wait_for(condition, proc: subprocess.Popen, what: str, timeout: float = 300.0) -> None:
+    """Poll ``condition`` every 5 ms; a clear error if the process ends or the time runs out first."""
     deadline = time.time() + timeout
     while not condition():
         if proc.poll() is not None:
