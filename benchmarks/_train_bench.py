@@ -121,6 +121,19 @@ def write_result(name: str, quick: bool, payload: dict) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}{'.quick' if quick else ''}.json"
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "processor": platform.processor(), "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "processor": platform.processor(), "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "git_commit": git_commit()}
     path.write_text(json.dumps({"meta": meta, **payload}, indent=2))
     return path
+
+
+def git_commit() -> str | None:
+    """The commit of the code that produced a result (None outside a git checkout)."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None

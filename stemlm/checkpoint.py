@@ -9,15 +9,21 @@ Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_p
 
 A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
 newest complete one, so every command taking ``--ckpt`` accepts a run or a checkpoint.
+
+Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.integrity``),
+refuses to write NaN/inf weights, and ``load_model`` verifies the checksums (``verify=False`` skips
+that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -25,24 +31,29 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
 from .config import ConfigError, ModelConfig
+from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
 from .model import StemLM
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is missing, corrupt, or does not match the model it is loaded into."""
+# Names of the work directories beside a final one: ".<name>.tmp-*" (being written), ".<name>.old-<pid>"
+# (the replaced version, while the new one is renamed in), ".<name>.del-<pid>" (being deleted).
+_TMP, _OLD, _DEL = ".tmp-", ".old-", ".del-"
+# Test-only: seconds to sleep between the files of a checkpoint save, so a test can kill a process
+# inside the save window reliably (benchmarks/robustness_kill_resume.py). Never set it otherwise.
+SAVE_PAUSE_ENV = "STEMLM_TEST_SAVE_PAUSE"
 
 
 @contextlib.contextmanager
 def atomic_directory(final: str | os.PathLike):
     """Yield a temporary directory beside ``final``; on success it replaces ``final`` by rename.
 
-    If the block raises, the temporary directory is removed and ``final`` is untouched.
+    If the block raises, the temporary directory is removed and ``final`` is untouched. A process
+    killed inside the block leaves a ``.<name>.tmp-*`` directory that ``clean_interrupted_saves``
+    removes.
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TMP}", dir=final.parent))
     try:
         yield tmp
         for f in tmp.rglob("*"):  # make the bytes durable before the rename publishes them
@@ -50,15 +61,80 @@ def atomic_directory(final: str | os.PathLike):
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         if final.exists():
-            old = final.with_name(f".{final.name}.old-{os.getpid()}")
+            old = final.with_name(f".{final.name}{_OLD}{os.getpid()}")
             os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
+        _fsync_dir(final.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (best effort: not every platform allows it)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Replace the file ``path`` by ``text`` atomically (a killed process leaves old or new, never half)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def remove_directory(path: str | os.PathLike) -> None:
+    """Delete a directory so that a kill midway never leaves a half-deleted one under its name."""
+    path = Path(path)
+    doomed = path.with_name(f".{path.name}{_DEL}{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def clean_interrupted_saves(parent: str | os.PathLike, names: tuple[str, ...] = ("*",)) -> list[Path]:
+    """Tidy what killed ``atomic_directory``/``remove_directory``/``atomic_write_text`` calls left in ``parent``
+    for final names matching a glob of ``names``; returns what was removed.
+
+    Half-written ``.tmp-`` directories and files and half-deleted ``.del-`` directories are removed; an
+    ``.old-`` version whose replacement never arrived (killed between the two renames) is put back.
+    Only call it while no other process writes into ``parent`` (a training run holds its lock).
+    """
+    parent, removed = Path(parent), []
+    if not parent.is_dir():
+        return removed
+    for p in sorted(parent.glob(".*")):
+        marker = next((m for m in (_TMP, _OLD, _DEL) if m in p.name), None)
+        name = p.name[1:].split(marker)[0] if marker else ""
+        if not marker or not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
+            continue
+        if marker == _OLD and not (parent / name).exists():
+            os.replace(p, parent / name)
+            continue
+        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+        removed.append(p)
+    return removed
+
+
+def save_pause() -> None:
+    """The test-only pause between checkpoint files (``SAVE_PAUSE_ENV``); nothing when unset."""
+    seconds = float(os.environ.get(SAVE_PAUSE_ENV) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
@@ -77,18 +153,24 @@ def model_state_for_save(model: StemLM) -> dict[str, torch.Tensor]:
 
 
 def write_model_files(model: StemLM, directory: Path, extra_config: dict | None = None) -> None:
-    """Write ``config.json`` and ``model.safetensors`` into an existing directory (not atomic)."""
+    """Write ``config.json`` and ``model.safetensors`` into an existing directory (not atomic).
+
+    Refuses (``CheckpointError``) a model holding NaN/inf weights: a diverged model is never saved.
+    """
+    state = model_state_for_save(model)
+    check_finite(state.items(), "the model to save", "not saved (the model diverged)")
     (directory / CONFIG_FILE).write_text(json.dumps({**hf_config_dict(model.cfg), **(extra_config or {})}, indent=2))
-    save_file(model_state_for_save(model), str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
 def save_model(model: StemLM, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
-    """Atomically write a checkpoint directory (weights, config, optional tokenizer files)."""
+    """Atomically write a checkpoint directory (weights, config, optional tokenizer files, checksums)."""
     out_dir = Path(out_dir)
     with atomic_directory(out_dir) as tmp:
         write_model_files(model, tmp)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
+        write_manifest(tmp)
     return out_dir
 
 
@@ -173,17 +255,21 @@ def load_state_into(model: StemLM, weights_file: str | os.PathLike, skip_tables:
                 loaded[key[len(KEY_PREFIX):]] = t
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"corrupt weights file {weights_file}: {e}") from None
+    check_finite(loaded.items(), str(weights_file), "refusing to load a diverged model; use an earlier checkpoint")
     model.load_state_dict(loaded, strict=False, assign=False)
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-               skip_tables: bool = False) -> StemLM:
+               skip_tables: bool = False, verify: bool = True) -> StemLM:
     """Load a checkpoint (or a run's newest checkpoint) into a new ``StemLM``.
 
     ``skip_tables`` leaves the tables uninitialised, for callers that serve them from another
-    tier (host, disk) straight from the checkpoint file.
+    tier (host, disk) straight from the checkpoint file. ``verify`` first checks the files against
+    the checkpoint's checksum manifest (``stemlm.integrity``).
     """
     ckpt = resolve_checkpoint(path)
+    if verify:
+        verify_checkpoint(ckpt)
     cfg = read_config(ckpt)
     model = StemLM(cfg)
     load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)

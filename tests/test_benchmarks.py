@@ -87,3 +87,15 @@ def test_other_training_benchmarks_quick(tmp_path, script, result):
 def test_store_benchmarks_quick(tmp_path, script, result):
     run_quick(script, tmp_path)
     assert json.loads((tmp_path / result).read_text())["meta"]["quick"] is True
+
+
+@pytest.mark.slow
+def test_kill_resume_robustness_quick(tmp_path):
+    out = run_quick("robustness_kill_resume.py", tmp_path)
+    r = json.loads((tmp_path / "robustness_kill_resume.quick.json").read_text())
+    assert r["passed"] is True and r["meta"]["git_commit"]
+    assert sorted(e["phase"] for e in r["events"]) == ["save", "save", "train", "train"]
+    assert all(e["inside_save"] for e in r["events"] if e["phase"] == "save")
+    assert r["final"]["losses_equal"] and r["final"]["weights_equal"] and r["final"]["optimizer_equal"]
+    assert r["corrupt_case"]["refused_by_load_model"] and r["corrupt_case"]["warned"]
+    assert "PASSED" in out

@@ -12,6 +12,8 @@ from safetensors.torch import load_file
 
 from train_helpers import make_token_data
 
+from stemlm.integrity import write_manifest
+
 STEPS, TOKENS_PER_STEP = 5, 8 * 128  # data.batch_size=8 sequences of the debug preset's 128 tokens
 TABLE_PEAK_LR = 3e-2  # the largest learning rate of the run (tables: 10 x the backbone's 3e-3)
 ARGS = ["--preset", "debug", "--steps", str(STEPS), "run.peak_flops=1e11", "run.progress=false", "run.plots=false",
@@ -69,8 +71,31 @@ def test_two_processes_match_one_and_resume(tmp_path, data):
                          load_file(tmp_path / "two/checkpoints/step_00000005/model.safetensors"))
     # a distributed run paused at step 3 and resumed gives exactly the uninterrupted 2-process losses
     _run(data, tmp_path / "three", 2, "--stop-at", "3")
+    # ... and every rank continues its own RNG stream: give the checkpoint distinct per-rank states
+    ckpt = tmp_path / "three/checkpoints/step_00000003"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert len(state["rng_ranks"]) == 2
+    state["rng_ranks"] = [_seeded_rng_state(seed) for seed in (11, 12)]
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    write_manifest(ckpt)
     resumed = _run(data, tmp_path / "three", 2, "--resume")
     assert resumed == two
+    # nothing in these steps draws random numbers: the states saved at step 5 are the ones restored
+    final = json.loads((tmp_path / "three/checkpoints/step_00000005/trainer_state.json").read_text())
+    assert final["rng_ranks"] == state["rng_ranks"] and final["rng"] == state["rng_ranks"][0]
+
+
+def _seeded_rng_state(seed: int) -> dict:
+    import random
+
+    import numpy as np
+
+    from stemlm.train.state import rng_state
+
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+    return json.loads(json.dumps(rng_state()))  # as stored (tuples become lists)
 
 
 def test_fsdp_backbone_matches_one_process(tmp_path, data):

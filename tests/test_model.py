@@ -148,13 +148,16 @@ def test_tied_embeddings_save_load(tmp_path):
 def test_checkpoint_errors_are_clear(tmp_path, debug_cfg):
     save_model(StemLM(debug_cfg), tmp_path / "a")
     (tmp_path / "a" / "model.safetensors").write_bytes(b"garbage" * 10)
-    with pytest.raises(CheckpointError, match="corrupt"):
-        load_model(tmp_path / "a")
+    for verify in (True, False):  # the manifest catches it first; without it, the file itself is refused
+        with pytest.raises(CheckpointError, match="corrupt"):
+            load_model(tmp_path / "a", verify=verify)
     save_model(StemLM(debug_cfg.replace(d_ff=96)), tmp_path / "b")
     cfg_b = (tmp_path / "b" / "config.json").read_text().replace('"d_ff": 96', '"d_ff": 128')
     (tmp_path / "b" / "config.json").write_text(cfg_b)
-    with pytest.raises(CheckpointError, match="shape"):
+    with pytest.raises(CheckpointError, match="config.json has 409 bytes, its manifest says 408"):
         load_model(tmp_path / "b")
+    with pytest.raises(CheckpointError, match="shape"):
+        load_model(tmp_path / "b", verify=False)
     with pytest.raises(CheckpointError, match="does not exist"):
         load_model(tmp_path / "nope")
 

@@ -298,3 +298,39 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
             torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)
         assert sum(n for _, n in hints) == (len(batches[1].unique()) * len(cfg.table_layers) * cfg.d_ff * 4) * hinted
         store.close()
+
+
+def _open_fds() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/fd"), reason="needs /proc to count descriptors")
+def test_disk_tier_descriptors_are_closed(setup, tmp_path):
+    import gc
+
+    from stemlm.store.backends import DiskRows
+
+    cfg, _, ckpt, batches, ref, greedy = setup
+    gc.collect()
+    base = _open_fds()
+    model, store = load_model_with_tables(ckpt, "host")  # read from the file, then served from RAM
+    assert _open_fds() == base
+    model, store = load_model_with_tables(ckpt, "disk")
+    with store:
+        _check(model, store, batches, ref, greedy, True)
+        assert _open_fds() > base
+    gc.collect()
+    assert _open_fds() == base  # closed by the store's context manager, the model still alive
+    model, store = load_model_with_tables(ckpt, "disk")
+    _check(model, store, batches, ref, greedy, True)
+    assert _open_fds() > base
+    del model, store  # released without close(): the descriptors go with the model
+    gc.collect()
+    assert _open_fds() == base
+    with DiskRows(ckpt / "model.safetensors", "model.tables.1.weight") as rows:
+        assert _open_fds() > base and rows.gather(torch.tensor([3])).shape == (1, cfg.d_ff)
+    rows.close()  # idempotent
+    gc.collect()
+    assert _open_fds() == base

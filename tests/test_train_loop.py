@@ -161,6 +161,7 @@ def test_context_extend_stage_with_document_masking(data_dir, tmp_path):
     assert batch.inputs.shape[1] == 96 and len(batch.doc_ids.unique()) > 1  # sequences cross documents
     masked = loop_mod.evaluate_mod.compute_loss(trainer.model, batch, doc_masking=True)
     assert not torch.allclose(masked, loop_mod.evaluate_mod.compute_loss(trainer.model, batch, doc_masking=False))
+    trainer.close()  # its lock on the run dir: one writer at a time
     result = train(cfg)
     assert result.steps == 2 and np.isfinite(result.val_loss)
 

@@ -32,13 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_matmul_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
 
 
 def run(args) -> int:
     from ..train.evaluate import evaluate_checkpoint
 
     out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype,
-                              args.matmul, progress=not args.no_progress)
+                              args.matmul, progress=not args.no_progress, verify=not args.no_verify)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

@@ -39,6 +39,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto (default cpu)")
     add_matmul_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
 
 
 def run(args) -> int:
@@ -55,7 +57,7 @@ def run(args) -> int:
     model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
                                           cache_rows=args.cache_rows, cache_window=args.cache_window,
                                           prefetch=not args.no_prefetch,
-                                          device=device)
+                                          device=device, verify=not args.no_verify)
     apply_matmul(model, args.matmul, device)
     prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(device)
     new_tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,

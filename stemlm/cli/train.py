@@ -15,6 +15,8 @@ examples:
   stemlm train --data my_data --ffn stem_dagger --stem-layers 1/2 optim.lr=1e-3 run.dtype=bfloat16
   stemlm train --data notes/ --preset debug          # raw .txt/.md/.jsonl: tokenized once into the cache
   stemlm train --out runs/debug --resume             # continue the newest checkpoint exactly
+  stemlm train --config runs/debug/config.yaml --resume --allow-change optim.lr optim.lr=3e-4
+                                                     # continue with a named config change
   stemlm train run.stage=midtrain run.init_from=runs/converted model.max_seq_len=512
   python -m stemlm.train ...                         # the same command
 """
@@ -44,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (= run.steps; default: the preset's, 300 for tiny)")
     parser.add_argument("--out", default=None, help="run directory (= run.out, default runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run directory")
+    parser.add_argument("--allow-change", action="append", default=[], metavar="FIELD",
+                        help="with --resume: let this optim.*/data.* field differ from the checkpoint's config "
+                             "(repeat the flag for several; recorded in metrics.jsonl and config.yaml; default: none)")
     parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below (default: none)")
     parser.add_argument("--stop-at", type=positive_int, default=None, metavar="N",
                         help="pause after step N with a checkpoint (the schedule still spans run.steps; default: run to the end)")
@@ -80,7 +85,8 @@ def run(args) -> int:
     results = {}
     try:
         for label, run_cfg in runs.items():
-            results[label] = train(run_cfg, resume=args.resume or default_run, stop_at=args.stop_at)
+            results[label] = train(run_cfg, resume=args.resume or default_run, stop_at=args.stop_at,
+                                   allow_changes=tuple(args.allow_change))
     except (TrainingDiverged, FileExistsError) as e:
         print(f"stemlm train: error: {e}", file=sys.stderr)
         return 1
@@ -103,4 +109,4 @@ def run(args) -> int:
 def _given(args) -> bool:
     """True when any option or override was given (the no-argument run resumes automatically)."""
     return bool(_flag_overrides(args) or args.overrides or args.preset or args.resume or args.config
-                or args.stop_at or args.compare)
+                or args.stop_at or args.compare or args.allow_change)

@@ -12,7 +12,10 @@
 * the logged loss is the mean over ranks; the gradient norm covers the backbone (identical on
   every rank after DDP's all-reduce) and every rank's table rows (disjoint, summed);
 * checkpoints are world-size independent: tables and their optimizer moments are gathered and
-  rank 0 writes the same files a 1-process run writes; resuming slices them again.
+  rank 0 writes the same files a 1-process run writes; resuming slices them again. The trainer
+  state also holds every rank's RNG state (``rng_ranks``): a resume on the same world size
+  restores each rank's own, another world size falls back to rank 0's (``rng``);
+* rank 0 holds the run dir's lock and picks the checkpoint to resume for every rank.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import WEIGHTS_FILE, load_state_into
+from ..checkpoint import CheckpointError
 from ..config import ConfigError
 from ..data import get_batch
+from ..integrity import non_finite
 from ..model import StemLM
 from ..train import state as ckpt_io
 from ..train.loop import Trainer
@@ -57,7 +62,7 @@ def shard_tables(model: StemLM, rank: int, world: int) -> None:
 class DistributedTrainer(Trainer):
     """``Trainer`` for one rank of a torchrun job (see module docstring)."""
 
-    def __init__(self, cfg, resume: bool = False):
+    def __init__(self, cfg, resume: bool = False, allow_changes: tuple[str, ...] = ()):
         self.rank, self.world_size, device = init_distributed(cfg.run.device)
         if cfg.data.batch_size % self.world_size:
             raise ConfigError(f"data.batch_size={cfg.data.batch_size} is not divisible by the world size {self.world_size}")
@@ -65,7 +70,7 @@ class DistributedTrainer(Trainer):
             raise ConfigError("distributed runs shard the tables: use optim.table_optimizer=sparse")
         self.parallel = cfg.run.parallel
         cfg.run.device = str(device)
-        super().__init__(cfg, resume=resume)
+        super().__init__(cfg, resume=resume, allow_changes=allow_changes)
 
     @property
     def is_main(self) -> bool:
@@ -128,13 +133,22 @@ class DistributedTrainer(Trainer):
         opt_state = self.opt.state_dict()  # its per-parameter dicts are the live state: copy, never mutate
         opt_state = {**opt_state, "state": {i: {k: _full(v) for k, v in st.items()} for i, st in opt_state["state"].items()}}
         path = ckpt_io.checkpoint_dir(self.run_dir, self.step)
+        every = [*backbone.items(), *tables.items(), *((f"{n}.{k}", v) for n, st in table_state.items() for k, v in st.items()),
+                 *((f"dense.{i}.{k}", v) for i, st in opt_state["state"].items() for k, v in st.items()
+                   if isinstance(v, torch.Tensor))]
+        bad = non_finite(every)  # the same gathered tensors on every rank: all ranks stop together
+        if bad:
+            self._diverged(f"NaN/inf in {', '.join(bad)}; checkpoint not written", self.step, "the weights were updated")
+        state = self.trainer_state()
+        ranks = [None] * self.world_size
+        dist.all_gather_object(ranks, state["rng"])
         if self.is_main:
             with torch.device("meta"):
                 snapshot = StemLM(self.model.cfg)
             snapshot.load_state_dict({**backbone, **tables}, strict=False, assign=True)
             with _swapped_state(self.table_opt, table_state):
                 path = ckpt_io.save_checkpoint(self.run_dir, self.step, snapshot, _FixedState(opt_state), self.table_opt,
-                                               self.trainer_state(), self.cfg.to_yaml(), self.data_dir,
+                                               {**state, "rng_ranks": ranks}, self.config_yaml(), self.data_dir,
                                                self.cfg.run.keep_last)
         dist.barrier()
         self.last_ckpt = path
@@ -153,10 +167,25 @@ class DistributedTrainer(Trainer):
                 table.weight.copy_(full.tables[name].weight[self.rank::self.world_size])
         rows = lambda t: t[self.rank::self.world_size].clone()  # noqa: E731
         ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt, table_rows=rows)
-        st = ckpt_io.read_trainer_state(ckpt)
-        self.step, self.tokens_seen, self.flops_seen = st["step"], st["tokens_seen"], st["flops_seen"]
-        self.spikes.load_state_dict(st["spikes"])
-        self.last_ckpt = ckpt
+        self.restore_trainer_state(ckpt)
+
+    def rng_of(self, state: dict) -> dict:
+        ranks = state.get("rng_ranks") or []
+        return ranks[self.rank] if len(ranks) == self.world_size else state["rng"]
+
+    def find_resume_checkpoint(self) -> Path | None:
+        """Rank 0 verifies and picks (moving damaged ones aside); every rank resumes the same one."""
+        pick = [None]
+        if self.is_main:
+            try:
+                found = super().find_resume_checkpoint()
+                pick = [str(found) if found is not None else None]
+            except CheckpointError as e:
+                pick = [e]
+        dist.broadcast_object_list(pick, src=0)
+        if isinstance(pick[0], CheckpointError):
+            raise pick[0]
+        return Path(pick[0]) if pick[0] is not None else None
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,15 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
   the process's view only, edited pages become private RAM, the file stays intact);
   ``mode="r+"`` writes rows through to the file (use a separate tables file, never a checkpoint
   you want to keep unchanged).
+
+Backends are context managers; ``close()`` releases a disk backend's descriptors and mapping, and
+a backend that is garbage-collected unclosed (its model dropped) closes its descriptors then.
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from pathlib import Path
 
 import torch
@@ -62,7 +66,13 @@ class HostRows:
         pass
 
     def close(self) -> None:
-        pass
+        """Release what the backend holds (nothing for RAM rows)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def describe(self) -> str:
         return f"host{' (pinned)' if self.weight.is_pinned() else ''}"
@@ -99,6 +109,7 @@ class DiskRows(HostRows):
         # advise() has its own descriptor: the page cache is shared by pread and the mapping alike
         self._hint_fd = os.open(path, os.O_RDONLY) if hasattr(os, "posix_fadvise") else None
         self.reads_ahead = self._hint_fd is not None
+        self._release = weakref.finalize(self, _close_descriptors, self._file, self._hint_fd)
 
     def advise(self, ids: torch.Tensor) -> None:
         """Start reading rows ``ids`` (sorted, unique) into the page cache without waiting.
@@ -144,13 +155,21 @@ class DiskRows(HostRows):
             self._mm.flush()
 
     def close(self) -> None:
-        """Flush and unmap (the tensor must not be used afterwards)."""
+        """Flush, close the descriptors and drop the mapping (idempotent; the rows are unusable afterwards)."""
+        if not self._release.alive:
+            return
         self.flush()
-        if self._file is not None:
-            self._file.close()
-        if self._hint_fd is not None:
-            os.close(self._hint_fd)
+        self._release()
         self.weight, self._mm, self._file, self._hint_fd = None, None, None, None
+        self.reads_ahead = False
 
     def describe(self) -> str:
         return f"disk ({self.path.name}, mode {self.mode})"
+
+
+def _close_descriptors(file, hint_fd: int | None) -> None:
+    """Close a ``DiskRows``' reader and read-ahead descriptor (also run when it is collected unclosed)."""
+    if file is not None:
+        file.close()
+    if hint_fd is not None:
+        os.close(hint_fd)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import KEY_PREFIX, WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint
+from ..integrity import check_finite, verify_checkpoint
 from ..model import StemLM
 from ..tables import StemTable
 from .backends import DiskRows, HostRows
@@ -40,7 +41,7 @@ def table_key(layer: str | int) -> str:
 
 
 class TableStore:
-    """Handle on a model's installed tables: prefetch, statistics, flush, close."""
+    """Handle on a model's installed tables: prefetch, statistics, flush, close (also as a context manager)."""
 
     def __init__(self, tier: str, tables: dict[str, nn.Module], prefetcher: Prefetcher | None = None,
                  path: Path | None = None):
@@ -84,11 +85,23 @@ class TableStore:
             t.flush()
 
     def close(self) -> None:
-        """Stop the prefetch worker and flush; the tables stay usable (synchronously)."""
+        """Stop the prefetch worker, flush, and close every backend (disk files); idempotent.
+
+        The offloaded tables are unusable afterwards: install them again to keep serving.
+        """
         if self.prefetcher is not None:
             self.prefetcher.close()
             self.prefetcher = None
-        self.flush()
+        for t in self._offloaded().values():
+            t.prefetcher = None
+            with t._lock:
+                t.backend.close()
+
+    def __enter__(self) -> TableStore:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def store_of(model: nn.Module) -> TableStore | None:
@@ -177,6 +190,14 @@ def _install(model: nn.Module, tier: str, backends: dict, device, dtype, cache_r
     return TableStore(tier, installed, fetcher, path)
 
 
+def _check_finite_rows(rows: DiskRows, src: Path, chunk_bytes: int = 64 << 20) -> None:
+    """``CheckpointError`` if a stored table holds NaN/inf (read in chunks: a disk table never enters RAM whole)."""
+    step = max(1, chunk_bytes // max(1, rows.shape[1] * rows.dtype.itemsize))
+    for a in range(0, rows.shape[0], step):
+        ids = torch.arange(a, min(a + step, rows.shape[0]))
+        check_finite([(rows.key, rows.gather(ids))], str(src), "refusing to load a diverged model; use an earlier checkpoint")
+
+
 def _check_tier(tier: str, cache_rows, cache_bytes, path) -> None:
     if tier not in TIERS:
         raise ValueError(f"unknown table tier {tier!r}; choose one of {', '.join(TIERS)}")
@@ -239,7 +260,7 @@ def _skeleton(ckpt: Path, device, dtype) -> StemLM:
     with torch.device("meta"):
         model = StemLM(cfg)
     if any(m._non_persistent_buffers_set for m in model.modules()):
-        model = load_model(ckpt, skip_tables=True)
+        model = load_model(ckpt, skip_tables=True, verify=False)  # the caller verified it
         model.tables = nn.ModuleDict()
     else:
         model.tables = nn.ModuleDict()
@@ -254,15 +275,20 @@ def _skeleton(ckpt: Path, device, dtype) -> StemLM:
 def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables_path: str | os.PathLike | None = None,
                            writable: bool = False, cache_rows: int = 0, cache_bytes: int | None = None,
                            prefetch: bool = True, device="cpu", dtype: torch.dtype | None = None, warm_counts=None,
-                           decay_every: int = 0, cache_window: float = 0.0) -> tuple[StemLM, TableStore]:
+                           decay_every: int = 0, cache_window: float = 0.0,
+                           verify: bool = True) -> tuple[StemLM, TableStore]:
     """Load a checkpoint (or a run's newest one) with its tables on ``tier``.
 
     Tables come from ``tables_path`` if given (a tables file, see ``export_tables``), else from
     the checkpoint's ``model.safetensors``. ``disk`` maps them in place: read-only, or with
     ``writable`` copy-on-write for the checkpoint / write-through for a ``tables_path``.
+    ``verify`` checks the checkpoint against its checksum manifest first; NaN/inf weights are
+    refused on every tier (``CheckpointError``).
     """
     _check_tier(tier, cache_rows, cache_bytes, tables_path)
     ckpt = resolve_checkpoint(ckpt)
+    if verify:
+        verify_checkpoint(ckpt)
     cfg = read_config(ckpt)
     src = Path(tables_path) if tables_path is not None else ckpt / WEIGHTS_FILE
     model = _skeleton(ckpt, device, dtype)
@@ -271,15 +297,19 @@ def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables
     mode = ("r+" if tables_path is not None else "c") if writable else "r"
     backends = {}
     for i in cfg.table_layers:
+        with DiskRows(src, table_key(i), shape, mode="r") as reader:  # pread: checked rows never stay resident
+            _check_finite_rows(reader, src)
         disk = DiskRows(src, table_key(i), shape, mode=mode if tier == "disk" else "r")
         if tier == "disk":
             backends[str(i)] = disk
-        elif tier == "host":
-            pin = device.type == "cuda" and torch.cuda.is_available()
-            backends[str(i)] = HostRows(disk.weight.clone(), pin=pin)
-        else:
-            table = StemTable(*shape)
-            table.weight.data = disk.weight.to(device, dtype).clone()
-            backends[str(i)] = table
+            continue
+        with disk:
+            if tier == "host":
+                pin = device.type == "cuda" and torch.cuda.is_available()
+                backends[str(i)] = HostRows(disk.weight.clone(), pin=pin)
+            else:
+                table = StemTable(*shape)
+                table.weight.data = disk.weight.to(device, dtype).clone()
+                backends[str(i)] = table
     return model, _install(model, tier, backends, device, dtype, cache_rows, cache_bytes, prefetch, warm_counts,
                            decay_every, src if tier == "disk" else None, cache_window)

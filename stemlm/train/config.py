@@ -34,6 +34,9 @@ DTYPES = ("float32", "bfloat16")
 TABLE_LR_SCALE = 10.0
 # Sections whose change makes a resumed run a different run (run.* may change, e.g. run.steps).
 RESUME_CHECKED = ("model", "data", "optim")
+# Of those, the sections whose fields may change on resume when named (``allow_changes``); model
+# fields fix the tensor shapes and the meaning of the weights: a new run with run.init_from changes them.
+RESUME_ALLOWED = ("data", "optim")
 
 
 def _f(default, help: str):
@@ -165,6 +168,7 @@ class RunSection:
     progress: bool = _f(True, "show a tqdm progress bar")
     plots: bool = _f(True, "write loss-vs-tokens and loss-vs-FLOPs PNGs at the end")
     parallel: str = _f("ddp", "under torchrun: backbone wrapper ddp | fsdp (FSDP2 fully_shard); tables are always sharded by row")
+    verify_checkpoints: bool = _f(True, "on resume, check checkpoint checksums and fall back to the newest intact one")
 
     def __post_init__(self):
         _positive(self, "run", ("steps", "ckpt_every", "keep_last", "eval_batches", "log_every", "spike_window"))
@@ -235,15 +239,37 @@ def config_from_yaml_text(text: str) -> TrainConfig:
     return resolve_config(TrainConfig, yaml_mapping(text, "a run's config.yaml"))
 
 
-def config_differences(old: TrainConfig, new: TrainConfig) -> list[str]:
-    """Dotted names of the resume-checked fields that differ between two configs."""
-    out = []
+def config_differences(old: TrainConfig, new: TrainConfig) -> dict[str, tuple]:
+    """``{dotted name: (old value, new value)}`` of the resume-checked fields that differ."""
+    out = {}
     a, b = old.to_dict(), new.to_dict()
     for section in RESUME_CHECKED:
         for key in sorted(set(a[section]) | set(b[section])):
             if a[section].get(key) != b[section].get(key):
-                out.append(f"{section}.{key}: {a[section].get(key)!r} -> {b[section].get(key)!r}")
+                out[f"{section}.{key}"] = (a[section].get(key), b[section].get(key))
     return out
+
+
+def resume_changes(old: TrainConfig, new: TrainConfig, allowed: tuple[str, ...] | list[str] = ()) -> list[dict]:
+    """The changes of a resumed run, ``[{"field", "old", "new"}]``; ``ConfigError`` unless each is named.
+
+    ``allowed`` names the resume-checked fields that may differ (``data.*`` and ``optim.*`` only);
+    a named field that did not change is accepted (a repeated command stays valid).
+    """
+    fields = {f"{s}.{f.name}" for s in RESUME_CHECKED for f in dataclasses.fields(type(getattr(new, s)))}
+    for name in allowed:
+        if name not in fields:
+            raise ConfigError(f"--allow-change {name}: not a data.*, optim.* or model.* field")
+        if name.split(".")[0] not in RESUME_ALLOWED:
+            raise ConfigError(f"--allow-change {name}: model.* fields cannot change on resume; start a new run.out "
+                              "with run.init_from=<this run> instead")
+    diffs = config_differences(old, new)
+    unnamed = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diffs.items() if k not in allowed]
+    if unnamed:
+        names = " ".join(f"--allow-change {k}" for k in diffs if k not in allowed)
+        raise ConfigError(f"config changed on resume ({'; '.join(unnamed)}); only run.* fields may change unless "
+                          f"named ({names}), else undo the change or start a new run.out")
+    return [{"field": k, "old": a, "new": b} for k, (a, b) in diffs.items()]
 
 
 def describe_fields() -> str:

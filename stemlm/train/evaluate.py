@@ -68,10 +68,11 @@ DEFAULT_EVAL_BATCHES = 50
 def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int | None = None,
                         batch_size: int | None = None, seq_len: int | None = None,
                         device: str = "cpu", dtype: str = "float32", matmul: str = "auto",
-                        progress: bool = False) -> dict:
+                        progress: bool = False, verify: bool = True) -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
 
-    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``).
+    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``);
+    ``verify`` checks the checkpoint's checksums first (``stemlm.integrity``).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
@@ -96,7 +97,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     elif batches > available:
         raise ValueError(f"batches {batches}: the validation split of {data_dir} holds only {available} batches of "
                          f"{batch_size} x {seq_len} tokens; ask for {available} or fewer")
-    model = load_model(path, device=device)
+    model = load_model(path, device=device, verify=verify)
     apply_matmul(model, matmul, device, dtype)
     if ds.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
-from ..checkpoint import load_model, write_run_config
+from ..checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
 from ..devices import resolve_device
@@ -34,7 +34,8 @@ from ..matmul import apply_matmul
 from ..model import StemLM
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
-from .config import TrainConfig, config_differences, config_from_yaml_text
+from .config import TrainConfig, config_from_yaml_text, resume_changes
+from .lock import RunLock
 from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
 from .optim import build_optimizers, clip_grad_norm, set_lr
 from .schedule import lr_factor
@@ -124,12 +125,37 @@ def compile_blocks(model: StemLM) -> None:
 class Trainer:
     """Holds the model, optimizers, data and counters of one run; ``fit()`` runs it."""
 
-    def __init__(self, cfg: TrainConfig, resume: bool = False):
+    def __init__(self, cfg: TrainConfig, resume: bool = False, allow_changes: tuple[str, ...] = ()):
         self.cfg, self.run_dir = cfg, Path(cfg.run.out)
+        self.lock = RunLock(self.run_dir) if self.is_main else None  # one writer per run dir
+        try:
+            self._setup(resume, tuple(allow_changes))
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Release the run directory's lock (``fit`` and ``train`` do; idempotent)."""
+        if self.lock is not None:
+            self.lock.release()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _setup(self, resume: bool, allow_changes: tuple[str, ...]) -> None:
+        cfg = self.cfg
+        if self.is_main:  # under the lock: what a killed save left behind is no one's work in progress
+            clean_interrupted_saves(self.run_dir, (ckpt_io.RUN_CONFIG, "metrics.jsonl"))
+            clean_interrupted_saves(self.run_dir / "checkpoints", ("step_*",))
         self.device = resolve_device(cfg.run.device, "run.device")
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()  # process-wide, see stemlm/malloc.py
-        resume_from = self._check_resume(resume)
+        self.config_changes: list[dict] = []  # every change allowed on resume so far: {step, field, old, new}
+        self._new_changes: list[dict] = []  # those of this resume, until the first metrics record carries them
+        resume_from = self._check_resume(resume, allow_changes)
         self.data_dir = resolve_data_dir(cfg)
         self.train_ds = TokenDataset.open(self.data_dir, "train")
         self.val_ds = TokenDataset.open(self.data_dir, "val")
@@ -153,19 +179,26 @@ class Trainer:
             self._restore(resume_from)
 
     # -- setup -----------------------------------------------------------------------------
-    def _check_resume(self, resume: bool) -> Path | None:
-        existing = ckpt_io.list_checkpoints(self.run_dir)
-        if not existing:
+    def _check_resume(self, resume: bool, allow_changes: tuple[str, ...]) -> Path | None:
+        """The checkpoint to resume (None: a fresh run); the config changes it allows are kept for ``_restore``."""
+        if not ckpt_io.list_checkpoints(self.run_dir):
             return None
         if not resume:
             raise FileExistsError(f"{self.run_dir} already holds checkpoints; pass --resume to continue it "
                                   "or choose another run.out")
-        old = config_from_yaml_text((existing[-1] / ckpt_io.RUN_CONFIG).read_text())
-        diffs = config_differences(old, self.cfg)
-        if diffs:
-            raise ConfigError(f"config changed on resume ({'; '.join(diffs)}); only run.* fields may change. "
-                              "Undo the change or start a new run.out")
-        return existing[-1]
+        ckpt = self.find_resume_checkpoint()
+        if ckpt is None:
+            return None
+        try:
+            old = config_from_yaml_text((ckpt / ckpt_io.RUN_CONFIG).read_text())
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"unreadable {ckpt / ckpt_io.RUN_CONFIG}: {e}") from None
+        self._new_changes = resume_changes(old, self.cfg, allow_changes)
+        return ckpt
+
+    def find_resume_checkpoint(self) -> Path | None:
+        """The newest intact checkpoint (seam: under torchrun rank 0 picks it for every rank)."""
+        return ckpt_io.resume_checkpoint(self.run_dir, self.cfg.run.verify_checkpoints)
 
     def _check_shapes(self) -> None:
         mcfg, data = self.model.cfg, self.cfg.data
@@ -179,11 +212,24 @@ class Trainer:
         from ..checkpoint import WEIGHTS_FILE, load_state_into
         load_state_into(self.model, ckpt / WEIGHTS_FILE)
         ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt)
+        self.restore_trainer_state(ckpt)
+
+    def restore_trainer_state(self, ckpt: Path) -> None:
+        """Counters, spike window, RNG state and the history of allowed config changes of ``ckpt``."""
         st = ckpt_io.read_trainer_state(ckpt)
-        self.step, self.tokens_seen, self.flops_seen = st["step"], st["tokens_seen"], st["flops_seen"]
-        self.spikes.load_state_dict(st["spikes"])
-        ckpt_io.set_rng_state(st["rng"])
+        try:
+            self.step, self.tokens_seen, self.flops_seen = st["step"], st["tokens_seen"], st["flops_seen"]
+            self.spikes.load_state_dict(st["spikes"])
+            ckpt_io.set_rng_state(self.rng_of(st))
+        except (KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise CheckpointError(f"corrupt {ckpt / ckpt_io.TRAINER_STATE}: {type(e).__name__}: {e}") from None
+        self._new_changes = [{"step": self.step, **c} for c in self._new_changes]
+        self.config_changes = list(st.get("config_changes", [])) + self._new_changes
         self.last_ckpt = ckpt
+
+    def rng_of(self, state: dict) -> dict:
+        """The RNG state this process restores from a trainer state (seam: one per rank under torchrun)."""
+        return state["rng"]
 
     # -- seams for distribution applied from outside (stemlm.dist.trainer overrides these) ---
     is_main = True  # the process that writes logs, plots and checkpoints
@@ -248,10 +294,15 @@ class Trainer:
                 "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "loss_spikes": self.spikes.count,
                 "spike": spike, "step_time": dt}
 
-    def _diverged(self, what: str) -> None:
+    def _diverged(self, what: str, step: int | None = None, done: str = "stopped before updating the weights") -> None:
         where = f"the last good checkpoint {self.last_ckpt} is intact" if self.last_ckpt else "no checkpoint was written yet"
-        raise TrainingDiverged(f"{what} at step {self.step + 1}; stopped before updating the weights; {where}. "
-                               "Lower optim.lr, raise optim.warmup_ratio or check the data, then --resume")
+        raise TrainingDiverged(f"{what} at step {step or self.step + 1}; {done}; {where}. {self.retry_advice()}")
+
+    def retry_advice(self) -> str:
+        """The command that resumes this run with a tenth of the learning rate (tested verbatim)."""
+        lr = self.cfg.optim.lr / 10
+        return (f"Resume with a lower learning rate: stemlm train --config {self.run_dir / ckpt_io.RUN_CONFIG} --resume "
+                f"--allow-change optim.lr optim.lr={lr:.3g} (or change optim.warmup_ratio the same way, or check the data)")
 
     # -- evaluation, checkpoints -----------------------------------------------------------
     def evaluate(self) -> dict:
@@ -262,13 +313,25 @@ class Trainer:
     def trainer_state(self) -> dict:
         return {"step": self.step, "data_position": self.step * self.cfg.optim.grad_accum,
                 "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "spikes": self.spikes.state_dict(),
-                "rng": ckpt_io.rng_state(), "config_hash": self.cfg.resume_hash()}
+                "rng": ckpt_io.rng_state(), "config_hash": self.cfg.resume_hash(), "config_changes": self.config_changes}
+
+    def config_yaml(self) -> str:
+        """The run config as written to the run dir and checkpoints, with the allowed changes as comments."""
+        notes = "".join(f"# changed on resume at step {c['step']}: {c['field']} {c['old']!r} -> {c['new']!r}\n"
+                        for c in self.config_changes)
+        return notes + self.cfg.to_yaml()
 
     def save(self) -> Path:
-        """Atomically write the checkpoint of the current step (keeps the newest ``run.keep_last``)."""
-        self.last_ckpt = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.opt, self.table_opt,
-                                                 self.trainer_state(), self.cfg.to_yaml(), self.data_dir,
-                                                 self.cfg.run.keep_last)
+        """Atomically write the checkpoint of the current step (keeps the newest ``run.keep_last``).
+
+        NaN/inf weights or optimizer state stop the run as a divergence: nothing is written.
+        """
+        try:
+            self.last_ckpt = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.opt, self.table_opt,
+                                                     self.trainer_state(), self.config_yaml(), self.data_dir,
+                                                     self.cfg.run.keep_last)
+        except CheckpointError as e:
+            self._diverged(str(e), self.step, "the weights were updated")
         return self.last_ckpt
 
     # -- the run ---------------------------------------------------------------------------
@@ -278,13 +341,13 @@ class Trainer:
         ``stop_at`` pauses after that many steps (with a checkpoint) without changing the
         schedule, which still spans ``run.steps``: ``--resume`` continues the same trajectory.
         """
-        cfg, r = self.cfg, self.cfg.run
+        r = self.cfg.run
         end = min(r.steps, stop_at) if stop_at else r.steps
         if self.step >= r.steps and (done := finished_result(self.run_dir, self.step)) is not None:
             return done  # a finished run run again: report it and leave every file as it is
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
-            (self.run_dir / ckpt_io.RUN_CONFIG).write_text(cfg.to_yaml())
+            atomic_write_text(self.run_dir / ckpt_io.RUN_CONFIG, self.config_yaml())
             write_run_config(self.run_dir, self.model.cfg)  # from_pretrained(run_dir) finds the newest checkpoint
         self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
@@ -294,6 +357,8 @@ class Trainer:
         try:
             while self.step < end:
                 rec = self.train_step()
+                if self._new_changes:  # the first step after a resume with allowed changes records them
+                    rec["config_changes"], self._new_changes = self._new_changes, []
                 last = self.step == r.steps
                 if last or (r.eval_every and self.step % r.eval_every == 0):
                     val = self.evaluate()["loss"]
@@ -331,12 +396,16 @@ class _NoLog:
         pass
 
 
-def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None) -> TrainResult:
+def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None,
+          allow_changes: tuple[str, ...] = ()) -> TrainResult:
     """Run (or ``resume``) the training described by ``cfg``; ``stop_at`` pauses early (see ``Trainer.fit``).
 
+    ``allow_changes`` names the ``optim.*``/``data.*`` fields that may differ from the resumed
+    checkpoint's config (recorded in ``metrics.jsonl``, the checkpoints and ``config.yaml``).
     Under ``torchrun`` (``WORLD_SIZE`` > 1) the run is distributed (``stemlm.dist.trainer``).
     """
+    trainer_cls = Trainer
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from ..dist.trainer import DistributedTrainer
-        return DistributedTrainer(cfg, resume=resume).fit(stop_at=stop_at)
-    return Trainer(cfg, resume=resume).fit(stop_at=stop_at)
+        from ..dist.trainer import DistributedTrainer as trainer_cls
+    with trainer_cls(cfg, resume=resume, allow_changes=allow_changes) as trainer:
+        return trainer.fit(stop_at=stop_at)

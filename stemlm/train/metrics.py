@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint import atomic_write_text
 from ..matmul import mm_nn, onednn_available
 
 PEAK_FILE = "peak_flops.json"
@@ -57,7 +58,7 @@ class MetricsLog:
         keep = []
         if self.path.exists() and resume_step > 0:
             keep = [line for line in self.path.read_text().splitlines() if _step_of(line) <= resume_step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        atomic_write_text(self.path, "".join(line + "\n" for line in keep))  # a kill here keeps the old file
         self._fh = open(self.path, "a")
 
     def write(self, record: dict) -> None:

@@ -6,24 +6,31 @@
 * ``optimizer.safetensors`` (all optimizer tensors) + ``optimizer.json`` (groups, scalars);
 * ``trainer_state.json``: step (= data position), tokens/FLOPs seen, spike counter, RNG states,
   the hash of the resume-checked config sections;
-* ``config.yaml`` (the run's ``TrainConfig``) and the tokenizer files of the data dir.
+* ``config.yaml`` (the run's ``TrainConfig``) and the tokenizer files of the data dir;
+* ``manifest.json``: size and sha256 of every other file (``stemlm.integrity``), written last.
 
-Everything loads without executing code (safetensors and json).
+Everything loads without executing code (safetensors and json). NaN/inf weights or optimizer
+state are never written; ``resume_checkpoint`` picks the newest checkpoint whose files match their
+manifest and moves damaged newer ones aside; rotation never deletes the checkpoint being resumed.
 """
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import random
-import shutil
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint import CheckpointError, atomic_directory, copy_tokenizer_files, write_model_files
+from ..checkpoint import (CheckpointError, atomic_directory, copy_tokenizer_files, remove_directory, save_pause,
+                          write_model_files)
+from ..integrity import check_finite, verify_checkpoint, write_manifest
 from .sparse_adam import SparseRowAdamW
 
 OPT_TENSORS, OPT_META, TRAINER_STATE, RUN_CONFIG = "optimizer.safetensors", "optimizer.json", "trainer_state.json", "config.yaml"
@@ -41,20 +48,69 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 def save_checkpoint(run_dir: Path, step: int, model, opt, table_opt: SparseRowAdamW | None, trainer_state: dict,
                     config_yaml: str, tokenizer_dir: Path | None, keep_last: int) -> Path:
-    """Write the checkpoint of ``step`` atomically, then delete all but the newest ``keep_last``."""
+    """Write the checkpoint of ``step`` atomically, then delete all but the newest ``keep_last``.
+
+    Raises ``CheckpointError`` (and writes nothing) when the weights or optimizer state hold NaN/inf.
+    The rotation never deletes the checkpoint just written (its manifest hashes the bytes on disk:
+    it is the last verified one), even when checkpoints of later steps exist.
+    """
     final = checkpoint_dir(run_dir, step)
+    tensors, meta = optimizer_state(opt, table_opt)
+    check_finite(tensors.items(), f"the optimizer state at step {step}", "checkpoint not written (training diverged)")
     with atomic_directory(final) as tmp:
         write_model_files(model, tmp)
-        tensors, meta = optimizer_state(opt, table_opt)
+        save_pause()
         save_file(tensors, str(tmp / OPT_TENSORS))
         (tmp / OPT_META).write_text(json.dumps(meta))
+        save_pause()
         (tmp / RUN_CONFIG).write_text(config_yaml)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
         (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state))
+        write_manifest(tmp)
+        save_pause()
     for old in list_checkpoints(run_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != final:
+            remove_directory(old)
     return final
+
+
+def resume_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
+    """The newest checkpoint of a run to resume from, or None when there is none.
+
+    With ``verify``, checkpoints whose files do not match their manifest are skipped with a
+    warning naming them, and moved aside to ``checkpoints/corrupt-step_XXXXXXXX`` so that neither
+    a later resume nor the rotation mistakes them for good ones. Raises ``CheckpointError`` when
+    checkpoints exist but none verifies.
+    """
+    found = list_checkpoints(run_dir)
+    if not verify:
+        return found[-1] if found else None
+    for ckpt in reversed(found):
+        try:
+            verify_checkpoint(ckpt)
+            read_trainer_state(ckpt)
+            return ckpt
+        except CheckpointError as e:
+            aside = _aside(ckpt)
+            os.replace(ckpt, aside)
+            warnings.warn(f"skipping damaged checkpoint {ckpt.name} (moved to {aside.name}): {e}", CheckpointWarning,
+                          stacklevel=2)
+    if found:
+        raise CheckpointError(f"no checkpoint of {run_dir} verifies (all moved aside as corrupt-step_*); "
+                              "start a new run.out, or resume with run.verify_checkpoints=false at your own risk")
+    return None
+
+
+class CheckpointWarning(UserWarning):
+    """A damaged checkpoint was skipped."""
+
+
+def _aside(ckpt: Path) -> Path:
+    target, n = ckpt.with_name(f"corrupt-{ckpt.name}"), 1
+    while target.exists():
+        target, n = ckpt.with_name(f"corrupt-{ckpt.name}.{n}"), n + 1
+    return target
 
 
 def optimizer_state(opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None) -> tuple[dict, dict]:
@@ -81,21 +137,41 @@ def load_optimizer_state(ckpt: Path, opt: torch.optim.Optimizer, table_opt: Spar
     ``table_rows`` (optional) maps each stored per-row table tensor to the rows this process keeps
     (a distributed rank's shard).
     """
-    tensors = load_file(str(Path(ckpt) / OPT_TENSORS))
-    meta = json.loads((Path(ckpt) / OPT_META).read_text())
-    state = {int(idx): {k: tensors[f"dense.{idx}.{k}"] if v is None else v for k, v in keys.items()}
-             for idx, keys in meta["state_keys"].items()}
+    try:
+        tensors = load_file(str(Path(ckpt) / OPT_TENSORS))
+        meta = json.loads((Path(ckpt) / OPT_META).read_text())
+        state = {int(idx): {k: tensors[f"dense.{idx}.{k}"] if v is None else v for k, v in keys.items()}
+                 for idx, keys in meta["state_keys"].items()}
+    except (SafetensorError, OSError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"corrupt optimizer state in {ckpt}: {type(e).__name__}: {e}") from None
+    check_finite(tensors.items(), f"{Path(ckpt) / OPT_TENSORS}", "refusing to resume a diverged run")
+    # Hyperparameters come from the optimizers as built from the config (they differ from the
+    # checkpoint's only when a change was allowed on resume); moments and counters from the checkpoint.
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    table_hyper = _table_hyperparameters(table_opt)
     try:
         opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-    except ValueError as e:
+    except (ValueError, KeyError) as e:
         raise CheckpointError(f"{ckpt}: optimizer state does not match the model: {e}") from None
+    for group, built in zip(opt.param_groups, groups):
+        group.update(built)
     if (meta["sparse"] is None) != (table_opt is None):
         raise CheckpointError(f"{ckpt}: table optimizer kind differs from the checkpoint's")
     if table_opt is not None:
         prefix = "tables."
         select = table_rows or (lambda t: t)
-        table_opt.load_state_dict({k[len(prefix):]: select(v) for k, v in tensors.items() if k.startswith(prefix)},
-                                  meta["sparse"])
+        try:
+            table_opt.load_state_dict({k[len(prefix):]: select(v) for k, v in tensors.items() if k.startswith(prefix)},
+                                      meta["sparse"])
+        except (KeyError, TypeError) as e:
+            raise CheckpointError(f"corrupt table optimizer state in {ckpt}: {type(e).__name__}: {e}") from None
+        for name, value in table_hyper.items():
+            setattr(table_opt, name, value)
+
+
+def _table_hyperparameters(table_opt: SparseRowAdamW | None) -> dict:
+    names = ("lr", "betas", "eps", "weight_decay", "decay_untouched")
+    return {} if table_opt is None else {n: getattr(table_opt, n) for n in names}
 
 
 # -- RNG -----------------------------------------------------------------------------------------
