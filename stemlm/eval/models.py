@@ -194,7 +194,7 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if tables not in TIERS:
         raise ValueError(f"unknown table tier {tables!r}; choose one of {', '.join(TIERS)}")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     path = str(path)
