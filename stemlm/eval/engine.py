@@ -159,16 +159,15 @@ class Engine:
         h = hidden.index_select(0, uniq)  # (U, d)
         weight = self.model.lm_head.weight
         chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
-        lse, best = [], []
+        best = []
         picked = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         for a in range(0, len(uniq), chunk):
             logits = self.model.lm_head(h[a:a + chunk]).float()  # (c, V)
-            lse.append(logits.logsumexp(-1))
             best.append(logits.argmax(-1))
+            logp = logits.log_softmax(-1)  # as the harness and ReferenceLM (logsumexp rounds differently)
             sel = ((inverse >= a) & (inverse < a + chunk)).nonzero(as_tuple=True)[0]
-            picked[sel] = logits[inverse[sel] - a, targets[sel]]
-        lse_all, best_all = torch.cat(lse), torch.cat(best)
-        return picked - lse_all[inverse], best_all[inverse] == targets
+            picked[sel] = logp[inverse[sel] - a, targets[sel]]
+        return picked, torch.cat(best)[inverse] == targets
 
     # -- generation --------------------------------------------------------------------------
     @torch.no_grad()
