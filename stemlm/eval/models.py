@@ -97,8 +97,11 @@ def file_digest(path: Path) -> str:
     cache = _read_digest_cache()
     if key in cache:
         return cache[key]
+    h = hashlib.blake2b()
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "blake2b").hexdigest()
+        for block in iter(lambda: f.read(1 << 24), b""):  # hashlib.file_digest needs Python 3.11
+            h.update(block)
+    digest = h.hexdigest()
     cache = {**_read_digest_cache(), key: digest}
     try:  # best effort: a read-only cache directory only costs a re-read next time
         DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
