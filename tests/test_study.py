@@ -199,3 +199,30 @@ def test_repo_specs_plan():
             "dense-wide"} <= {r.labels["variant"] for r in compare}
     assert {r.stage for r in quick} >= {"compare", "stability", "context"}
     assert len({r.spec_hash for r in full}) == len(full)
+
+
+def test_midtrain_stage_converts_a_llama_and_continues_both(data_dir, tmp_path, capsys):
+    """The mid-training stage on a small random Llama: converted dense and STEM (project tables), same
+    tokens and lr; eval at step 0 (the converted model) and at the end."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                                         intermediate_size=128, vocab_size=512, max_position_embeddings=128))
+    llama.save_pretrained(tmp_path / "llama")
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, compare=None, stability=None, context=None,
+                      midtrain={"source": str(tmp_path / "llama"), "stem_layers": "1/3", "steps": 3, "lr": 1e-3,
+                                "data_dir": str(data_dir), "train": ["run.eval_every=3"]})
+    assert _run(spec, tmp_path) == 0
+    assert "2 runs trained (0 diverged)" in capsys.readouterr().out
+    res = tmp_path / "res"
+    dense, stem = (json.loads((res / "runs" / f"midtrain-llama-{v}.json").read_text()) for v in ("dense", "stem-1_3"))
+    assert dense["accounting"]["layer_kinds"] == ["dense"] * 3 and stem["accounting"]["layer_kinds"] == ["dense", "dense", "stem"]
+    assert dense["config"]["optim"]["lr"] == stem["config"]["optim"]["lr"] == 1e-3
+    assert dense["config"]["run"]["stage"] == "midtrain" and stem["metrics"]["steps"] == 3
+    # step 0 is the converted model: both start from the same random Llama, near its loss
+    assert dense["metrics"]["val_loss_init"] == pytest.approx(stem["metrics"]["val_loss_init"], abs=0.05)
+    assert {p.name for p in (res / "eval").glob("midtrain-*")} == {
+        f"midtrain-llama-{v}.{p}.json" for v in ("dense", "stem-1_3") for p in ("init", "final")}
+    report = (res / "report.md").read_text()
+    assert "Mid-training insertion" in report and "arc_easy 0 → end" in report and (res / "midtrain_loss.png").exists()

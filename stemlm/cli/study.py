@@ -23,8 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True)
     for name, text in (("run", "train (or resume) the selected stages, evaluate, write the report"),
                        ("plan", "list the runs of a spec and whether each is finished")):
-        p = sub.add_parser(name, help=text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        p.add_argument("--spec", default="full", help="study spec: a YAML file, or a name in studies/ (quick, full)")
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--spec", default="full", help="study spec: a YAML file, or a name in studies/ (quick, full); default: full")
         p.add_argument("--quick", action="store_true", help="the 'quick' spec (same as --spec quick)")
         p.add_argument("--results", default=None, help="results dir (default: results/study/<spec name>)")
         p.add_argument("--scratch", default=None, help="run dirs and checkpoints (default: runs/study/<spec name>)")
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` subprocesses)")
             p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p = sub.add_parser("report", help="write report.md and PNGs from a results dir",
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                       description="write report.md and PNGs from a results dir (reads its JSON only)")
     p.add_argument("results_dir", help="results dir of a study (holds runs/*.json)")
     p.add_argument("--out", default=None, help="where report.md and the PNGs go (default: the results dir)")
 
