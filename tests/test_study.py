@@ -226,3 +226,14 @@ def test_midtrain_stage_converts_a_llama_and_continues_both(data_dir, tmp_path, 
         f"midtrain-llama-{v}.{p}.json" for v in ("dense", "stem-1_3") for p in ("init", "final")}
     report = (res / "report.md").read_text()
     assert "Mid-training insertion" in report and "arc_easy 0 → end" in report and (res / "midtrain_loss.png").exists()
+
+
+def test_context_run_of_a_diverged_run_is_not_run(data_dir, tmp_path, capsys):
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, stability=None, eval=None,
+                      compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "lr": 1.0e6, "geometry": False},
+                      context={"size": "d64", "variants": ["dense"], "seq_len": 64, "steps": 2})
+    assert _run(spec, tmp_path) == 0
+    captured = capsys.readouterr()
+    assert "1 runs trained (1 diverged)" in captured.out
+    assert "context-d64-dense-L64: not trained, the run it continues (compare-d64-dense-seed0) diverged" in captured.err
+    assert not (tmp_path / "res" / "runs" / "context-d64-dense-L64.json").exists()

@@ -24,7 +24,8 @@ def loss_curves(groups: dict, out_dir: Path) -> list[Path]:
             ax.set_ylabel("validation loss (nats/token)")
             ax.grid(alpha=0.3)
         axes[0].set_xscale("log")
-        axes[1].legend(fontsize=7)
+        if axes[1].get_legend_handles_labels()[0]:
+            axes[1].legend(fontsize=7)
         fig.suptitle(f"size {size}: same tokens for every variant")
         written.append(save(fig, out_dir / f"loss_vs_flops_and_wall_{size}.png"))
     return written

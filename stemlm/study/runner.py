@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import shutil
 import subprocess
 import time
 from dataclasses import asdict
@@ -95,14 +94,16 @@ class Study:
         return counts
 
     def ensure(self, run: RunSpec, counts: dict, as_parent: bool = False) -> dict:
-        """The result of ``run``: the stored one, or train it now (its parent first)."""
+        """The result of ``run``: the stored one, or train it now (its parent first; a run whose
+        parent diverged is not run and has no result)."""
         if (done := self.result(run)) is not None:
             if not as_parent:
                 counts["skipped"] += 1
                 self.log(f"{run.name}: finished earlier ({done['status']}), skipped")
             return done
-        if run.parent:
-            self.ensure(self.by_name[run.parent], counts, as_parent=True)
+        if run.parent and self.ensure(self.by_name[run.parent], counts, as_parent=True)["status"] != "finished":
+            self.log(f"{run.name}: not trained, the run it continues ({run.parent}) diverged")
+            return {"status": "not run"}
         self.log(f"{run.name}: training")
         result = self.execute(run)
         counts["trained"] += 1
@@ -202,13 +203,3 @@ class Study:
             stream = np.asarray(trainer.val_ds.tokens[:50_000], dtype=np.int64)
             out["capacity"] = capacity_summary(stream, trainer.model.cfg, cfg.data.seq_len)
         return out
-
-    def clean_stale(self) -> list[Path]:
-        """Delete run dirs in the scratch dir that belong to no planned run (older spec hashes)."""
-        keep = {self.run_dir(r).name for r in self.runs}
-        root, removed = self.scratch / "runs", []
-        for d in sorted(root.iterdir()) if root.is_dir() else []:
-            if d.name not in keep:
-                shutil.rmtree(d, ignore_errors=True)
-                removed.append(d)
-        return removed
