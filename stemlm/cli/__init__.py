@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "edit": ("stemlm.cli.edit", "edit knowledge by swapping/copying STEM rows and report the effect"),
     "edit-eval": ("stemlm.cli.edit_eval", "evaluate knowledge edits over a set of facts"),
     "analyze": ("stemlm.cli.analyze", "geometry of STEM tables and test-time capacity"),
+    "study": ("stemlm.cli.study", "run the STEM study (comparison, stability, context, mid-training) and its report"),
     "demo": ("stemlm.cli.demo", "train a small STEM model that knows country facts and edit one by swapping rows"),
 }
 

@@ -112,3 +112,29 @@ def _stored_run_config(ckpt: Path) -> dict:
         if candidate.exists():
             return yaml_mapping(candidate.read_text(), f"run config {candidate}")
     return {}
+
+
+@torch.no_grad()
+def loss_by_position(model, ds: TokenDataset, batch_size: int, seq_len: int, max_batches: int,
+                     dtype: str = "float32") -> list[float]:
+    """Mean next-token loss (nats) at each position ``0 .. seq_len-1`` of the eval windows.
+
+    Plain causal attention over the whole window (no document masking), so position ``p``
+    predicts with ``p`` tokens of preceding text: the curve shows how much a longer context helps.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    total, rows = torch.zeros(seq_len, dtype=torch.float64), 0
+    for batch in iter_eval_batches(ds, batch_size, seq_len, max_batches):
+        batch = batch.to(device)
+        with autocast(device, dtype):
+            logits = model(batch.inputs)  # (B, T, V)
+        nll = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten(),
+                                                reduction="none").view_as(batch.targets)  # (B, T)
+        total += nll.sum(0).double().cpu()
+        rows += nll.shape[0]
+    model.train(was_training)
+    if rows == 0:
+        raise ValueError(f"validation split of {ds.path} yields no batch of seq_len {seq_len}")
+    return (total / rows).tolist()

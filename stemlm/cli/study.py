@@ -1,0 +1,64 @@
+"""Run the STEM study (matched-budget comparison, stability, context extension, mid-training
+insertion, optional evaluation) and write its report; or regenerate the report from result JSON.
+
+A study is a spec in studies/*.yaml. Finished runs (result JSON with the same spec hash) are
+skipped and a stopped run continues from its newest checkpoint, so `stemlm study run` resumes.
+
+examples:
+  stemlm study run --quick                       # the whole pipeline at tiny sizes (<= 10 min on 2 cores)
+  stemlm study run --spec full --skip-eval       # the full study (~2 h on 2 cores, see docs/study.md)
+  stemlm study run --spec full --stages midtrain,eval
+  stemlm study plan --spec full                  # the runs, their spec hashes and whether they are done
+  stemlm study report results/study/full         # report.md + PNGs from the JSON alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sub-commands ``run``, ``plan`` and ``report``."""
+    sub = parser.add_subparsers(dest="action", required=True)
+    for name, text in (("run", "train (or resume) the selected stages, evaluate, write the report"),
+                       ("plan", "list the runs of a spec and whether each is finished")):
+        p = sub.add_parser(name, help=text, description=text)
+        p.add_argument("--spec", default="full", help="study spec: a YAML file, or a name in studies/ (quick, full); default: full")
+        p.add_argument("--quick", action="store_true", help="the 'quick' spec (same as --spec quick)")
+        p.add_argument("--results", default=None, help="results dir (default: results/study/<spec name>)")
+        p.add_argument("--scratch", default=None, help="run dirs and checkpoints (default: runs/study/<spec name>)")
+        if name == "run":
+            p.add_argument("--stages", default=None,
+                           help="comma-separated subset of compare,stability,context,midtrain,eval (default: all)")
+            p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` subprocesses)")
+            p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+    p = sub.add_parser("report", help="write report.md and PNGs from a results dir",
+                       description="write report.md and PNGs from a results dir (reads its JSON only)")
+    p.add_argument("results_dir", help="results dir of a study (holds runs/*.json)")
+    p.add_argument("--out", default=None, help="where report.md and the PNGs go (default: the results dir)")
+
+
+def run(args) -> int:
+    from ..study import Study, default_dirs, load_spec, parse_stages, run_study, write_report
+
+    if args.action == "report":
+        print(f"wrote {write_report(args.results_dir, args.out)}")
+        return 0
+    spec = load_spec("quick" if args.quick else args.spec)
+    results, scratch = default_dirs(spec)
+    results, scratch = args.results or results, args.scratch or scratch
+    if args.action == "plan":
+        study = Study(spec, results, scratch)
+        for r in study.runs:
+            done = study.result(r)
+            print(f"{r.name:<48} {r.spec_hash}  {done['status'] if done else 'to do'}")
+        return 0
+    log = lambda msg: print(f"stemlm study: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    out = run_study(spec, results, scratch, parse_stages(args.stages), args.skip_eval, not args.no_report, log)
+    c = out["runs"]
+    print(f"study {spec['name']}: {c['trained']} runs trained ({c['diverged']} diverged), {c['skipped']} skipped"
+          + (f"; eval {out['eval']}" if out["eval"] else "") + f"; {out['seconds']:.0f}s")
+    if out["report"]:
+        print(f"report: {out['report']}")
+    return 0

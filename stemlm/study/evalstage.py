@@ -1,0 +1,87 @@
+"""The optional eval stage: ``stemlm eval`` run as a subprocess on the study's checkpoints.
+
+The study does not evaluate by itself; it calls
+
+    stemlm eval --model CKPT --tasks T1,T2 --limit N --output OUT.json
+
+whose JSON is ``{"model": {...}, "stemlm": ..., "tasks": {TASK: {"acc", "acc_norm", "acc_stderr", "n", ...}}}``,
+and stores it wrapped as ``<results>/eval/<run>.<point>.json`` with the run's spec hash, the tasks
+and the limit (``point``: ``final``, or ``init`` for the model a mid-training run starts from). An
+evaluation whose file matches is skipped. The command can be replaced by the spec's
+``eval.command`` (a list of arguments, e.g. another environment's ``stemlm``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from .runner import Study, read_json, write_json
+
+DEFAULT_COMMAND = (sys.executable, "-m", "stemlm", "eval")
+
+
+def eval_command(spec: dict) -> list[str]:
+    return list((spec.get("eval") or {}).get("command") or DEFAULT_COMMAND)
+
+
+def unavailable_reason(command: list[str]) -> str | None:
+    """Why ``command`` cannot run (one line), or None if it looks runnable."""
+    if tuple(command) == DEFAULT_COMMAND:
+        from ..cli import COMMANDS
+        return None if "eval" in COMMANDS else "`stemlm eval` is not available in this stemlm (no eval command)"
+    if shutil.which(command[0]) is None and not Path(command[0]).is_file():
+        return f"eval command {command[0]!r} not found"
+    return None
+
+
+def eval_targets(study: Study) -> list[tuple[str, str, str, list[str]]]:
+    """``(run name, point, checkpoint, tasks)`` of every finished run that asks for evaluation."""
+    out = []
+    for run in study.runs:
+        res = study.result(run)
+        if not run.eval_tasks or res is None or res["status"] != "finished":
+            continue
+        if run.eval_init and res.get("init_from"):
+            out.append((run.name, "init", res["init_from"], run.eval_tasks))
+        out.append((run.name, "final", res["checkpoint"], run.eval_tasks))
+    return out
+
+
+def run_evals(study: Study) -> dict:
+    """Evaluate every target not evaluated yet; returns counts (done, skipped, failed, unavailable)."""
+    spec_eval = study.spec.get("eval") or {}
+    limit = int(spec_eval.get("limit", 100))
+    command = eval_command(study.spec)
+    counts = {"done": 0, "skipped": 0, "failed": 0, "unavailable": 0}
+    targets = eval_targets(study)
+    if not targets:
+        return counts
+    reason = unavailable_reason(command)
+    if reason:
+        study.log(f"eval stage skipped: {reason}; the report shows no eval scores (use --skip-eval to silence this)")
+        counts["unavailable"] = len(targets)
+        return counts
+    for name, point, ckpt, tasks in targets:
+        out = study.results / "eval" / f"{name}.{point}.json"
+        key = {"run_spec_hash": study.by_name[name].spec_hash, "tasks": tasks, "limit": limit, "point": point}
+        stored = read_json(out)
+        if stored and all(stored.get(k) == v for k, v in key.items()):
+            counts["skipped"] += 1
+            continue
+        raw = study.scratch / "eval" / f"{name}.{point}.json"
+        raw.parent.mkdir(parents=True, exist_ok=True)
+        args = [*command, "--model", str(ckpt), "--tasks", ",".join(tasks), "--limit", str(limit), "--output", str(raw)]
+        study.log(f"eval {name} ({point}): {' '.join(args[len(command):])}")
+        proc = subprocess.run(args, capture_output=True, text=True)
+        data = read_json(raw) if proc.returncode == 0 else None
+        if data is None or not isinstance(data.get("tasks"), dict):
+            last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no JSON"])[-1]
+            study.log(f"eval {name} ({point}) failed: {last}")
+            counts["failed"] += 1
+            continue
+        write_json(out, {"run": name, **key, "checkpoint": str(ckpt), "result": data})
+        counts["done"] += 1
+    return counts

@@ -1,0 +1,205 @@
+"""Executing a study: every run through the trainer's library API, one result JSON per run.
+
+Resumable at two levels: a run whose result JSON exists with the same ``spec_hash`` is skipped;
+a run that was stopped mid-way continues from its newest checkpoint (its run directory, named
+after the spec hash, lives in the scratch dir). A run that diverges (the trainer stops on a
+non-finite loss or gradient) is recorded as ``diverged`` and the study goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from .measures import accounting_summary, capacity_summary, curves, geometry_summary
+from .spec import STAGES, RunSpec, plan
+
+Log = Callable[[str], None]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_json(path: Path, data: dict) -> Path:
+    """Write ``data`` to ``path`` atomically (a temp file renamed into place)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+    return path
+
+
+def read_json(path: Path) -> dict | None:
+    """The JSON object at ``path``, or None if it is missing or unreadable (a run to redo)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def provenance() -> dict:
+    """Git commit (and whether the tree had changes), library versions and the machine."""
+    def git(*args):
+        try:
+            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"git_commit": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain")),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
+            "machine": platform.machine(), "python": platform.python_version()}
+
+
+class Study:
+    """A planned study with its results dir (committed JSON) and scratch dir (runs, checkpoints)."""
+
+    def __init__(self, spec: dict, results_dir: str | Path, scratch_dir: str | Path, log: Log = print):
+        self.spec, self.log = spec, log
+        self.results, self.scratch = Path(results_dir), Path(scratch_dir)
+        self.runs = plan(spec)
+        self.by_name = {r.name: r for r in self.runs}
+
+    # -- paths ------------------------------------------------------------------------------
+    def result_path(self, run: RunSpec) -> Path:
+        return self.results / "runs" / f"{run.name}.json"
+
+    def run_dir(self, run: RunSpec) -> Path:
+        return self.scratch / "runs" / f"{run.name}-{run.spec_hash[:8]}"
+
+    def result(self, run: RunSpec) -> dict | None:
+        """The stored result of ``run`` if it is finished (same spec hash), else None."""
+        data = read_json(self.result_path(run))
+        return data if data and data.get("spec_hash") == run.spec_hash else None
+
+    # -- the study --------------------------------------------------------------------------
+    def run(self, stages: tuple[str, ...] = STAGES) -> dict:
+        """Train every run of the selected stages (and the runs they continue); returns counts."""
+        counts = {"trained": 0, "skipped": 0, "diverged": 0}
+        for stage in STAGES:
+            if stage in stages and not any(r.stage == stage for r in self.runs):
+                why = (self.spec.get("skipped") or {}).get(stage, "")
+                self.log(f"stage {stage}: not in study spec {self.spec['name']!r}, skipped" + (f": {why}" if why else ""))
+        for run in self.runs:
+            if run.stage in stages:
+                self.ensure(run, counts)
+        write_json(self.results / "study.json", {"name": self.spec["name"], "spec": self.spec,
+                                                 "runs": [r.name for r in self.runs], **provenance()})
+        return counts
+
+    def ensure(self, run: RunSpec, counts: dict, as_parent: bool = False) -> dict:
+        """The result of ``run``: the stored one, or train it now (its parent first; a run whose
+        parent diverged is not run and has no result)."""
+        if (done := self.result(run)) is not None:
+            if not as_parent:
+                counts["skipped"] += 1
+                self.log(f"{run.name}: finished earlier ({done['status']}), skipped")
+            return done
+        if run.parent and self.ensure(self.by_name[run.parent], counts, as_parent=True)["status"] != "finished":
+            self.log(f"{run.name}: not trained, the run it continues ({run.parent}) diverged")
+            return {"status": "not run"}
+        self.log(f"{run.name}: training")
+        result = self.execute(run)
+        counts["trained"] += 1
+        counts["diverged"] += result["status"] == "diverged"
+        self.log(f"{run.name}: {result['status']}, val loss {result['metrics']['final_val_loss']}, "
+                 f"{result['timings']['total_seconds']:.0f}s")
+        return result
+
+    # -- one run ----------------------------------------------------------------------------
+    def init_from(self, run: RunSpec) -> str | None:
+        """The checkpoint a run starts from: its parent's newest one, or the converted model."""
+        if run.parent:
+            parent = self.result(self.by_name[run.parent])
+            if parent is None or not parent.get("checkpoint"):
+                raise ValueError(f"{run.name} continues {run.parent}, which has no checkpoint (did it diverge?)")
+            return parent["checkpoint"]
+        if run.convert:
+            from .midtrain import converted_model
+            return str(converted_model(run.convert, self.scratch / "convert", self.log))
+        return None
+
+    def data_dir(self, run: RunSpec, init: str | None) -> str | None:
+        if run.data.get("tokenizer_of_init"):
+            from .midtrain import corpus_for_tokenizer
+            return str(corpus_for_tokenizer(Path(init), self.scratch / "data", run.convert["source"], self.log))
+        return run.data.get("dir")
+
+    def train_config(self, run: RunSpec, init: str | None, data_dir: str | None):
+        from ..train import load_train_config
+
+        extra = [f"run.out={self.run_dir(run)}", "run.progress=false", "run.plots=false"]
+        extra += [f"data.dir={data_dir}"] if data_dir else []
+        extra += [f"run.init_from={init}"] if init else []
+        preset = next((o.split("=", 1)[1] for o in run.overrides if o.startswith("model.preset=")), None)
+        return load_train_config(preset, None, run.overrides + extra)
+
+    def execute(self, run: RunSpec) -> dict:
+        """Train ``run`` (resuming its run dir), measure it and write its result JSON."""
+        from ..train import Trainer, TrainingDiverged
+        from ..train.metrics import read_metrics
+        from ..train.report import unigram_entropy
+
+        t0, started = time.perf_counter(), time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        init = self.init_from(run)
+        cfg = self.train_config(run, init, self.data_dir(run, init))
+        trainer = Trainer(cfg, resume=True)
+        init_file = self.run_dir(run) / "study_init.json"
+        if trainer.step == 0:
+            write_json(init_file, {"val_loss": trainer.evaluate()["loss"]})
+        status, message = "finished", None
+        try:
+            res = trainer.fit()
+            final_val, ckpt = res.val_loss, res.checkpoint
+        except TrainingDiverged as e:
+            status, message, final_val, ckpt = "diverged", str(e), None, None
+        train_seconds = time.perf_counter() - t0
+        records = read_metrics(self.run_dir(run) / "metrics.jsonl")
+        model_cfg = trainer.model.cfg
+        result = {
+            "name": run.name, "stage": run.stage, "spec_hash": run.spec_hash, "labels": run.labels,
+            "spec": asdict(run), "config": cfg.to_dict(), "status": status, "diverged_message": message,
+            "seeds": {"run.seed": cfg.run.seed, "data.seed": cfg.data.seed},
+            "data": {"dir": str(trainer.data_dir), "unigram_entropy": unigram_entropy(trainer.data_dir),
+                     "vocab_size": trainer.train_ds.vocab_size},
+            "init_from": init, "run_dir": str(self.run_dir(run)), "checkpoint": str(ckpt) if ckpt else None,
+            "accounting": accounting_summary(model_cfg, cfg.data.seq_len),
+            "metrics": {"val_loss_init": (read_json(init_file) or {}).get("val_loss"), "final_val_loss": final_val,
+                        "final_train_loss": records[-1]["loss"] if records else None, "steps": trainer.step,
+                        "tokens_seen": trainer.tokens_seen, "flops_seen": trainer.flops_seen,
+                        "loss_spikes": trainer.spikes.count, **curves(records)},
+        }
+        if status == "finished":
+            result.update(self.measure(run, trainer))
+        result["timings"] = {"started": started, "total_seconds": time.perf_counter() - t0,
+                             "train_and_measure_seconds": train_seconds}
+        result.update(provenance())
+        write_json(self.result_path(run), result)
+        return result
+
+    def measure(self, run: RunSpec, trainer) -> dict:
+        """The run's optional measures: loss by position (also of the model it started from),
+        geometry and capacity of its tables."""
+        from ..data import iter_eval_batches
+        from ..train.evaluate import loss_by_position
+        from ..train.loop import build_model
+
+        out, cfg, m = {}, trainer.cfg, run.measures
+        if (pos := m.get("position_loss")):
+            args = (trainer.val_ds, cfg.data.batch_size, pos["seq_len"], pos["batches"], cfg.run.dtype)
+            out["position_loss"] = {"seq_len": pos["seq_len"], "final": loss_by_position(trainer.model, *args)}
+            if m.get("position_loss_parent"):
+                start = build_model(cfg, trainer.train_ds.vocab_size).to(trainer.device)
+                out["position_loss"]["init"] = loss_by_position(start, *args)
+        if m.get("geometry"):
+            ids = next(iter(iter_eval_batches(trainer.val_ds, 2, cfg.data.seq_len, 1))).inputs.to(trainer.device)
+            out["geometry"] = geometry_summary(trainer.model, ids)
+            stream = np.asarray(trainer.val_ds.tokens[:50_000], dtype=np.int64)
+            out["capacity"] = capacity_summary(stream, trainer.model.cfg, cfg.data.seq_len)
+        return out

@@ -1,0 +1,172 @@
+"""Study specifications: a YAML file in ``studies/`` expanded into an ordered list of runs.
+
+A spec names backbone sizes, a shared token budget and four training stages (``compare``,
+``stability``, ``context``, ``midtrain``) plus the optional ``eval`` stage; ``plan(spec)``
+turns it into ``RunSpec``s, parents before children. Every run has a ``spec_hash`` over all
+that determines its result (its training overrides, measures, the hash of the run it continues
+and ``STUDY_VERSION``): a run is finished when its result JSON carries the same hash.
+
+Variants are named ``KIND`` or ``KIND-PLACEMENT`` (``dense``, ``stem-1/3``, ``stem_dagger-1/3``,
+``hash_moe-1/3``), plus ``dense-wide``: a dense model whose FFN width is chosen so that its total
+parameters match ``stem-1/3`` of the same size (``stemlm.study.variants``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from ..config import ConfigError
+
+STUDY_VERSION = 1
+STAGES = ("compare", "stability", "context", "midtrain")
+SPEC_KEYS = {"name", "description", "skipped", "data_dir", "train", "sizes", "budget", "eval", *STAGES}
+STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
+
+
+@dataclass
+class RunSpec:
+    """One training run of a study: what to train, from what, and what to measure afterwards."""
+
+    name: str
+    stage: str
+    overrides: list[str]                          # train config overrides (run.out/data.dir/init_from added at run time)
+    labels: dict[str, Any]                        # size, variant, seed, lr, ... (for the report)
+    parent: str | None = None                     # run whose newest checkpoint starts this one (run.init_from)
+    convert: dict | None = None                   # midtrain: convert_from_hf arguments for run.init_from
+    data: dict = field(default_factory=dict)      # {"dir": path} or {"tokenizer_of_init": True}; {} = the spec's data
+    measures: dict = field(default_factory=dict)  # position_loss: {seq_len, batches}; geometry: bool
+    eval_tasks: list[str] = field(default_factory=list)
+    eval_init: bool = False                       # also evaluate the model the run starts from (step 0)
+    spec_hash: str = ""
+
+    def hash_input(self, parent_hash: str | None) -> dict:
+        return {"version": STUDY_VERSION, "stage": self.stage, "overrides": sorted(self.overrides),
+                "parent": parent_hash, "convert": self.convert, "data": self.data, "measures": self.measures}
+
+
+def load_spec(path_or_name: str | Path) -> dict:
+    """A study spec from a YAML path, or by name from the repo's ``studies/`` (``quick``, ``full``)."""
+    path = Path(path_or_name)
+    if not path.exists() and (STUDIES_DIR / f"{path_or_name}.yaml").exists():
+        path = STUDIES_DIR / f"{path_or_name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"study spec {path_or_name} not found (a YAML file, or one of "
+                                f"{', '.join(sorted(p.stem for p in STUDIES_DIR.glob('*.yaml')))})")
+    spec = yaml.safe_load(path.read_text()) or {}
+    unknown = set(spec) - SPEC_KEYS
+    if unknown:
+        raise ConfigError(f"study spec {path}: unknown keys {sorted(unknown)}; allowed: {sorted(SPEC_KEYS)}")
+    for key in ("sizes", "budget"):
+        if key not in spec:
+            raise ConfigError(f"study spec {path}: missing '{key}'")
+    spec.setdefault("name", path.stem)
+    return spec
+
+
+def slug(text: str) -> str:
+    """A file-name-safe form of a label (``stem-1/3`` -> ``stem-1_3``)."""
+    return str(text).replace("/", "_").replace(",", "+").replace("=", "")
+
+
+def _size_overrides(spec: dict, size: str) -> list[str]:
+    sizes = spec["sizes"]
+    if size not in sizes:
+        raise ConfigError(f"study spec: unknown size {size!r}; defined: {', '.join(sizes)}")
+    s = sizes[size]
+    return [f"model.preset={s.get('preset', 'tiny')}"] + [f"model.{k}={v}" for k, v in (s.get("model") or {}).items()]
+
+
+def _budget(spec: dict, stage: dict) -> list[str]:
+    b = {**spec["budget"], **{k: stage[k] for k in ("steps", "batch_size", "seq_len") if k in stage}}
+    return [f"run.steps={b['steps']}", f"data.batch_size={b['batch_size']}", f"data.seq_len={b['seq_len']}"]
+
+
+def _base(spec: dict, stage: dict, size: str, seed: int) -> list[str]:
+    return (list(spec.get("train") or []) + _size_overrides(spec, size) + _budget(spec, stage)
+            + [f"run.seed={seed}", f"data.seed={spec['budget'].get('data_seed', 0)}"])
+
+
+def _eval_tasks(spec: dict, key: str = "tasks") -> list[str]:
+    return list((spec.get("eval") or {}).get(key) or [])
+
+
+def plan(spec: dict) -> list[RunSpec]:
+    """Every run of ``spec`` in execution order (parents first), with ``spec_hash`` filled in."""
+    from .variants import parameter_match, size_config, variant_overrides
+
+    runs: list[RunSpec] = []
+    geometry = bool((spec.get("compare") or {}).get("geometry", True))
+    if (c := spec.get("compare")):
+        lr = c.get("lr")
+        for size in c["sizes"]:
+            for seed in c["seeds"]:
+                for variant in c["variants"]:
+                    ov = _base(spec, c, size, seed) + variant_overrides(spec, size, variant) + ([f"optim.lr={lr}"] if lr else [])
+                    match = parameter_match(size_config(spec, size), variant)
+                    runs.append(RunSpec(f"compare-{size}-{slug(variant)}-seed{seed}", "compare", ov,
+                                        {"size": size, "variant": variant, "seed": seed, "match": match},
+                                        measures={"geometry": geometry}, eval_tasks=_eval_tasks(spec)))
+    if (s := spec.get("stability")):
+        for variant in s["variants"]:
+            for lr in map(float, s["lrs"]):  # YAML reads 1e-3 (no dot) as a string
+                ov = (_base(spec, s, s["size"], s.get("seed", 0)) + variant_overrides(spec, s["size"], variant)
+                      + [f"optim.lr={lr}", f"optim.warmup_ratio={s.get('warmup_ratio', 0.05)}"])
+                runs.append(RunSpec(f"stability-{s['size']}-{slug(variant)}-lr{lr:g}", "stability", ov,
+                                    {"size": s["size"], "variant": variant, "seed": s.get("seed", 0), "lr": lr}))
+    if (x := spec.get("context")):
+        runs += _context_runs(spec, x, runs)
+    if (m := spec.get("midtrain")):
+        runs += _midtrain_runs(spec, m)
+    for r in runs:
+        r.data = r.data or {"dir": spec.get("data_dir")}
+    by_name = {r.name: r for r in runs}
+    if len(by_name) != len(runs):
+        raise ConfigError("study spec: two runs share a name (a variant, size, seed or lr listed twice?)")
+    for r in runs:
+        parent_hash = by_name[r.parent].spec_hash if r.parent else None
+        r.spec_hash = hashlib.sha256(json.dumps(r.hash_input(parent_hash), sort_keys=True).encode()).hexdigest()[:16]
+    return runs
+
+
+def _context_runs(spec: dict, x: dict, runs: list[RunSpec]) -> list[RunSpec]:
+    """Continue the ``compare`` runs of ``x.variants`` (size ``x.size``, seed ``x.seed``) at ``x.seq_len``."""
+    out, names = [], {r.name for r in runs}
+    pos = {"seq_len": x["seq_len"], "batches": x.get("position_batches", 4)}
+    for variant in x["variants"]:
+        parent = f"compare-{x['size']}-{slug(variant)}-seed{x.get('seed', 0)}"
+        if parent not in names:
+            raise ConfigError(f"study spec: context continues {parent}, which compare does not train "
+                              "(list its size, seed and variant under compare)")
+        ov = (list(spec.get("train") or []) + _budget(spec, x)
+              + [f"model.max_seq_len={x['seq_len']}", "run.stage=context_extend", "data.doc_masking=true",
+                 f"optim.lr={x.get('lr', 1e-3)}", f"run.seed={x.get('seed', 0)}",
+                 f"data.seed={spec['budget'].get('data_seed', 0)}"])
+        out.append(RunSpec(f"context-{x['size']}-{slug(variant)}-L{x['seq_len']}", "context", ov,
+                           {"size": x["size"], "variant": variant, "seed": x.get("seed", 0), "seq_len": x["seq_len"]},
+                           parent=parent, measures={"position_loss": pos, "position_loss_parent": True},
+                           eval_tasks=_eval_tasks(spec, "niah_tasks")))
+    return out
+
+
+def _midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
+    """The converted real model (STEM with ``project`` tables) and its dense original, same tokens and lr."""
+    out = []
+    data = {"dir": m["data_dir"]} if m.get("data_dir") else {"tokenizer_of_init": True}
+    for ffn in ("dense", m.get("ffn", "stem")):
+        layers = None if ffn == "dense" else m.get("stem_layers", "1/3")
+        convert = {"source": str(m.get("source", "smollm2")), "ffn": ffn, "stem_layers": layers,
+                   "init": m.get("init", "project")}
+        variant = ffn if ffn == "dense" else f"{ffn}-{layers}"
+        ov = (list(spec.get("train") or []) + _budget(spec, m)
+              + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}", f"run.seed={m.get('seed', 0)}",
+                 f"data.seed={spec['budget'].get('data_seed', 0)}"] + list(m.get("train") or []))
+        out.append(RunSpec(f"midtrain-{slug(Path(convert['source']).name)}-{slug(variant)}", "midtrain", ov,
+                           {"source": convert["source"], "variant": variant, "seed": m.get("seed", 0)},
+                           convert=convert, data=data, eval_tasks=_eval_tasks(spec), eval_init=True))
+    return out

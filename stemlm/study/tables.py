@@ -1,0 +1,159 @@
+"""Aggregations of a study's result JSON (runs and evals) into rows for the report and plots.
+
+Everything here reads the JSON written by ``runner`` and ``evalstage`` only. Seeds are combined
+as mean ± half-range (half of max - min over seeds).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .measures import loss_roi
+from .. import accounting as acc
+
+
+def load_results(results_dir: str | Path) -> tuple[list[dict], dict[tuple[str, str], dict]]:
+    """``(runs, evals)``: every run result, and eval results keyed ``(run name, point)``."""
+    root = Path(results_dir)
+    if not (root / "runs").is_dir():
+        raise FileNotFoundError(f"{root} holds no study results (no runs/ directory); run `stemlm study run` first")
+    runs = [json.loads(p.read_text()) for p in sorted((root / "runs").glob("*.json"))]
+    evals = {}
+    for p in sorted((root / "eval").glob("*.json")) if (root / "eval").is_dir() else []:
+        e = json.loads(p.read_text())
+        evals[(e["run"], e["point"])] = e
+    return runs, evals
+
+
+def mean_spread(values: list[float]) -> tuple[float | None, float | None, int]:
+    """Mean, half-range and count of the non-None values."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return None, None, 0
+    return sum(v) / len(v), (max(v) - min(v)) / 2, len(v)
+
+
+def eval_scores(evals: dict, run: str, point: str = "final") -> dict[str, float]:
+    """``{task: acc}`` of one evaluation (empty if there is none)."""
+    e = evals.get((run, point))
+    if not e:
+        return {}
+    return {t: s["acc"] for t, s in e["result"]["tasks"].items() if isinstance(s, dict) and s.get("acc") is not None}
+
+
+def _mean_acc(scores: dict[str, float], tasks: list[str] | None = None) -> float | None:
+    vals = [v for t, v in scores.items() if tasks is None or t in tasks]
+    return sum(vals) / len(vals) if vals else None
+
+
+def compare_rows(runs: list[dict], evals: dict) -> dict[str, list[dict]]:
+    """Per size, one row per variant: accounting, val loss over seeds, loss ROI and paper ROI."""
+    groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    order: list[str] = []
+    for r in runs:
+        if r["stage"] == "compare":
+            key = (r["labels"]["size"], r["labels"]["variant"])
+            groups[key].append(r)
+            order += [] if r["labels"]["variant"] in order else [r["labels"]["variant"]]
+    out: dict[str, list[dict]] = defaultdict(list)
+    for (size, variant), rs in groups.items():
+        loss, spread, n = mean_spread([r["metrics"]["final_val_loss"] for r in rs])
+        scores = [eval_scores(evals, r["name"]) for r in rs]
+        tasks = sorted({t for s in scores for t in s})
+        a = rs[0]["accounting"]
+        out[size].append({
+            "size": size, "variant": variant, "seeds": [r["labels"]["seed"] for r in rs], "n": n,
+            "val_loss": loss, "val_loss_spread": spread, "total_params": a["total_params"],
+            "active_params": a["active_params"], "train_flops_per_token": a["train_flops_per_token"],
+            "decode_bytes": a["decode_param_bytes_bf16"], "spikes": sum(r["metrics"]["loss_spikes"] for r in rs),
+            "diverged": sum(r["status"] == "diverged" for r in rs),
+            "train_seconds": mean_spread([r["metrics"]["train_seconds"] for r in rs])[0],
+            "unigram_entropy": rs[0]["data"]["unigram_entropy"],
+            "acc": {t: mean_spread([s.get(t) for s in scores])[0] for t in tasks},
+            "mean_acc": mean_spread([_mean_acc(s) for s in scores])[0],
+            "geometry": rs[0].get("geometry"), "capacity": rs[0].get("capacity"),
+            "match": rs[0]["labels"].get("match"), "n_experts": a.get("n_experts"), "d_ff": a.get("d_ff")})
+    for size, rows in out.items():
+        rows.sort(key=lambda row: order.index(row["variant"]))
+        dense = next((row for row in rows if row["variant"] == "dense"), None)
+        for row in rows:
+            row["loss_roi"] = row["paper_roi"] = row["delta_vs_dense"] = None
+            if dense is None or row["val_loss"] is None or dense["val_loss"] is None:
+                continue
+            row["delta_vs_dense"] = row["val_loss"] - dense["val_loss"]
+            row["loss_roi"] = loss_roi(row["val_loss"], row["train_flops_per_token"], dense["val_loss"],
+                                       dense["train_flops_per_token"], row["unigram_entropy"])
+            if row["mean_acc"] is not None and dense["mean_acc"]:
+                row["paper_roi"] = acc.roi(row["mean_acc"], row["train_flops_per_token"], dense["mean_acc"],
+                                           dense["train_flops_per_token"])
+    return dict(out)
+
+
+def curve_groups(runs: list[dict], stage: str = "compare") -> dict[str, dict[str, list[list[dict]]]]:
+    """``{size: {variant: [val curve of each seed]}}`` (curves: dicts with flops, wall, val_loss)."""
+    out: dict = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        if r["stage"] == stage:
+            out[r["labels"]["size"]][r["labels"]["variant"]].append(r["metrics"]["val"])
+    return out
+
+
+def mean_curve(curves: list[list[dict]], x_key: str) -> tuple[list[float], list[float]]:
+    """Pointwise mean of the seeds' validation curves (over the points all of them reached)."""
+    n = min(len(c) for c in curves)
+    xs = [sum(c[i][x_key] for c in curves) / len(curves) for i in range(n)]
+    ys = [sum(c[i]["val_loss"] for c in curves) / len(curves) for i in range(n)]
+    return xs, ys
+
+
+def stability_rows(runs: list[dict]) -> list[dict]:
+    """One row per (variant, lr) of the learning-rate sweep."""
+    rows = []
+    for r in runs:
+        if r["stage"] != "stability":
+            continue
+        m = r["metrics"]
+        rows.append({"variant": r["labels"]["variant"], "lr": r["labels"]["lr"], "status": r["status"],
+                     "spikes": m["loss_spikes"], "steps": m["steps"], "max_train_loss": m.get("max_train_loss"),
+                     "final_val_loss": m["final_val_loss"], "final_train_loss": m["final_train_loss"],
+                     "total_steps": r["config"]["run"]["steps"]})
+    return sorted(rows, key=lambda row: (row["variant"], row["lr"]))
+
+
+def context_rows(runs: list[dict], evals: dict) -> list[dict]:
+    """Per extended model: loss by position before/after extension and NIAH-like eval scores."""
+    rows = []
+    for r in runs:
+        if r["stage"] != "context" or r["status"] != "finished":
+            continue
+        pos = r.get("position_loss") or {}
+        rows.append({"variant": r["labels"]["variant"], "size": r["labels"]["size"], "seq_len": pos.get("seq_len"),
+                     "init": pos.get("init"), "final": pos.get("final"), "val_loss_init": r["metrics"]["val_loss_init"],
+                     "final_val_loss": r["metrics"]["final_val_loss"], "name": r["name"],
+                     "eval": evals.get((r["name"], "final"), {}).get("result", {}).get("tasks", {})})
+    return rows
+
+
+def midtrain_rows(runs: list[dict], evals: dict) -> list[dict]:
+    """Per converted model: val loss at step 0 and at the end, eval scores at both points, the curve."""
+    rows = []
+    for r in runs:
+        if r["stage"] != "midtrain":
+            continue
+        m = r["metrics"]
+        rows.append({"variant": r["labels"]["variant"], "source": r["labels"]["source"], "status": r["status"],
+                     "steps": m["steps"], "val_loss_init": m["val_loss_init"], "final_val_loss": m["final_val_loss"],
+                     "total_params": r["accounting"]["total_params"],
+                     "train_flops_per_token": r["accounting"]["train_flops_per_token"],
+                     "acc_init": eval_scores(evals, r["name"], "init"), "acc_final": eval_scores(evals, r["name"]),
+                     "train": m["train"], "val": m["val"]})
+    return rows
+
+
+def bucket(values: list[float], n: int = 4) -> list[float]:
+    """Means of ``n`` equal consecutive slices of ``values`` (loss by position, in quarters)."""
+    size = max(1, len(values) // n)
+    return [sum(values[i * size:(i + 1) * size]) / len(values[i * size:(i + 1) * size])
+            for i in range(min(n, len(values))) if values[i * size:(i + 1) * size]]

@@ -1,0 +1,86 @@
+"""Model variants of a study and their parameter matching, computed by ``stemlm.accounting``.
+
+``KIND`` or ``KIND-PLACEMENT`` (``dense``, ``stem-1/3``, ``stem_dagger-1/2``, ``stem_gate-1/3``,
+``hash_moe-1/3``) sets ``model.ffn`` and ``model.stem_layers``. Hash-MoE takes the expert count
+whose per-layer parameters match a STEM layer (``accounting.hash_moe_match``), so with the same
+placement its total matches STEM's. ``dense-wide`` is the "just add parameters" control: a dense
+model whose FFN width ``d_ff`` makes its total parameters closest to ``stem-1/3`` of the same size.
+"""
+
+from __future__ import annotations
+
+from .. import accounting as acc
+from ..config import FFN_KINDS, ConfigError, ModelConfig
+from ..presets import model_config
+
+WIDE = "dense-wide"
+WIDE_REFERENCE = "stem-1/3"
+
+
+def size_config(spec: dict, size: str) -> ModelConfig:
+    """The dense ``ModelConfig`` of a spec's size (preset plus its ``model`` overrides)."""
+    s = spec["sizes"][size]
+    return model_config(s.get("preset", "tiny"), **{**(s.get("model") or {}), "ffn": "dense"})
+
+
+def parse_variant(variant: str) -> tuple[str, str | None]:
+    """``'stem-1/3'`` -> ``('stem', '1/3')``; ``'dense'`` -> ``('dense', None)``."""
+    if variant == WIDE:
+        return "dense", None
+    kind, _, placement = variant.partition("-")
+    if kind not in FFN_KINDS:
+        raise ConfigError(f"study variant {variant!r}: unknown FFN kind {kind!r}; choose one of {', '.join(FFN_KINDS)} "
+                          f"(as KIND-PLACEMENT, e.g. stem-1/3) or {WIDE}")
+    if kind != "dense" and not placement:
+        raise ConfigError(f"study variant {variant!r} needs a placement, e.g. {kind}-1/3")
+    return kind, placement or None
+
+
+def variant_config(base: ModelConfig, variant: str) -> ModelConfig:
+    """``base`` turned into ``variant`` (dense-wide: the matched FFN width)."""
+    if variant == WIDE:
+        return base.replace(ffn="dense", d_ff=matched_dense_width(base)["d_ff"])
+    kind, placement = parse_variant(variant)
+    return base.replace(ffn=kind, **({"stem_layers": placement} if placement else {}))
+
+
+def matched_dense_width(base: ModelConfig) -> dict:
+    """The dense FFN width whose total parameters are closest to ``stem-1/3`` of ``base``'s shape.
+
+    Total parameters are linear in ``d_ff`` (``T(f) = T(1) + (f - 1)·b``), so the nearest integer
+    width is exact; the returned dict records the match.
+    """
+    target = acc.total_params(base.replace(ffn="stem", stem_layers="1/3"))
+    t1, t2 = (acc.total_params(base.replace(ffn="dense", d_ff=f)) for f in (1, 2))
+    d_ff = max(1, 1 + round((target - t1) / (t2 - t1)))
+    total = acc.total_params(base.replace(ffn="dense", d_ff=d_ff))
+    return {"d_ff": d_ff, "total_params": total, "reference": WIDE_REFERENCE, "reference_total_params": target,
+            "ratio": total / target}
+
+
+def parameter_match(base: ModelConfig, variant: str) -> dict | None:
+    """How ``variant``'s total parameters match ``stem-1/3`` (Hash-MoE and dense-wide), else None."""
+    if variant == WIDE:
+        return matched_dense_width(base)
+    kind, _ = parse_variant(variant)
+    if kind != "hash_moe":
+        return None
+    cfg, ref = variant_config(base, variant), base.replace(ffn="stem", stem_layers="1/3")
+    total, target = acc.total_params(cfg), acc.total_params(ref)
+    return {"n_experts": cfg.n_experts, "total_params": total, "reference": WIDE_REFERENCE,
+            "reference_total_params": target, "ratio": total / target, "per_layer": acc.hash_moe_match(ref)}
+
+
+def variant_overrides(spec: dict, size: str, variant: str) -> list[str]:
+    """Training overrides that build ``variant`` at ``size`` (vocab pinned to the size's, so the match holds)."""
+    base = size_config(spec, size)
+    cfg = variant_config(base, variant)
+    out = [f"model.ffn={cfg.ffn}", f"model.vocab_size={cfg.vocab_size}"]
+    if cfg.ffn != "dense":
+        placement = parse_variant(variant)[1]
+        out.append(f"model.stem_layers={placement}")
+    if variant == WIDE:
+        out.append(f"model.d_ff={cfg.d_ff}")
+    if cfg.ffn == "hash_moe":
+        out.append(f"model.n_experts={cfg.n_experts}")
+    return out
