@@ -1,0 +1,220 @@
+"""Load a model for evaluation: a stemlm run or checkpoint, a Hugging Face Llama directory or a GGUF
+file, as a ``LanguageModel`` (see ``api.py``).
+
+Tokenization follows the model's origin:
+
+* stemlm tokenizers (``tokenizer.json`` of ``stemlm data``): every context starts with the
+  document-start token ``<|endoftext|>``, as in training (``prefix_ids``);
+* Hugging Face tokenizers (GGUF, a Llama directory, a converted checkpoint, recognised by its
+  ``tokenizer_config.json``): exactly as lm-evaluation-harness's ``hf`` backend, i.e. the
+  tokenizer's own leading special tokens (none for SmolLM2), and an empty context becomes the
+  BOS token (EOS if there is none).
+
+``identity`` is a digest of the weight files, the config, the tokenizer files, the dtype and the
+tokenization; file digests are remembered per (path, size, mtime) so a checkpoint is read in full
+once, not at every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
+from .api import ReferenceLM
+
+ENGINES = ("fast", "reference")
+DIGEST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stemlm" / "file_digests.json"
+
+
+class StemTokens:
+    """``Tokens`` of a stemlm ``tokenizers.Tokenizer``: the document-start token leads every context."""
+
+    def __init__(self, tokenizer):
+        from ..data.tokenizer import eos_id_of
+
+        self.tokenizer = tokenizer
+        self.eot_id = eos_id_of(tokenizer)
+        self.prefix_ids = [self.eot_id]
+        self.stop_id = self.eot_id  # generation ends where a document would
+        self.vocab_size = tokenizer.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` without special tokens."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens dropped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+class HFTokens:
+    """``Tokens`` of a transformers tokenizer, as lm-eval's ``hf`` backend uses it (default
+    ``add_bos_token``): the tokenizer's leading special tokens, empty context -> BOS (else EOS)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+        self.eot_id = bos if bos is not None else eos
+        if self.eot_id is None:
+            raise ValueError("the tokenizer has neither a BOS nor an EOS token")
+        self.stop_id = eos  # generation ends at the end-of-sequence token
+        with_special = tokenizer.encode("a")
+        plain = tokenizer.encode("a", add_special_tokens=False)
+        n_lead = len(with_special) - len(plain) if with_special[-len(plain):] == plain else 0
+        self.prefix_ids = list(with_special[:max(n_lead, 0)])
+        self.vocab_size = len(tokenizer)
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` without special tokens."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens dropped."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+# -- identity --------------------------------------------------------------------------------
+def _read_digest_cache() -> dict:
+    try:
+        return json.loads(DIGEST_CACHE.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def file_digest(path: Path) -> str:
+    """BLAKE2b of a file's bytes, remembered per (real path, size, mtime) in ``DIGEST_CACHE``."""
+    path = Path(path).resolve()
+    st = path.stat()
+    key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
+    cache = _read_digest_cache()
+    if key in cache:
+        return cache[key]
+    with open(path, "rb") as f:
+        digest = hashlib.file_digest(f, "blake2b").hexdigest()
+    cache = {**_read_digest_cache(), key: digest}
+    try:  # best effort: a read-only cache directory only costs a re-read next time
+        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=DIGEST_CACHE.parent, prefix=".digests-")
+        with os.fdopen(fd, "w") as f:
+            json.dump(cache, f)
+        os.replace(tmp, DIGEST_CACHE)
+    except OSError:
+        pass
+    return digest
+
+
+def model_identity(files: Sequence[Path], **settings) -> str:
+    """Stable id of a model: digests of its files (by name) and the settings that change its answers."""
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda p: p.name):
+        h.update(f"{f.name}={file_digest(f)};".encode())
+    h.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    return h.hexdigest()[:24]
+
+
+# -- sources ---------------------------------------------------------------------------------
+def _tokenizer_of(ckpt: Path, tokenizer: str | os.PathLike | None):
+    """``(Tokens, tokenizer files)`` for a checkpoint: an explicit path, else the checkpoint or its run."""
+    from ..data.tokenizer import load_tokenizer
+
+    places = [Path(tokenizer)] if tokenizer is not None else [ckpt, ckpt.parent.parent]
+    for where in places:
+        if where.is_file():
+            return StemTokens(load_tokenizer(where)), [where]
+        if (where / "tokenizer_config.json").exists():
+            from transformers import AutoTokenizer
+
+            files = [p for p in where.glob("tokenizer*") if p.is_file()]
+            return HFTokens(AutoTokenizer.from_pretrained(str(where), local_files_only=True)), files
+        for name in ("tokenizer.json", "tokenizer.model"):
+            if (where / name).exists():
+                return StemTokens(load_tokenizer(where / name)), [where / name]
+    raise FileNotFoundError(f"no tokenizer for {ckpt} (looked in {', '.join(map(str, places))}); pass tokenizer=PATH")
+
+
+def _is_llama_dir(path: Path) -> bool:
+    try:
+        return json.loads((path / CONFIG_FILE).read_text()).get("model_type") == "llama"
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _load_llama_source(path: str, gguf: str | None):
+    """``(dense StemLM, HFTokens, files)`` from a Llama directory, a GGUF file or a pinned name."""
+    from ..convert import check_vocab, llama_to_stem, load_llama, load_tokenizer, resolve_source
+
+    directory, gguf_name = resolve_source(path, gguf)
+    tokenizer = load_tokenizer(directory, gguf_name)
+    if tokenizer is None:
+        raise FileNotFoundError(f"{directory} has no tokenizer files")
+    llama = load_llama(directory, gguf_name)
+    check_vocab(tokenizer, llama.config.vocab_size)
+    model = llama_to_stem(llama)
+    del llama
+    files = [directory / gguf_name] if gguf_name else sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
+    files += [directory / CONFIG_FILE] if not gguf_name else []
+    return model, HFTokens(tokenizer), files
+
+
+def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, table_kw: dict):
+    """``(StemLM, Tokens, files)`` of a stemlm run or checkpoint with its tables on ``tables``."""
+    ckpt = resolve_checkpoint(path)
+    tokens, tok_files = _tokenizer_of(ckpt, tokenizer)
+    if tables == "device" and not table_kw:
+        model = load_model(ckpt, device=device, dtype=dtype)
+    else:
+        from ..store import load_model_with_tables
+
+        model, _ = load_model_with_tables(ckpt, tables, device=device, dtype=dtype, **table_kw)
+    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *tok_files]
+
+
+def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
+            batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
+            engine: str = "reference", tokenizer: str | os.PathLike | None = None, **table_kw):
+    """A ``LanguageModel`` over the model at ``path``.
+
+    ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory
+    holding ``gguf`` (a GGUF file name or path), a ``.gguf`` file, or ``smollm2`` (the pinned
+    SmolLM2-135M-Instruct GGUF). ``tables``: ``device`` | ``host`` | ``disk`` (stemlm
+    checkpoints; ``table_kw`` such as ``cache_rows``, ``tables_path`` or ``prefetch`` go to
+    ``store.load_model_with_tables``). ``max_length`` defaults to the model's ``max_seq_len``.
+    ``engine``: ``fast`` (batched, shared contexts) or ``reference`` (one forward per request).
+    """
+    from ..store import TIERS
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    if tables not in TIERS:
+        raise ValueError(f"unknown table tier {tables!r}; choose one of {', '.join(TIERS)}")
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    path = str(path)
+    if path.endswith(".gguf") and gguf is None:
+        path, gguf = str(Path(path).parent), Path(path).name
+    if gguf is not None or path == "smollm2" or _is_llama_dir(Path(path)):
+        model, tokens, files = _load_llama_source(path, gguf)
+        model = model.to(device=device, dtype=dtype)
+        if tables != "device" and model.cfg.table_layers:
+            raise ValueError("a converted Llama model is dense: it has no tables to offload")
+    else:
+        model, tokens, files = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
+    vocab = model.cfg.vocab_size
+    if tokens.vocab_size > vocab:
+        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model's vocabulary has {vocab} rows")
+    max_length = max_length or model.cfg.max_seq_len
+    identity = model_identity(files, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
+                              eot=tokens.eot_id, max_length=max_length)
+    if engine == "reference":
+        return ReferenceLM(model.eval(), tokens, vocab, max_length, identity=identity)
+    from .engine import Engine
+
+    return Engine(model.eval(), tokens, max_length=max_length, batch_size=batch_size, identity=identity)
