@@ -48,16 +48,18 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def prefill(model, ids: torch.Tensor, cache: KVCache, store=None) -> torch.Tensor:
-    """Run the prompt ``ids (B, T)`` at positions ``0..T-1``; logits of the last position ``(B, V)``."""
+def prefill(model, ids: torch.Tensor, cache: KVCache, store=None, **forward_kw) -> torch.Tensor:
+    """Run the prompt ``ids (B, T)`` at positions ``0..T-1``; logits of the last position ``(B, V)``.
+
+    ``forward_kw`` (``positions``, ``attn_mask``) go to the model, e.g. for left-padded prompts."""
     if store is not None:
         store.prefetch(ids)
-    return model(ids, start_pos=0, cache=cache)[:, -1]
+    return model(ids, start_pos=0, cache=cache, **forward_kw)[:, -1]
 
 
-def decode_one_token(model, token: torch.Tensor, pos: int, cache: KVCache) -> torch.Tensor:
-    """Run one token ``(B, 1)`` at position ``pos``; its logits ``(B, V)``."""
-    return model(token, start_pos=pos, cache=cache)[:, -1]
+def decode_one_token(model, token: torch.Tensor, pos: int, cache: KVCache, **forward_kw) -> torch.Tensor:
+    """Run one token ``(B, 1)`` at cache slot (and position) ``pos``; its logits ``(B, V)``."""
+    return model(token, start_pos=pos, cache=cache, **forward_kw)[:, -1]
 
 
 def _generator(seed: int | None, device) -> torch.Generator | None:

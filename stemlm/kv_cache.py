@@ -29,3 +29,8 @@ class KVCache:
         self.k[layer_idx][:, :, start_pos:end] = k
         self.v[layer_idx][:, :, start_pos:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
+
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep only the batch rows ``rows`` (e.g. drop finished sequences), in that order."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]

@@ -167,7 +167,8 @@ class StemLM(nn.Module):
             init_module_(module, self.cfg)
 
     def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
-                return_hidden: bool = False, targets: torch.Tensor | None = None) -> torch.Tensor:
+                return_hidden: bool = False, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
         ``cache`` (optional) keeps keys/values across calls (see ``kv_cache.KVCache``);
@@ -175,18 +176,27 @@ class StemLM(nn.Module):
         final normed hidden states ``(B, T, d)`` instead of logits; with ``targets (B, T)``
         (``-100`` = ignore) the mean cross-entropy is returned instead, computed by
         ``loss.linear_cross_entropy`` without materialising the logits.
+
+        Packed or padded batches: ``positions (B, T)`` gives every token its own RoPE position
+        (``start_pos`` then only names the cache slots written), and ``attn_mask (B|1, 1, T, S)``
+        (True = may attend) replaces the causal mask.
         """
         cfg = self.cfg
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape (batch, seq), got {tuple(ids.shape)}")
         B, T = ids.shape
         check_ids(ids, cfg.vocab_size)
-        if start_pos + T > cfg.max_seq_len:
-            raise ValueError(f"sequence of {start_pos + T} positions exceeds max_seq_len={cfg.max_seq_len}")
+        last = start_pos + T if positions is None else int(positions.max()) + 1
+        if last > cfg.max_seq_len:
+            raise ValueError(f"sequence of {last} positions exceeds max_seq_len={cfg.max_seq_len}")
         x = self.tok_embeddings(ids)  # (B, T, d)
-        cos, sin = rope_cos_sin(torch.arange(start_pos, start_pos + T, device=ids.device), cfg.head_dim,
-                                cfg.rope_theta, x.dtype)
-        mask = attention_mask(doc_ids, start_pos, T, ids.device)
+        if positions is None:
+            cos, sin = rope_cos_sin(torch.arange(start_pos, start_pos + T, device=ids.device), cfg.head_dim,
+                                    cfg.rope_theta, x.dtype)
+        else:
+            cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, x.dtype)
+            cos, sin = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)  # (B, 1, T, hd): broadcast over heads
+        mask = attention_mask(doc_ids, start_pos, T, ids.device) if attn_mask is None else attn_mask
         for i, block in enumerate(self.layers):
             rows = self.tables[str(i)].lookup(ids) if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)

@@ -51,6 +51,7 @@ class Tokens(Protocol):
 
     prefix_ids: list[int]  # put before every context (stemlm: the document-start token; HF Llama: none)
     eot_id: int  # the end-of-text token: the whole context of a request whose context is empty
+    # optional ``stop_id``: generation ends when the model produces it (absent or None: never)
 
     def encode(self, text: str) -> list[int]:
         """Ids of ``text`` without any special tokens."""
@@ -84,7 +85,36 @@ def encode_pair(tokens: Tokens, context: str, continuation: str) -> tuple[list[i
     if not cont:
         raise ValueError(f"continuation {continuation!r} encodes to no tokens")
     ctx = list(tokens.prefix_ids) + ctx
-    return (ctx or [tokens.eot_id]), cont
+    if not ctx:  # the harness: the end-of-text token, unless the continuation already starts with it
+        ctx, cont = ([tokens.eot_id], cont) if cont[0] != tokens.eot_id or len(cont) == 1 else (cont[:1], cont[1:])
+    return ctx, cont
+
+
+def rolling_windows(ids: list[int], prefix_id: int, max_length: int) -> list[tuple[list[int], list[int]]]:
+    """The harness's disjoint rolling windows ``(context, continuation)`` that score every token of
+    ``ids`` once: the first window is conditioned on ``prefix_id``, each later one on the
+    ``max_length - n`` tokens before its ``n`` new tokens (``get_rolling_token_windows`` with
+    ``context_len=1``, then ``make_disjoint_window``)."""
+    if not ids:
+        return []
+    first = min(max_length, len(ids))
+    windows = [([prefix_id] + ids[:first - 1], ids[:first])]
+    done = first
+    while done < len(ids):
+        n = min(len(ids) - done, max_length)
+        end = done + n  # >= max_length + 1, so the slice start is never negative
+        windows.append((ids[end - max_length - 1:end - 1], ids[end - n:end]))
+        done = end
+    return [(ctx[:len(ctx) - (len(cont) - 1)], cont) for ctx, cont in windows]
+
+
+def generation_prompt(tokens: Tokens, context: str, max_new_tokens: int, max_length: int) -> tuple[list[int], int]:
+    """``(prompt ids, new-token budget)`` of a generation request: ``prefix_ids`` + the context, its
+    start cut so that prompt and new tokens fit ``max_length`` (as the harness does), at least one
+    token (``eot_id`` for an empty prompt)."""
+    ids = (list(tokens.prefix_ids) + tokens.encode(context)) or [tokens.eot_id]
+    ids = ids[-max(1, max_length - max_new_tokens):]
+    return ids, max(0, min(max_new_tokens, max_length - len(ids) + 1))  # the last new token is never fed back
 
 
 def check_request_ids(ids: Sequence[int], vocab_size: int) -> None:
@@ -120,30 +150,41 @@ class ReferenceLM:
         return [self._score(*encode_pair(self.tokens, r.context, r.continuation)) for r in requests]
 
     def loglikelihood_rolling(self, texts: Sequence[str]) -> list[Loglikelihood]:
-        """Log-prob of each whole text after ``prefix_ids`` (texts must fit ``max_length``)."""
+        """Log-prob of each whole text after the prefix token, over the harness's rolling windows."""
         out = []
         for text in texts:
-            ids = self.tokens.encode(text)
-            if len(ids) > self.max_length:
-                raise ValueError(f"text of {len(ids)} tokens is longer than max_length={self.max_length}")
-            out.append(self._score(list(self.tokens.prefix_ids) or [self.tokens.eot_id], ids))
+            parts = [self._score(c, t) for c, t in rolling_windows(self.tokens.encode(text), rolling_prefix(self.tokens),
+                                                                   self.max_length)]
+            out.append(sum_loglikelihoods(parts))
         return out
 
     @torch.no_grad()
     def generate_until(self, requests: Sequence[GenerateRequest]) -> list[str]:
-        """Greedy decoding by repeated full forwards, cut at the first stop sequence."""
+        """Greedy decoding by repeated full forwards, ended by ``stop_id`` and cut at the first stop sequence."""
         out = []
+        stop_id = getattr(self.tokens, "stop_id", None)
         for r in requests:
-            ids = list(self.tokens.prefix_ids) + self.tokens.encode(r.context)
+            ids, n_new = generation_prompt(self.tokens, r.context, r.max_new_tokens, self.max_length)
             new: list[int] = []
-            for _ in range(r.max_new_tokens):
-                x = torch.tensor([(ids + new)[-self.max_length:]], dtype=torch.long)
-                new.append(int(self.model(x)[0, -1].argmax()))
-                text = self.tokens.decode(new)
-                if any(s in text for s in r.until):
+            for _ in range(n_new):
+                token = int(self.model(torch.tensor([ids + new], dtype=torch.long))[0, -1].argmax())
+                if token == stop_id:
+                    break
+                new.append(token)
+                if any(s in self.tokens.decode(new) for s in r.until):
                     break
             out.append(cut_at_stop(self.tokens.decode(new), r.until))
         return out
+
+
+def rolling_prefix(tokens: Tokens) -> int:
+    """The token the first rolling window is conditioned on (the harness's ``prefix_token_id``)."""
+    return (list(tokens.prefix_ids) or [tokens.eot_id])[-1]
+
+
+def sum_loglikelihoods(parts: Sequence[Loglikelihood]) -> Loglikelihood:
+    """One answer for a text scored in several windows."""
+    return Loglikelihood(sum(p.logprob for p in parts), sum(p.n_tokens for p in parts), all(p.is_greedy for p in parts))
 
 
 def cut_at_stop(text: str, until: Sequence[str]) -> str:

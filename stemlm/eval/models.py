@@ -178,7 +178,7 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
 
 def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
             batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
-            engine: str = "reference", tokenizer: str | os.PathLike | None = None, **table_kw):
+            engine: str = "fast", tokenizer: str | os.PathLike | None = None, **table_kw):
     """A ``LanguageModel`` over the model at ``path``.
 
     ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory

@@ -1,0 +1,221 @@
+"""A fast ``LanguageModel``: batched scoring with each shared context run once, batched greedy decoding.
+
+Scoring. Requests are tokenized as the harness does (``api.encode_pair``), cut to ``max_length``
+from the left, deduplicated and grouped by context. The continuations of one context are packed
+into one row behind a single copy of it::
+
+    tokens     c0 c1 c2 | a0 a1 | b0 b1 b2        (context, then choice a, then choice b, minus last tokens)
+    positions   0  1  2 |  3  4 |  3  4  5
+    attends    causal   | context + own choice
+
+so the context is computed once for all its choices, every choice sees exactly the positions
+and keys it would see alone, and the LM head runs only where a continuation token is predicted.
+Rows are sorted by length and batched up to ``batch_size`` continuations; table rows are
+gathered once per batch (deduplicated lookups, and the table store's prefetch when the tables
+are offloaded). Everything runs under ``torch.no_grad``.
+
+Generation. Prompts are sorted by length and decoded greedily in batches of ``batch_size`` with
+a KV cache; shorter prompts are left-padded and get their own positions (``positions``) and a
+mask that hides the padding, so every row computes what it would alone. Finished rows (stop
+token, stop sequence, budget) leave the batch and the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..generate import decode_one_token, prefill
+from ..kv_cache import KVCache
+from ..store.offload import store_of
+from .api import (GenerateRequest, Loglikelihood, LoglikelihoodRequest, Tokens, check_request_ids, cut_at_stop,
+                  encode_pair, generation_prompt, rolling_prefix, rolling_windows, sum_loglikelihoods)
+
+HEAD_CHUNK_ELEMENTS = 1 << 24  # logits formed at once in the LM head (64 MB in fp32)
+
+Pair = tuple[tuple[int, ...], tuple[int, ...]]  # (context ids, continuation ids)
+
+
+class Engine:
+    """``LanguageModel`` over a ``StemLM`` (any FFN kind, tables on any tier); see the module docstring."""
+
+    def __init__(self, model, tokens: Tokens, max_length: int | None = None, batch_size: int = 32,
+                 identity: str = "engine"):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.model, self.tokens, self.batch_size, self.identity = model.eval(), tokens, batch_size, identity
+        self.vocab_size = model.cfg.vocab_size
+        self.max_length = min(max_length or model.cfg.max_seq_len, model.cfg.max_seq_len)
+
+    # -- the LanguageModel API ---------------------------------------------------------------
+    def loglikelihood(self, requests: Sequence[LoglikelihoodRequest]) -> list[Loglikelihood]:
+        """Summed log-prob of each continuation given its context."""
+        return self.score_pairs([encode_pair(self.tokens, r.context, r.continuation) for r in requests])
+
+    def loglikelihood_rolling(self, texts: Sequence[str]) -> list[Loglikelihood]:
+        """Log-prob of each whole text, over the harness's rolling windows of ``max_length``."""
+        prefix = rolling_prefix(self.tokens)
+        windows = [rolling_windows(self.tokens.encode(t), prefix, self.max_length) for t in texts]
+        scores = iter(self.score_pairs([w for ws in windows for w in ws]))
+        return [sum_loglikelihoods([next(scores) for _ in ws]) for ws in windows]
+
+    def generate_until(self, requests: Sequence[GenerateRequest]) -> list[str]:
+        """Greedy continuations, ended by the stop token and cut at the first stop sequence."""
+        prompts = [generation_prompt(self.tokens, r.context, r.max_new_tokens, self.max_length) for r in requests]
+        order = sorted(range(len(requests)), key=lambda i: -len(prompts[i][0]))
+        out: list[str] = [""] * len(requests)
+        for start in range(0, len(order), self.batch_size):
+            batch = order[start:start + self.batch_size]
+            texts = self._generate_batch([prompts[i] for i in batch], [requests[i].until for i in batch])
+            for i, text in zip(batch, texts):
+                out[i] = text
+        return out
+
+    # -- scoring -----------------------------------------------------------------------------
+    def _fit(self, ctx: Sequence[int], cont: Sequence[int]) -> Pair:
+        """Check ids and cut the context from the left so that context + continuation fit ``max_length + 1``."""
+        check_request_ids(list(ctx) + list(cont), self.vocab_size)
+        if len(cont) > self.max_length:
+            raise ValueError(f"a continuation of {len(cont)} tokens is longer than max_length={self.max_length}")
+        cut = max(0, len(ctx) + len(cont) - (self.max_length + 1))
+        return tuple(ctx[cut:]), tuple(cont)
+
+    def _rows(self, pairs: Sequence[Pair]) -> list[tuple[tuple[int, ...], list[tuple[int, ...]]]]:
+        """``(context, continuations)`` rows: each context once, its continuations packed behind it
+        while the row fits ``max_length`` tokens; longest rows first."""
+        by_ctx: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for ctx, cont in dict.fromkeys(pairs):
+            by_ctx.setdefault(ctx, []).append(cont)
+        rows = []
+        for ctx, conts in by_ctx.items():
+            row: list[tuple[int, ...]] = []
+            length = len(ctx)
+            for cont in sorted(conts, key=len, reverse=True):
+                if row and length + len(cont) - 1 > self.max_length:
+                    rows.append((ctx, row))
+                    row, length = [], len(ctx)
+                row.append(cont)
+                length += len(cont) - 1
+            rows.append((ctx, row))
+        return sorted(rows, key=lambda r: -(len(r[0]) + sum(len(c) - 1 for c in r[1])))
+
+    def score_pairs(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[Loglikelihood]:
+        """Answers for token-level ``(context, continuation)`` pairs (the context non-empty)."""
+        fitted = [self._fit(ctx, cont) for ctx, cont in pairs]
+        answers: dict[Pair, Loglikelihood] = {}
+        batch: list = []
+        for row in self._rows(fitted):
+            if batch and sum(len(r[1]) for r in batch) + len(row[1]) > self.batch_size:
+                answers.update(self._score_batch(batch))
+                batch = []
+            batch.append(row)
+        if batch:
+            answers.update(self._score_batch(batch))
+        return [answers[p] for p in fitted]
+
+    @torch.no_grad()
+    def _score_batch(self, rows) -> dict[Pair, Loglikelihood]:
+        """Run one packed batch; the answer of every (context, continuation) in it."""
+        device = next(self.model.parameters()).device
+        width = max(len(ctx) + sum(len(c) - 1 for c in conts) for ctx, conts in rows)
+        ids = torch.full((len(rows), width), self.tokens.eot_id, dtype=torch.long)
+        pos = torch.zeros((len(rows), width), dtype=torch.long)
+        seg = torch.full((len(rows), width), -1, dtype=torch.long)  # 0 = context, k = k-th continuation, -1 = pad
+        where, targets, owners = [], [], []  # flat index of each predicting position, its target, its pair
+        for r, (ctx, conts) in enumerate(rows):
+            c = len(ctx)
+            ids[r, :c], pos[r, :c], seg[r, :c] = torch.tensor(ctx), torch.arange(c), 0
+            at = c
+            for k, cont in enumerate(conts, start=1):
+                n = len(cont) - 1
+                ids[r, at:at + n], pos[r, at:at + n], seg[r, at:at + n] = torch.tensor(cont[:-1]), torch.arange(c, c + n), k
+                where += [r * width + c - 1] + [r * width + j for j in range(at, at + n)]
+                targets += cont
+                owners += [(ctx, cont)] * len(cont)
+                at += n
+        causal = torch.ones(width, width, dtype=torch.bool).tril()  # (T, S)
+        visible = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, S)
+        mask = (causal & visible)[:, None]  # (B, 1, T, S)
+        ids = ids.to(device)
+        store = store_of(self.model)
+        if store is not None:
+            store.prefetch(ids)
+        hidden = self.model(ids, positions=pos.to(device), attn_mask=mask.to(device), return_hidden=True)
+        logprob, greedy = self._head(hidden.reshape(-1, hidden.shape[-1]), torch.tensor(where, device=device),
+                                     torch.tensor(targets, device=device))  # hidden (B*T, d)
+        out: dict[Pair, list] = {}
+        for owner, lp, g in zip(owners, logprob.tolist(), greedy.tolist()):
+            acc = out.setdefault(owner, [0.0, 0, True])
+            acc[0] += lp
+            acc[1] += 1
+            acc[2] = acc[2] and g
+        return {pair: Loglikelihood(lp, n, g) for pair, (lp, n, g) in out.items()}
+
+    def _head(self, hidden: torch.Tensor, where: torch.Tensor, targets: torch.Tensor):
+        """Log-prob of ``targets (M,)`` predicted at ``hidden[where]`` and whether each is the argmax;
+        each distinct position goes through the LM head once, in chunks."""
+        uniq, inverse = torch.unique(where, return_inverse=True)
+        h = hidden.index_select(0, uniq)  # (U, d)
+        weight = self.model.lm_head.weight
+        chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
+        lse, best = [], []
+        picked = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
+        for a in range(0, len(uniq), chunk):
+            logits = self.model.lm_head(h[a:a + chunk]).float()  # (c, V)
+            lse.append(logits.logsumexp(-1))
+            best.append(logits.argmax(-1))
+            sel = ((inverse >= a) & (inverse < a + chunk)).nonzero(as_tuple=True)[0]
+            picked[sel] = logits[inverse[sel] - a, targets[sel]]
+        lse_all, best_all = torch.cat(lse), torch.cat(best)
+        return picked - lse_all[inverse], best_all[inverse] == targets
+
+    # -- generation --------------------------------------------------------------------------
+    @torch.no_grad()
+    def _generate_batch(self, prompts: list[tuple[list[int], int]], untils: list[Sequence[str]]) -> list[str]:
+        """Greedy decoding of left-padded prompts with one KV cache; the cut text of each."""
+        model, device = self.model, next(self.model.parameters()).device
+        for ids, _ in prompts:
+            check_request_ids(ids, self.vocab_size)
+        budget = [n for _, n in prompts]
+        width, steps = max(len(p) for p, _ in prompts), max(budget)
+        new: list[list[int]] = [[] for _ in prompts]
+        if steps == 0:
+            return [""] * len(prompts)
+        pad = torch.tensor([width - len(p) for p, _ in prompts], device=device)  # (B,)
+        ids = torch.full((len(prompts), width), self.tokens.eot_id, dtype=torch.long)
+        for r, (p, _) in enumerate(prompts):
+            ids[r, width - len(p):] = torch.tensor(p)
+        slots = torch.arange(width, device=device)
+        positions = (slots[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
+        real = slots[None, :] >= pad[:, None]  # (B, S): keys that are not padding
+        mask = torch.ones(width, width, dtype=torch.bool, device=device).tril() & (real[:, None, :] | torch.eye(
+            width, dtype=torch.bool, device=device))  # (B, T, S): causal, padding seen by itself only
+        param = next(model.parameters())
+        cache = KVCache(model.cfg, len(prompts), max_len=width + steps - 1, device=device, dtype=param.dtype)
+        store = store_of(model)
+        logits = prefill(model, ids.to(device), cache, store, positions=positions, attn_mask=mask[:, None])
+        active = list(range(len(prompts)))  # batch rows still decoding, in cache order
+        stop_id = getattr(self.tokens, "stop_id", None)
+        for step in range(steps):
+            tokens = logits.argmax(-1).tolist()
+            keep = []
+            for j, (r, tok) in enumerate(zip(active, tokens)):
+                if tok == stop_id or not budget[r]:
+                    continue
+                new[r].append(tok)
+                if len(new[r]) < budget[r] and not any(s in self.tokens.decode(new[r]) for s in untils[r]):
+                    keep.append(j)
+            if not keep or step == steps - 1:
+                break
+            token = torch.tensor([tokens[j] for j in keep], device=device)[:, None]  # (b, 1)
+            if len(keep) < len(active):
+                rows = torch.tensor(keep, device=device)
+                cache.keep_rows(rows)
+                pad, active = pad[rows], [active[j] for j in keep]
+            slot = width + step
+            if store is not None:
+                store.prefetch(token)
+            mask = (torch.arange(slot + 1, device=device)[None, :] >= pad[:, None])[:, None, None]  # (b, 1, 1, S)
+            logits = decode_one_token(model, token, slot, cache, positions=(slot - pad)[:, None], attn_mask=mask)
+        return [cut_at_stop(self.tokens.decode(n), u) for n, u in zip(new, untils)]
