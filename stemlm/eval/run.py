@@ -70,8 +70,9 @@ def documents_of(data: dict) -> list[dict]:
 
 
 def above_chance(result: dict) -> bool | None:
-    """Whether the primary metric beats chance by ``Z`` standard errors (None: no chance level)."""
-    chance, value = result.get("chance"), result[result["metric"]]
+    """Whether the primary metric beats chance (``chance_<metric>`` or ``chance``) by ``Z`` standard
+    errors (None: no chance level or no error)."""
+    chance, value = result.get(f"chance_{result['metric']}", result.get("chance")), result[result["metric"]]
     err = result.get(f"{result['metric']}_stderr")
     if chance is None or err is None or math.isnan(err) or math.isnan(value):
         return None
@@ -94,7 +95,7 @@ def format_table(docs: list[dict]) -> str:
             for k in keys:
                 flag = {True: "yes", False: "no", None: "-"}[above_chance({**r, "metric": k})]
                 rows.append(f"{name[-28:]:<28} {task:<22} {k:<10} {_fmt(r[k]):>8} ± {_fmt(r.get(k + '_stderr')):>7} "
-                            f"{r.get('n_' + k, r['n']):>6} {r.get('shots', 0):>5} {_fmt(r.get('chance')):>7}  {flag}")
+                            f"{r.get('n_' + k, r['n']):>6} {r.get('shots', 0):>5} {_fmt(r.get('chance_' + k, r.get('chance'))):>7}  {flag}")
     return "\n".join(rows)
 
 

@@ -84,5 +84,5 @@ class CountryFacts(Task):
             by_relation.setdefault(it["relation"], []).append({"acc": acc, "greedy": greedy})
         chance = sum(1 / len(it["candidates"]) for it in items) / max(len(items), 1)
         relations = {r: summarize(o) for r, o in sorted(by_relation.items())}
-        return {"metric": "acc", **summarize(outcomes), "shots": 0, "chance": chance, "higher_is_better": True,
-                "relations": relations}
+        return {"metric": "acc", **summarize(outcomes), "shots": 0, "chance": chance, "chance_greedy": 0.0,
+                "higher_is_better": True, "relations": relations}

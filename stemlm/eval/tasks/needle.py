@@ -63,7 +63,7 @@ def insert_needle(hay: str, needle: str, depth: float) -> str:
     if 0 < pos < len(hay):
         cut = hay.find(". ", pos)
         pos = cut + 1 if cut != -1 else len(hay)
-    return (hay[:pos] + " " + needle + " " + hay[pos:]).strip()
+    return (hay[:pos].rstrip() + " " + needle + " " + hay[pos:].lstrip()).strip()
 
 
 def fit_bytes(text: str, n_bytes: int) -> str:
