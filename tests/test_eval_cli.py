@@ -77,6 +77,7 @@ def test_two_models_are_compared_with_a_chart(runs, tmp_path, capsys):
     assert list(data) == ["models"] and [d["model"]["path"] for d in docs] == [str(r) for r in runs]
     assert docs[0]["model"]["hash"] != docs[1]["model"]["hash"]
     assert docs[0]["tasks"]["sciq"]["n"] == docs[1]["tasks"]["sciq"]["n"] == 1
+    assert docs[0]["tasks"]["sciq"]["acc_stderr"] is None and "NaN" not in out.read_text()  # strict JSON
     assert out.with_suffix(".compare.png").stat().st_size > 0
     assert out.with_suffix(".needle.0.png").stat().st_size > 0 and out.with_suffix(".needle.1.png").exists()
     assert "wrote" in capsys.readouterr().out

@@ -57,12 +57,22 @@ def results_document(path: str, identity: str, results: dict[str, dict], setting
 
 
 def write_results(path: Path, docs: list[dict]) -> None:
-    """Write one document, or ``{"models": docs}`` for several, atomically."""
+    """Write one document, or ``{"models": docs}`` for several, atomically (NaN as null)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".part")
-    tmp.write_text(json.dumps(docs[0] if len(docs) == 1 else {"models": docs}, indent=2, allow_nan=True) + "\n")
+    data = _nan_to_none(docs[0] if len(docs) == 1 else {"models": docs})
+    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
     os.replace(tmp, path)
+
+
+def _nan_to_none(x):
+    """Strict JSON: NaN (an undefined error, e.g. of one item) becomes null."""
+    if isinstance(x, dict):
+        return {k: _nan_to_none(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_to_none(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
 
 
 def documents_of(data: dict) -> list[dict]:
@@ -75,7 +85,7 @@ def above_chance(result: dict) -> bool | None:
     errors (None: no chance level or no error)."""
     chance, value = result.get(f"chance_{result['metric']}", result.get("chance")), result[result["metric"]]
     err = result.get(f"{result['metric']}_stderr")
-    if chance is None or err is None or math.isnan(err) or math.isnan(value):
+    if chance is None or err is None or value is None or math.isnan(err) or math.isnan(value):
         return None
     return value - Z * err > chance
 
@@ -91,7 +101,7 @@ def format_table(docs: list[dict]) -> str:
     for doc in docs:
         name = Path(doc["model"]["path"]).name or doc["model"]["path"]
         for task, r in doc["tasks"].items():
-            keys = [r["metric"]] + [k for k in ("acc_norm", "acc_uncond", "greedy", "acc_seen", "acc_unseen")
+            keys = [r["metric"]] + [k for k in ("acc", "acc_norm", "acc_uncond", "greedy", "acc_seen", "acc_unseen")
                                     if k in r and k != r["metric"]]
             for k in keys:
                 flag = {True: "yes", False: "no", None: "-"}[above_chance({**r, "metric": k})]
