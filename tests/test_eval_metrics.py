@@ -30,6 +30,14 @@ def test_binomial_stderr_is_sample_std_over_sqrt_n():
     assert out["acc_uncond"] == 0.5 and out["n_acc_uncond"] == 2 and out["acc_uncond_stderr"] == pytest.approx(0.5)
 
 
+def test_stderr_matches_the_harness():
+    import numpy as np
+    from lm_eval.api.metrics import mean_stderr as harness_stderr
+
+    values = np.random.default_rng(0).integers(0, 2, 57).astype(float).tolist()
+    assert mean_stderr(values)[1] == pytest.approx(harness_stderr(values), rel=1e-12)
+
+
 def test_bits_per_byte_is_corpus_level():
     ln2 = math.log(2)
     # 8 + 4 bits over 4 + 2 bytes ("é" is two UTF-8 bytes) = 2 bits per byte, every item exactly on the ratio
