@@ -96,7 +96,8 @@ def _fmt(x: float | None) -> str:
 
 def format_table(docs: list[dict]) -> str:
     """Every model's results as aligned text: task, metric, value ± stderr, n, chance, above chance."""
-    head = f"{'model':<28} {'task':<22} {'metric':<10} {'value':>8}   {'stderr':>7} {'n':>6} {'shots':>5} {'chance':>7}  above"
+    w = max([14] + [len(t) for d in docs for t in d["tasks"]])
+    head = f"{'model':<28} {'task':<{w}} {'metric':<10} {'value':>8}   {'stderr':>7} {'n':>6} {'shots':>5} {'chance':>7}  above"
     rows = [head, "-" * len(head)]
     for doc in docs:
         name = Path(doc["model"]["path"]).name or doc["model"]["path"]
@@ -105,7 +106,7 @@ def format_table(docs: list[dict]) -> str:
                                     if k in r and k != r["metric"]]
             for k in keys:
                 flag = {True: "yes", False: "no", None: "-"}[above_chance({**r, "metric": k})]
-                rows.append(f"{name[-28:]:<28} {task:<22} {k:<10} {_fmt(r[k]):>8} ± {_fmt(r.get(k + '_stderr')):>7} "
+                rows.append(f"{name[-28:]:<28} {task:<{w}} {k:<10} {_fmt(r[k]):>8} ± {_fmt(r.get(k + '_stderr')):>7} "
                             f"{r.get('n_' + k, r['n']):>6} {r.get('shots', 0):>5} {_fmt(r.get('chance_' + k, r.get('chance'))):>7}  {flag}")
     return "\n".join(rows)
 
