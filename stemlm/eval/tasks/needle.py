@@ -123,7 +123,7 @@ def draw_heatmap(result: dict, path, title: str) -> None:
             ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
     ax.set_xlabel("context length (tokens, nominal)")
     ax.set_ylabel("needle depth")
-    ax.set_title(f"{title}: pass-key retrieval ({g['trials']} trials per cell)", fontsize=9)
+    ax.set_title(f"{title}: pass-key retrieval, trials per cell: {g['trials']}", fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
