@@ -7,13 +7,12 @@ Values of overrides are parsed as YAML scalars (``3`` -> int, ``1e-3`` -> float,
 from __future__ import annotations
 
 import dataclasses
-import typing
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from .config import ConfigError
+from .fields import ConfigError, coerce, field_types
 
 
 def parse_value(text: str) -> Any:
@@ -61,13 +60,31 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 
 def load_yaml(path: str | Path) -> dict:
-    """A YAML mapping from ``path`` (clear error if missing or not a mapping)."""
+    """A YAML mapping from ``path`` (clear error if missing, unreadable or not a mapping)."""
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist" if not path.exists() else f"config file {path} is not a file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path} cannot be read: {e}") from None
+    return yaml_mapping(text, f"config file {path}")
+
+
+def yaml_mapping(text: str, source: str) -> dict:
+    """The YAML mapping in ``text``; a YAML syntax error or another top-level kind is one clear error."""
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        where = getattr(e, "problem_mark", None)
+        at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+        problem = getattr(e, "problem", None) or type(e).__name__
+        raise ConfigError(f"{source} is not valid YAML{at}: {problem}") from None
+    if data is None:
+        return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at top level")
+        raise ConfigError(f"{source} must hold a mapping (section: {{field: value}}) at top level, "
+                          f"got {type(data).__name__}")
     return data
 
 
@@ -87,23 +104,29 @@ def dataclass_to_dict(obj) -> dict:
 
 
 def build_dataclass(cls, data: dict, where: str = ""):
-    """Instantiate a (nested) dataclass from a dict; unknown keys raise a clear error."""
+    """Instantiate a (nested) dataclass from a dict.
+
+    Unknown keys are a clear error, and every value is checked against its field's annotation
+    (``stemlm.fields.coerce``: integers, finite floats, booleans ...) before the class's own
+    range checks run in ``__post_init__``.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where.rstrip('.') or cls.__name__} must be a mapping of fields, got {data!r}")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = field_types(cls)
     kwargs = {}
     for key, value in data.items():
         if key not in fields:
             raise ConfigError(f"unknown config field {where}{key!r}; valid: {', '.join(sorted(fields))}")
-        sub = _dataclass_type(cls, key)
-        kwargs[key] = build_dataclass(sub, value, f"{where}{key}.") if sub and isinstance(value, dict) else value
+        hint = hints.get(key)
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = build_dataclass(hint, value, f"{where}{key}.")
+        else:
+            kwargs[key] = coerce(value, hint, f"{where}{key}") if key in hints else value
     try:
         return cls(**kwargs)
     except TypeError as e:
         raise ConfigError(f"bad config for {where or cls.__name__}: {e}") from None
-
-
-def _dataclass_type(cls, name: str):
-    t = typing.get_type_hints(cls).get(name)
-    return t if dataclasses.is_dataclass(t) else None
 
 
 def resolve_config(cls, defaults: dict | None = None, yaml_file: str | None = None, overrides: list[str] | None = None):

@@ -100,17 +100,32 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or the newest complete checkpoint of a training run directory."""
+    """A checkpoint directory, or the newest complete checkpoint of a training run directory.
+
+    A run directory's own ``config.json`` (``write_run_config``) only names the model type for
+    ``AutoConfig``: its weights are those of the newest ``checkpoints/step_*``.
+    """
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint path {path} does not exist")
-    if (path / CONFIG_FILE).exists():
-        return path
     steps = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / CONFIG_FILE).exists()) \
         if (path / "checkpoints").is_dir() else []
-    if not steps:
-        raise CheckpointError(f"{path} is neither a checkpoint (no {CONFIG_FILE}) nor a run with checkpoints/step_*")
-    return steps[-1]
+    if steps:
+        return steps[-1]
+    if (path / CONFIG_FILE).exists() and not (path / "checkpoints").is_dir():
+        return path
+    raise CheckpointError(f"{path} is neither a checkpoint (no {CONFIG_FILE}) nor a run with checkpoints/step_*")
+
+
+def write_run_config(run_dir: str | os.PathLike, cfg: ModelConfig) -> Path:
+    """Write ``<run_dir>/config.json`` (atomically), so that ``AutoConfig`` and
+    ``AutoModelForCausalLM.from_pretrained(run_dir)`` recognise a training run directory; the
+    model then loads from the run's newest checkpoint (``resolve_checkpoint``)."""
+    file = Path(run_dir) / CONFIG_FILE
+    tmp = file.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2))
+    os.replace(tmp, file)
+    return file
 
 
 def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:

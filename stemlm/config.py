@@ -22,13 +22,11 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from .fields import ConfigError, coerce_fields
+
 FFN_KINDS = ("dense", "stem", "stem_dagger", "stem_gate", "hash_moe")
 TABLE_KINDS = ("stem", "stem_dagger", "stem_gate")  # FFN kinds that own a token-indexed table
 TABLE_INITS = ("xavier_normal", "matched", "normal")
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the problem."""
 
 
 def swiglu_hidden_dim(d_model: int, multiple_of: int = 256) -> int:
@@ -45,7 +43,9 @@ def resolve_stem_layers(spec: str | float | list[int] | tuple[int, ...] | None, 
         layers = [int(i) for i in spec]
     else:
         text = str(spec).strip().lower()
-        if text in ("none", ""):
+        if text == "":
+            raise ConfigError("stem_layers: empty; use '1/3', '1/2', 'full', 'none' or a list like '2,5'")
+        if text == "none":
             return ()
         if text == "full":
             return tuple(range(1, n_layers))
@@ -105,9 +105,10 @@ class ModelConfig:
     layer_kinds: tuple[str, ...] = field(init=False)
 
     def __post_init__(self):
+        coerce_fields(self)  # types from the annotations: integers, finite floats, booleans
         for name in ("d_model", "n_layers", "n_heads", "vocab_size", "max_seq_len"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if value <= 0:
                 raise ConfigError(f"{name} must be a positive integer, got {value!r}")
         if self.d_model % self.n_heads:
             raise ConfigError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}")
@@ -126,8 +127,11 @@ class ModelConfig:
             raise ConfigError(f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
         if self.table_init not in TABLE_INITS:
             raise ConfigError(f"unknown table_init {self.table_init!r}; choose one of {', '.join(TABLE_INITS)}")
-        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
-            raise ConfigError("rope_theta, norm_eps and init_std must be positive")
+        for name in ("rope_theta", "norm_eps", "init_std"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
+        if self.hash_seed < 0:
+            raise ConfigError(f"hash_seed must be >= 0, got {self.hash_seed}")
         if isinstance(self.stem_layers, list):
             set_("stem_layers", tuple(self.stem_layers))
         layers = () if self.ffn == "dense" else resolve_stem_layers(self.stem_layers, self.n_layers)
@@ -152,6 +156,13 @@ class ModelConfig:
         if isinstance(out["stem_layers"], tuple):
             out["stem_layers"] = list(out["stem_layers"])
         return out
+
+    def check_seq_len(self, seq_len: int, name: str = "seq_len") -> int:
+        """``seq_len`` when the model's positions reach it; a clear error instead of a silent cap."""
+        if seq_len > self.max_seq_len:
+            raise ConfigError(f"{name} {seq_len} exceeds the model's max_seq_len {self.max_seq_len}; "
+                              f"use {self.max_seq_len} or less")
+        return seq_len
 
     @classmethod
     def from_dict(cls, data: dict) -> "ModelConfig":

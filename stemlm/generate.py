@@ -24,12 +24,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     ``top_k`` keeps the ``k`` largest logits (ties at the ``k``-th value are kept); ``top_p`` keeps
     the smallest set of most likely tokens whose probability reaches ``top_p`` (nucleus).
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature
@@ -46,6 +41,16 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
         logits = logits.masked_fill(drop, float("-inf"))
     probs = logits.softmax(dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def check_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> None:
+    """A ``ValueError`` naming the first sampling setting out of range (NaN included)."""
+    if not temperature >= 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def prefill(model, ids: torch.Tensor, cache: KVCache, store=None, **forward_kw) -> torch.Tensor:
@@ -66,7 +71,6 @@ def _generator(seed: int | None, device) -> torch.Generator | None:
     return None if seed is None else torch.Generator(device=device).manual_seed(seed)
 
 
-@torch.no_grad()
 def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 0.0, top_k: int | None = None,
              top_p: float | None = None, seed: int | None = None, eos_id: int | None = None,
              store="auto") -> Iterator[torch.Tensor]:
@@ -74,14 +78,21 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
 
     Stops after ``max_new_tokens``, when every row has produced ``eos_id``, or at the model's
     ``max_seq_len``. ``store="auto"`` uses the table store installed in the model (if any) for
-    prefetching; pass ``None`` to disable prefetch. Same seed, same tokens.
+    prefetching; pass ``None`` to disable prefetch. Same seed, same tokens. The arguments are
+    checked when ``generate`` is called, before the first token is asked for.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
         raise ValueError(f"prompt must have shape (batch, seq) with seq >= 1, got {tuple(prompt.shape)}")
+    if prompt.shape[1] > model.cfg.max_seq_len:
+        raise ValueError(f"prompt of {prompt.shape[1]} tokens exceeds max_seq_len={model.cfg.max_seq_len}")
+    check_sampling(temperature, top_k, top_p)
+    return _generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, eos_id, store)
+
+
+@torch.no_grad()
+def _generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, eos_id, store) -> Iterator[torch.Tensor]:
     cfg = model.cfg
     B, T = prompt.shape
-    if T > cfg.max_seq_len:
-        raise ValueError(f"prompt of {T} tokens exceeds max_seq_len={cfg.max_seq_len}")
     n_new = min(max_new_tokens, cfg.max_seq_len - T + 1)  # the last sampled token is never fed back
     if n_new <= 0:
         return

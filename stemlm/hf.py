@@ -13,6 +13,7 @@ the state dict of ``StemForCausalLM`` (whose ``model`` attribute is a ``StemLM``
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -21,6 +22,7 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .checkpoint import resolve_checkpoint
 from .config import ModelConfig
 from .matmul import apply_matmul
 from .model import StemLM, init_module_
@@ -157,6 +159,15 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         self.model = StemLM(config.model_config())
         apply_matmul(self.model, "auto")
         self.post_init()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
+        """transformers' ``from_pretrained``; a stemlm training run directory loads its newest
+        checkpoint (``checkpoint.resolve_checkpoint``), so ``from_pretrained("runs/default")`` works."""
+        path = Path(str(pretrained_model_name_or_path))
+        if path.is_dir() and (path / "checkpoints").is_dir():
+            pretrained_model_name_or_path = str(resolve_checkpoint(path))
+        return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

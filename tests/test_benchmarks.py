@@ -87,3 +87,14 @@ def test_other_training_benchmarks_quick(tmp_path, script, result):
 def test_store_benchmarks_quick(tmp_path, script, result):
     run_quick(script, tmp_path)
     assert json.loads((tmp_path / result).read_text())["meta"]["quick"] is True
+
+
+@pytest.mark.slow
+def test_eval_vs_harness_quick_scores_alike(tmp_path):
+    """Loads the pinned SmolLM2 GGUF (~36 s): the same requests through the engine and lm-eval's hf backend."""
+    pytest.importorskip("lm_eval")
+    out = run_quick("bench_eval_vs_harness.py", tmp_path)
+    r = json.loads((tmp_path / "eval_vs_harness.quick.json").read_text())
+    assert r["n_requests"] == 16 and r["git_commit"] and r["meta"]["quick"] is True
+    assert r["max_abs_logprob_diff"] <= 1e-4 and r["accuracies_identical"] is True
+    assert min(r["seconds"]["stemlm"]) > 0 and "speed ratio" in out

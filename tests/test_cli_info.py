@@ -67,4 +67,4 @@ def test_plan_text_and_json(capsys):
     r = json.loads(out)
     assert code == 0 and r["train"] and set(r["steps"]) == {"train"} and r["disk_bytes"]["tables_and_state"] > 0
     code, _, err = _run(capsys, "plan", "--cache-frac", "2")
-    assert code == 2 and "cache_frac" in err
+    assert code == 2 and "--cache-frac" in err and err.count("\n") == 1

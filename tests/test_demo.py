@@ -31,7 +31,7 @@ def test_short_demo_reports_recall_and_a_swap_without_touching_the_checkpoint(tm
 
 def test_demo_cli_refuses_bad_options(capsys):
     assert main(["demo", "--steps", "0"]) == 2
-    assert "--steps must be a positive integer" in capsys.readouterr().err
+    assert "argument --steps: '0' is not a positive integer" in capsys.readouterr().err
     assert main(["demo", "--swap", "Spain"]) == 2
     assert "--swap expects A=B" in capsys.readouterr().err
 

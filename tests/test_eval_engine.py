@@ -110,3 +110,15 @@ def test_bad_requests_are_clear_errors(tokens):
         small.loglikelihood([LoglikelihoodRequest("The capital", " of France")])
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         Engine(make_model("dense"), tokens, batch_size=0)
+
+
+def test_rolling_windows_are_the_harness_windows():
+    utils = pytest.importorskip("lm_eval.utils")
+    from stemlm.eval.api import rolling_windows
+
+    gen = torch.Generator().manual_seed(0)
+    for max_length in (1, 2, 3, 8):
+        for n in range(0, 30):
+            ids = torch.randint(0, 100, (n,), generator=gen).tolist()
+            want = [utils.make_disjoint_window(w) for w in utils.get_rolling_token_windows(ids, 999, max_length, 1)]
+            assert rolling_windows(ids, 999, max_length) == want

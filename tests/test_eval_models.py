@@ -8,7 +8,7 @@ from stemlm.checkpoint import save_model
 from stemlm.convert import llama_to_stem
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval import models as eval_models
-from stemlm.eval.api import LoglikelihoodRequest, ReferenceLM, encode_pair
+from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest, ReferenceLM, encode_pair
 from stemlm.eval.models import HFTokens, load_lm
 from test_hf import llama_dir
 
@@ -72,6 +72,23 @@ def test_llama_directory_tokenizes_as_the_harness(tmp_path):
     ids = torch.tensor([ctx + cont])
     with torch.no_grad():
         torch.testing.assert_close(lm.model(ids), llama_to_stem(llama)(ids), rtol=0, atol=1e-5)
+    fast = load_lm(path, batch_size=2)  # the engine with HF tokens: same answers, stops at EOS
+    reqs = [LoglikelihoodRequest("the cat sat on the ", "mat"), LoglikelihoodRequest("", "a dog ran")]
+    for got, want in zip(fast.loglikelihood(reqs), lm.loglikelihood(reqs)):
+        assert got.n_tokens == want.n_tokens and abs(got.logprob - want.logprob) <= 1e-4
+    gens = [GenerateRequest("the cat", ("park",), 5), GenerateRequest("", (), 4), GenerateRequest("a dog ran in", (), 6)]
+    assert fast.generate_until(gens) == lm.generate_until(gens)
+
+
+@pytest.mark.slow
+def test_pinned_smollm2_gguf_knows_paris():
+    """~36 s: the GGUF dequantised by transformers, converted exactly, scored by the engine."""
+    lm = load_lm("smollm2", batch_size=4)
+    assert lm.tokens.prefix_ids == [] and lm.max_length == lm.model.cfg.max_seq_len
+    paris, rome = lm.loglikelihood([LoglikelihoodRequest("The capital of France is", " Paris"),
+                                    LoglikelihoodRequest("The capital of France is", " Rome")])
+    assert paris.is_greedy and paris.logprob > rome.logprob
+    assert lm.generate_until([GenerateRequest("The capital of France is", ("\n", "."), 8)])[0].startswith(" Paris")
 
 
 def test_bad_inputs_are_one_line_errors(stem_ckpt, tmp_path):

@@ -236,6 +236,25 @@ def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
     rows.close()
 
 
+@pytest.mark.parametrize("mode", ["r", "c", "r+"])
+def test_a_file_truncated_after_its_header_is_refused_before_mapping(tmp_path, mode):
+    """A mapped page past the end of the file would be a SIGBUS on first touch; the size is checked first."""
+    from stemlm.store.safetensors_io import map_tensor, tensor_info, write_safetensors
+
+    weight = torch.randn(50, 12)
+    path = write_safetensors(tmp_path / "t.safetensors", [("w", torch.float32, (50, 12), lambda a, b: weight[a:b])])
+    info = tensor_info(path, "w", (50, 12))
+    before = path.read_bytes()
+    tensor, mm = map_tensor(path, info, mode)
+    assert torch.equal(tensor, weight)
+    del tensor, mm
+    assert path.read_bytes() == before  # mapping (even writable) writes nothing by itself
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+    with pytest.raises(TableFileError, match="truncated"):
+        map_tensor(path, info, mode)
+
+
 def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatch):
     import os
 

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .options import non_negative_int, positive_int
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("what", choices=("geometry", "capacity"), help="which analysis to run")
@@ -27,13 +29,14 @@ def add_arguments(parser) -> None:
     parser.add_argument("--data", default=None, help="prepared data dir for the text sample (default: the default corpus)")
     parser.add_argument("--out", default="runs/analysis", help="directory for the JSON and PNG outputs")
     parser.add_argument("--dense-ckpt", default=None, help="geometry: a dense model of the same depth to compare W_u x with")
-    parser.add_argument("--seqs", type=int, default=8, help="geometry: number of text windows")
-    parser.add_argument("--seq-len", type=int, default=128, help="geometry: tokens per window (capped at max_seq_len)")
-    parser.add_argument("--max-points", type=int, default=1500, help="geometry: vectors per kind and layer (subsampled)")
-    parser.add_argument("--max-len", type=int, default=8192, help="capacity: longest context length measured")
-    parser.add_argument("--windows", type=int, default=32, help="capacity: windows averaged per context length")
-    parser.add_argument("--tokens", type=int, default=200_000, help="tokens of text to read at most")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the window and point samples")
+    parser.add_argument("--seqs", type=positive_int, default=8, help="geometry: number of text windows")
+    parser.add_argument("--seq-len", type=positive_int, default=None,
+                        help="geometry: tokens per window, at most the model's max_seq_len (default: min(128, max_seq_len))")
+    parser.add_argument("--max-points", type=positive_int, default=1500, help="geometry: vectors per kind and layer (subsampled)")
+    parser.add_argument("--max-len", type=positive_int, default=8192, help="capacity: longest context length measured")
+    parser.add_argument("--windows", type=positive_int, default=32, help="capacity: windows averaged per context length")
+    parser.add_argument("--tokens", type=positive_int, default=200_000, help="tokens of text to read at most")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the window and point samples")
 
 
 def _stream(args, ckpt_dir: Path, tokenizer_needed: bool = True):
@@ -73,7 +76,7 @@ def run(args) -> int:
 
         model = load_model(ckpt)
         dense = load_model(resolve_checkpoint(args.dense_ckpt)) if args.dense_ckpt else None
-        seq_len = min(args.seq_len, model.cfg.max_seq_len)
+        seq_len = model.cfg.check_seq_len(args.seq_len, "--seq-len") if args.seq_len else min(128, model.cfg.max_seq_len)
         ids = torch.from_numpy(windows(stream, seq_len, args.seqs, args.seed))  # (seqs, seq_len)
         res = geometry(model, ids, dense=dense, max_points=args.max_points, seed=args.seed)
         res["text"] = source

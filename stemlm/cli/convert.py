@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import FFN_KINDS, TABLE_INITS
+from .options import non_empty, non_negative_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,14 +27,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
     parser.add_argument("--ffn", choices=[k for k in FFN_KINDS if k != "hash_moe"], default="dense",
                         help="FFN kind of the converted layers (default: dense, an exact copy)")
-    parser.add_argument("--stem-layers", metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
+    parser.add_argument("--stem-layers", type=non_empty, metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
                         "(default with a STEM --ffn: 1/3)")
     parser.add_argument("--init", choices=["project", "random"], default="project",
                         help="table init: 'project' = embedding through the layer's up- (or gate-) projection, "
                         "'random' = --table-init (default: project)")
     parser.add_argument("--table-init", choices=TABLE_INITS, help="distribution of --init random tables "
                         "(default: the config default, xavier_normal)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of --init random tables (default: 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --init random tables (default: 0)")
 
 
 def run(args: argparse.Namespace) -> int:

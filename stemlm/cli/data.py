@@ -14,24 +14,26 @@ import argparse
 import json
 from pathlib import Path
 
+from .options import non_negative_int, open_fraction, positive_int
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="{prepare,info}")
     prep = sub.add_parser("prepare", help="build a data dir (tokenizer, token files, facts)",
                           description="Build a data dir: tokenizer.json, train/val token files, meta.json, facts.")
     prep.add_argument("--out", type=Path, default=None, help="output dir (default: $STEMLM_CACHE/data/default-v1)")
-    prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size to train (default 4096)")
+    prep.add_argument("--vocab-size", type=positive_int, default=4096, help="BPE vocabulary size to train (default 4096)")
     prep.add_argument("--data", type=Path, nargs="+", default=None, metavar="PATH",
                       help="your own text instead of the default corpus: .txt/.md files, directories, .jsonl ('text')")
     prep.add_argument("--tokenizer", type=Path, default=None,
                       help="use this tokenizer.json (or a dir holding it) instead of training one")
     prep.add_argument("--force", action="store_true", help="rebuild even if the dir is complete")
-    prep.add_argument("--fact-repeats", type=int, default=4,
+    prep.add_argument("--fact-repeats", type=positive_int, default=4,
                       help="times each training fact sentence appears in the default corpus (default 4)")
     prep.add_argument("--no-entity-tokens", action="store_true",
                       help="do not force country names and capitals to be single tokens")
-    prep.add_argument("--val-fraction", type=float, default=0.02, help="fraction of prose documents held out (0.02)")
-    prep.add_argument("--seed", type=int, default=0, help="seed of the splits and the document shuffle")
+    prep.add_argument("--val-fraction", type=open_fraction, default=0.02, help="fraction of prose documents held out")
+    prep.add_argument("--seed", type=non_negative_int, default=0, help="seed of the splits and the document shuffle")
     prep.add_argument("--quiet", action="store_true", help="no progress bars")
     info = sub.add_parser("info", help="summarize a prepared data dir", description="Summarize a prepared data dir.")
     info.add_argument("--dir", type=Path, default=None, help="data dir (default: the default corpus dir)")

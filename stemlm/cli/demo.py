@@ -16,13 +16,15 @@ examples:
 
 from __future__ import annotations
 
+from .options import non_negative_int, positive_int
+
 
 def add_arguments(parser) -> None:
     parser.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")
-    parser.add_argument("--steps", type=int, default=1200, help="training steps (default: 1200)")
+    parser.add_argument("--steps", type=positive_int, default=1200, help="training steps (default: 1200)")
     parser.add_argument("--swap", default="Spain=Germany", metavar="A=B",
                         help="the two countries whose rows are swapped (default: Spain=Germany)")
-    parser.add_argument("--seed", type=int, default=0, help="training seed (default: 0)")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="training seed (default: 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 
@@ -30,8 +32,6 @@ def run(args) -> int:
     from ..demo import format_demo, run_demo
     from .edit import parse_pair
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     demo = run_demo(args.out, args.steps, parse_pair(args.swap, "--swap"), args.seed, progress=not args.no_progress)
     print(format_demo(demo))
     return 0

@@ -20,6 +20,7 @@ from ..edit.ops import forget, inject
 from ..edit.report import edit_report, format_report, plot_report, swap_report
 from ..edit.rows import resolve_layers
 from ..edit.strategies import ALIGNS, STRATEGIES
+from .options import positive_int
 
 
 def add_arguments(parser) -> None:
@@ -39,7 +40,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--embedding", action="store_true",
                         help="also edit the input-embedding rows (diagnostic: not a STEM edit; with --layers none, only them)")
     parser.add_argument("--no-leading-space", action="store_true", help="tokenize entities without a leading space")
-    parser.add_argument("--top-k", type=int, default=5, help="next tokens to show per panel")
+    parser.add_argument("--top-k", type=positive_int, default=5, help="next tokens to show per panel")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (one file per prompt, suffixed if several)")
     parser.add_argument("--json", default=None, help="write the reports as JSON here")
     parser.add_argument("--tables", default="device", choices=TIERS, help="where the tables live while editing")

@@ -19,6 +19,7 @@ from ..edit.load import TIERS, load_model_and_tokenizer
 from ..edit.ops import MODES
 from ..edit.strategies import ALIGNS
 from .edit import parse_layers
+from .options import non_negative_int, positive_int
 
 
 def add_arguments(parser) -> None:
@@ -31,13 +32,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--mode", default="swap", choices=MODES, help="swap both ways, or copy B's rows into A only")
     parser.add_argument("--layers", default="all", help="table layers to edit: 'all' or a list like '2,5'")
     parser.add_argument("--layers-sweep", action="store_true", help="also edit the first k and last k table layers, k=1..|S|")
-    parser.add_argument("--pairs", type=int, default=50, help="number of country pairs")
-    parser.add_argument("--locality", type=int, default=64, help="unrelated fact prompts per edit")
+    parser.add_argument("--pairs", type=positive_int, default=50, help="number of country pairs")
+    parser.add_argument("--locality", type=non_negative_int, default=64, help="unrelated fact prompts per edit")
     parser.add_argument("--relations", default=None, help="comma list of relations (default: all)")
     parser.add_argument("--filler", default=None, help="filler token for the filler strategy (default: end-of-text)")
     parser.add_argument("--embedding", action="store_true",
                         help="also swap the input-embedding rows (diagnostic upper bound, not a STEM edit)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the pair and locality samples")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pair and locality samples")
     parser.add_argument("--out", default=None, help="write the results JSON here")
     parser.add_argument("--tables", default="device", choices=TIERS, help="where the tables live while editing")
 

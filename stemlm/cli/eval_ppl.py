@@ -16,30 +16,34 @@ import argparse
 import json
 
 from ..matmul import add_matmul_argument
+from .options import positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint dir, or a run dir (its newest checkpoint)")
     parser.add_argument("--data", default=None, help="prepared data dir (default: the run's data.dir, else the default corpus)")
-    parser.add_argument("--batches", type=int, default=50, help="validation batches to average over (default: 50)")
-    parser.add_argument("--batch-size", type=int, default=None, help="sequences per batch (default: the run's data.batch_size)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: the run's data.seq_len)")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
+    parser.add_argument("--batches", type=positive_int, default=None,
+                        help="validation batches to average over; more than the split holds is an error "
+                             "(default: 50, or all of them if the split holds fewer)")
+    parser.add_argument("--batch-size", type=positive_int, default=None, help="sequences per batch (default: the run's data.batch_size)")
+    parser.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the run's data.seq_len)")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
     add_matmul_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
 
 
 def run(args) -> int:
     from ..train.evaluate import evaluate_checkpoint
 
-    if args.batches <= 0:
-        raise ValueError(f"--batches must be positive, got {args.batches}")
     out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype,
-                              args.matmul)
+                              args.matmul, progress=not args.no_progress)
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         print(f"checkpoint {out['checkpoint']}\ndata       {out['data']}\n"
-              f"val loss   {out['loss']:.4f} nats/token over {out['tokens']} tokens\nperplexity {out['ppl']:.2f}")
+              f"val loss   {out['loss']:.4f} nats/token over {out['tokens']} tokens "
+              f"({out['batches']} of {out['batches_available']} batches of {out['batch_size']} x {out['seq_len']})\n"
+              f"perplexity {out['ppl']:.2f}")
     return 0

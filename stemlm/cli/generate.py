@@ -16,54 +16,57 @@ import sys
 import time
 
 from ..matmul import add_matmul_argument, apply_matmul
+from .options import non_negative_float, non_negative_int, open_fraction, positive_int, probability
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory")
     parser.add_argument("--prompt", required=True, help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--tables", choices=("device", "host", "disk"), default="device",
                         help="where the STEM tables live: model memory, host RAM, or a file on disk")
     parser.add_argument("--tables-file", default=None,
                         help="safetensors file holding the tables (default: the checkpoint's model.safetensors)")
-    parser.add_argument("--cache-rows", type=int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")
-    parser.add_argument("--cache-window", type=float, default=0.0,
+    parser.add_argument("--cache-rows", type=non_negative_int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")
+    parser.add_argument("--cache-window", type=open_fraction, default=0.0,
                         help="fraction of the cache kept as an LRU admission window (W-TinyLFU; default 0 = plain LFU)")
     parser.add_argument("--no-prefetch", action="store_true", help="gather table rows synchronously (no background prefetch)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    parser.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
-    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling: smallest set with probability >= p")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory if the checkpoint has none")
-    parser.add_argument("--device", default="cpu", help="compute device, e.g. cpu or cuda (default cpu)")
+    parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
+    parser.add_argument("--top-p", type=probability, default=None, help="nucleus sampling: smallest set with probability >= p")
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed for sampling (default 0)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the checkpoint's or its run's)")
+    parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto (default cpu)")
     add_matmul_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
 
 
 def run(args) -> int:
     from ..checkpoint import resolve_checkpoint
-    from ..generate import generate
+    from ..devices import resolve_device
+    from ..generate import check_sampling, generate
     from ..store import load_model_with_tables
     from ..text import encode_prompt, load_text_codec, stream_text
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    device = str(resolve_device(args.device))
+    check_sampling(args.temperature, args.top_k, args.top_p)
     ckpt = resolve_checkpoint(args.ckpt)
     codec = load_text_codec(ckpt, args.tokenizer)
     model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
                                           cache_rows=args.cache_rows, cache_window=args.cache_window,
                                           prefetch=not args.no_prefetch,
-                                          device=args.device)
-    apply_matmul(model, args.matmul, args.device)
-    prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(args.device)
+                                          device=device)
+    apply_matmul(model, args.matmul, device)
+    prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(device)
+    new_tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                          seed=args.seed, eos_id=codec.eos_id)  # checks everything before the prompt is echoed
     sys.stdout.write(args.prompt)
     sys.stdout.flush()
     n_tokens, start = 0, time.perf_counter()
 
     def tokens():
         nonlocal n_tokens
-        for tok in generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                            seed=args.seed, eos_id=codec.eos_id):
+        for tok in new_tokens:
             n_tokens += 1
             yield int(tok[0])
 

@@ -19,25 +19,26 @@ import json
 from ..accounting import human
 from ..config import FFN_KINDS
 from ..planner import TIERS, Hardware, plan, preset_names, resolve_model_config
+from .options import fraction, non_empty, non_negative_int, positive_float, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw = Hardware()
     parser.add_argument("--preset", default="debug", choices=preset_names(), help="model shape (default: debug)")
     parser.add_argument("--ffn", default="stem", choices=FFN_KINDS, help="FFN kind of the chosen layers (default: stem)")
-    parser.add_argument("--stem-layers", default=None, help="placement: '1/3', '1/2', 'full', 'none' or '2,5'")
+    parser.add_argument("--stem-layers", type=non_empty, default=None, help="placement: '1/3', '1/2', 'full', 'none' or '2,5'")
     parser.add_argument("--tables", default="host", choices=TIERS, help="where the tables live (default: host)")
-    parser.add_argument("--cache-frac", type=float, default=0.0, help="fraction of each table's rows cached on the accelerator, most frequent first")
-    parser.add_argument("--batch", type=int, default=1, help="sequences per step (default: 1)")
-    parser.add_argument("--seq", type=int, default=None, help="sequence length / decode context (default: max_seq_len)")
+    parser.add_argument("--cache-frac", type=fraction, default=0.0, help="fraction of each table's rows cached on the accelerator, most frequent first")
+    parser.add_argument("--batch", type=positive_int, default=1, help="sequences per step (default: 1)")
+    parser.add_argument("--seq", type=positive_int, default=None, help="sequence length / decode context (default: max_seq_len)")
     parser.add_argument("--train", action="store_true", help="plan a training step (gradients back, optimizer state)")
-    parser.add_argument("--dtype-bytes", type=int, default=2, help="bytes per value of weights, rows and KV (default: 2)")
-    parser.add_argument("--optimizer-bytes", type=int, default=8, help="optimizer state bytes per trained value (default: 8, Adam fp32 moments)")
-    parser.add_argument("--zipf-s", type=float, default=1.0, help="exponent of the Zipf law of token frequencies (default: 1.0)")
-    parser.add_argument("--link-gbps", type=float, default=hw.link_gbps, help=f"host-accelerator bandwidth in GB/s (gigabytes; default {hw.link_gbps}: PCIe 4.0 x16 effective)")
-    parser.add_argument("--disk-gbps", type=float, default=hw.disk_gbps, help=f"disk read bandwidth in GB/s (default {hw.disk_gbps})")
-    parser.add_argument("--flops", type=float, default=hw.flops, help=f"accelerator matmul FLOP/s (default {hw.flops:.0e})")
-    parser.add_argument("--mem-gbps", type=float, default=hw.mem_gbps, help=f"accelerator memory bandwidth in GB/s (default {hw.mem_gbps})")
+    parser.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per value of weights, rows and KV (default: 2)")
+    parser.add_argument("--optimizer-bytes", type=non_negative_int, default=8, help="optimizer state bytes per trained value (default: 8, Adam fp32 moments)")
+    parser.add_argument("--zipf-s", type=positive_float, default=1.0, help="exponent of the Zipf law of token frequencies (default: 1.0)")
+    parser.add_argument("--link-gbps", type=positive_float, default=hw.link_gbps, help=f"host-accelerator bandwidth in GB/s (gigabytes; default {hw.link_gbps}: PCIe 4.0 x16 effective)")
+    parser.add_argument("--disk-gbps", type=positive_float, default=hw.disk_gbps, help=f"disk read bandwidth in GB/s (default {hw.disk_gbps})")
+    parser.add_argument("--flops", type=positive_float, default=hw.flops, help=f"accelerator matmul FLOP/s (default {hw.flops:.0e})")
+    parser.add_argument("--mem-gbps", type=positive_float, default=hw.mem_gbps, help=f"accelerator memory bandwidth in GB/s (default {hw.mem_gbps})")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("overrides", nargs="*", metavar="model.FIELD=VALUE", help="override model config fields")
 

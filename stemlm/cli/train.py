@@ -27,6 +27,7 @@ import sys
 
 from ..config import FFN_KINDS
 from ..presets import PRESETS
+from .options import non_empty, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,17 +36,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", default=None, choices=list(PRESETS),
                         help="model shape and its recommended run settings (default: tiny; debug = seconds-long run)")
     parser.add_argument("--ffn", default=None, choices=FFN_KINDS, help="FFN kind of the chosen layers (default: stem)")
-    parser.add_argument("--stem-layers", default=None, help="placement: '1/3' (default), '1/2', 'full', 'none' or '2,5'")
+    parser.add_argument("--stem-layers", type=non_empty, default=None, help="placement: '1/3' (default), '1/2', 'full', 'none' or '2,5'")
     parser.add_argument("--data", default=None,
                         help="a prepared data dir, or raw text (.txt/.md/.jsonl file or a dir of them) that is "
                              "prepared once into the cache with a BPE of model.vocab_size (default 4096) tokens; "
                              "default: the default corpus, built if missing")
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps (= run.steps)")
+    parser.add_argument("--steps", type=positive_int, default=None, help="optimizer steps (= run.steps; default: the preset's, 300 for tiny)")
     parser.add_argument("--out", default=None, help="run directory (= run.out, default runs/default)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint of the run directory")
-    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below")
-    parser.add_argument("--stop-at", type=int, default=None, metavar="N",
-                        help="pause after step N with a checkpoint (the schedule still spans run.steps)")
+    parser.add_argument("--config", default=None, metavar="FILE.yaml", help="YAML with any of the sections below (default: none)")
+    parser.add_argument("--stop-at", type=positive_int, default=None, metavar="N",
+                        help="pause after step N with a checkpoint (the schedule still spans run.steps; default: run to the end)")
     parser.add_argument("--compare", default=None, choices=FFN_KINDS, metavar="KIND",
                         help="also train model.ffn=KIND with the same budget into <out>-KIND and print both")
     parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides (listed below)")
@@ -61,11 +62,13 @@ def _flag_overrides(args) -> list[str]:
 def run(args) -> int:
     from ..train import TrainingDiverged, load_train_config, train
     from ..train.loop import resolve_data_dir
-    from ..train.report import summary_lines, unigram_entropy
+    from ..devices import resolve_device
+    from ..train.report import next_steps_lines, summary_lines, unigram_entropy
 
     default_run = not _given(args)
     overrides = _flag_overrides(args) + list(args.overrides)
     cfg = load_train_config(args.preset, args.config, overrides)
+    resolve_device(cfg.run.device, "run.device")  # a missing GPU fails now, not after the corpus is built
     runs = {args.ffn or cfg.model.ffn or "stem": cfg}
     if args.compare:
         runs[args.compare] = load_train_config(args.preset, args.config, overrides + [
@@ -83,11 +86,17 @@ def run(args) -> int:
         return 1
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 reports
         unigram = unigram_entropy(cfg.data.dir)
+        for r in results.values():
+            if r.finished_before:
+                print(f"{r.run_dir} is already finished ({r.steps} steps): nothing was trained or changed; "
+                      f"its stored result follows")
         print("\n".join(summary_lines(results, unigram)))
         if len(results) > 1 and cfg.run.plots:
             from ..train.plots import plot_run
             files = plot_run(cfg.run.out, {k: r.run_dir for k, r in results.items()}, unigram, prefix="compare_")
             print(f"comparison plots: {', '.join(str(f) for f in files)}")
+        for label, r in results.items():
+            print("\n".join(next_steps_lines(r, runs[label].model.ffn or label)))
     return 0
 
 

@@ -247,6 +247,12 @@ def get_batch(ds: TokenDataset, step: int, batch_size: int, seq_len: int, seed: 
     return rows_at(ds, offsets[rank * per_rank:(rank + 1) * per_rank], seq_len)
 
 
+def count_eval_batches(ds: TokenDataset, batch_size: int, seq_len: int) -> int:
+    """How many batches ``iter_eval_batches`` yields from ``ds`` without a limit."""
+    windows = max(0, -(-(ds.n_tokens - seq_len) // seq_len))  # ceil: starts 0, L, 2L, ... < n_tokens - L
+    return -(-windows // batch_size)
+
+
 def iter_eval_batches(ds: TokenDataset, batch_size: int, seq_len: int, max_batches: int | None = None) -> Iterator[Batch]:
     """Consecutive non-overlapping windows from the start of the split (for evaluation).
 

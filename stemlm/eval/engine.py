@@ -10,6 +10,8 @@ into one row behind a single copy of it::
 
 so the context is computed once for all its choices, every choice sees exactly the positions
 and keys it would see alone, and the LM head runs only where a continuation token is predicted.
+A batch in which no row holds more than one continuation (rolling windows, single requests)
+runs plain causal attention instead, which is faster than a masked one.
 Rows are sorted by length and batched up to ``batch_size`` continuations; table rows are
 gathered once per batch (deduplicated lookups, and the table store's prefetch when the tables
 are offloaded). Everything runs under ``torch.no_grad``.
@@ -134,14 +136,17 @@ class Engine:
                 targets += cont
                 owners += [(ctx, cont)] * len(cont)
                 at += n
-        causal = torch.ones(width, width, dtype=torch.bool).tril()  # (T, S)
-        visible = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, S)
-        mask = (causal & visible)[:, None]  # (B, 1, T, S)
         ids = ids.to(device)
         store = store_of(self.model)
         if store is not None:
             store.prefetch(ids)
-        hidden = self.model(ids, positions=pos.to(device), attn_mask=mask.to(device), return_hidden=True)
+        if all(len(conts) == 1 for _, conts in rows):  # nothing packed: plain causal (right padding is never seen)
+            hidden = self.model(ids, return_hidden=True)
+        else:
+            causal = torch.ones(width, width, dtype=torch.bool).tril()  # (T, S)
+            visible = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, S)
+            mask = (causal & visible)[:, None]  # (B, 1, T, S)
+            hidden = self.model(ids, positions=pos.to(device), attn_mask=mask.to(device), return_hidden=True)
         logprob, greedy = self._head(hidden.reshape(-1, hidden.shape[-1]), torch.tensor(where, device=device),
                                      torch.tensor(targets, device=device))  # hidden (B*T, d)
         out: dict[Pair, list] = {}
@@ -159,16 +164,15 @@ class Engine:
         h = hidden.index_select(0, uniq)  # (U, d)
         weight = self.model.lm_head.weight
         chunk = max(1, HEAD_CHUNK_ELEMENTS // weight.shape[0])
-        lse, best = [], []
+        best = []
         picked = torch.empty(len(targets), dtype=torch.float32, device=hidden.device)
         for a in range(0, len(uniq), chunk):
             logits = self.model.lm_head(h[a:a + chunk]).float()  # (c, V)
-            lse.append(logits.logsumexp(-1))
             best.append(logits.argmax(-1))
+            logp = logits.log_softmax(-1)  # as the harness and ReferenceLM (logsumexp rounds differently)
             sel = ((inverse >= a) & (inverse < a + chunk)).nonzero(as_tuple=True)[0]
-            picked[sel] = logits[inverse[sel] - a, targets[sel]]
-        lse_all, best_all = torch.cat(lse), torch.cat(best)
-        return picked - lse_all[inverse], best_all[inverse] == targets
+            picked[sel] = logp[inverse[sel] - a, targets[sel]]
+        return picked, torch.cat(best)[inverse] == targets
 
     # -- generation --------------------------------------------------------------------------
     @torch.no_grad()

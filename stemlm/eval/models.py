@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
+from ..matmul import apply_matmul
 from .api import ReferenceLM
 
 ENGINES = ("fast", "reference")
@@ -96,8 +97,11 @@ def file_digest(path: Path) -> str:
     cache = _read_digest_cache()
     if key in cache:
         return cache[key]
+    h = hashlib.blake2b()
     with open(path, "rb") as f:
-        digest = hashlib.file_digest(f, "blake2b").hexdigest()
+        for block in iter(lambda: f.read(1 << 24), b""):  # hashlib.file_digest needs Python 3.11
+            h.update(block)
+    digest = h.hexdigest()
     cache = {**_read_digest_cache(), key: digest}
     try:  # best effort: a read-only cache directory only costs a re-read next time
         DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
@@ -178,7 +182,7 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
 
 def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
             batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
-            engine: str = "fast", tokenizer: str | os.PathLike | None = None, **table_kw):
+            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "auto", **table_kw):
     """A ``LanguageModel`` over the model at ``path``.
 
     ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory
@@ -187,6 +191,8 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
     checkpoints; ``table_kw`` such as ``cache_rows``, ``tables_path`` or ``prefetch`` go to
     ``store.load_model_with_tables``). ``max_length`` defaults to the model's ``max_seq_len``.
     ``engine``: ``fast`` (batched, shared contexts) or ``reference`` (one forward per request).
+    ``matmul``: GEMM kernels (``stemlm.matmul``: auto = oneDNN for fp32 on CPU; same results up to
+    summation order).
     """
     from ..store import TIERS
 
@@ -194,7 +200,7 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     if tables not in TIERS:
         raise ValueError(f"unknown table tier {tables!r}; choose one of {', '.join(TIERS)}")
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
     path = str(path)
@@ -207,6 +213,7 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
             raise ValueError("a converted Llama model is dense: it has no tables to offload")
     else:
         model, tokens, files = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
+    apply_matmul(model, matmul, device, str(dtype).removeprefix("torch."))
     vocab = model.cfg.vocab_size
     if tokens.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model's vocabulary has {vocab} rows")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 from pathlib import Path
 
 from .. import __version__
+from ..version import git_commit
 from .api import LanguageModel
 from .cache import CachedLM
 from .tasks import Task
@@ -23,16 +23,9 @@ Z = 2.0  # a result is "above chance" when value - Z * stderr > chance
 
 
 def stemlm_version() -> str:
-    """``VERSION+gCOMMIT`` of this source tree (``+dirty`` with uncommitted changes), or just the version."""
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "-C", str(here), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return __version__
-    return f"{__version__}+g{sha}{'.dirty' if dirty else ''}" if sha else __version__
+    """``VERSION+gCOMMIT`` of this source tree (``-dirty`` with uncommitted changes), or just the version."""
+    commit = git_commit()
+    return f"{__version__}+g{commit}" if commit else __version__
 
 
 def evaluate_model(lm: LanguageModel, tasks: list[Task], shots: int = 0, limit: int | None = None, seed: int = 0,

@@ -10,7 +10,8 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
   a gather needs with ``pread`` into a fresh tensor: the page cache serves repeated reads, and no
   file page is mapped into the process, so its resident set holds only the rows it copied (a
   mapped file counts its touched pages in RSS, and whole large folios of a freshly written file
-  at that). Writable modes memory-map the tensor: ``mode="c"`` is copy-on-write (writes change
+  at that); ``weight`` (used to copy whole tables to another tier) is a read-only mapping.
+  Writable modes memory-map the tensor: ``mode="c"`` is copy-on-write (writes change
   the process's view only, edited pages become private RAM, the file stays intact);
   ``mode="r+"`` writes rows through to the file (use a separate tables file, never a checkpoint
   you want to keep unchanged).
@@ -89,7 +90,7 @@ class DiskRows(HostRows):
         info = tensor_info(path, key, shape)
         if len(info.shape) != 2:
             raise ValueError(f"{path}: {key!r} has shape {info.shape}; a table must be 2-D")
-        self.weight, self._mm = map_tensor(path, info, writable=(mode == "r+"))
+        self.weight, self._mm = map_tensor(path, info, mode)  # read-only unless rows are written
         self.writable = mode != "r"
         self._offset, self._row_bytes = info.offset, info.nbytes // max(1, info.shape[0])
         self._file = open(path, "rb", buffering=0) if mode == "r" and hasattr(os, "preadv") else None

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,17 +104,31 @@ def tensor_info(path: str | os.PathLike, key: str, shape: tuple[int, ...] | None
     return info
 
 
-def map_tensor(path: str | os.PathLike, info: TensorInfo, writable: bool = False) -> tuple[torch.Tensor, np.memmap]:
+MAP_MODES = ("r", "c", "r+")
+
+
+def map_tensor(path: str | os.PathLike, info: TensorInfo, mode: str = "r") -> tuple[torch.Tensor, np.memmap]:
     """A torch tensor sharing memory with the mapped bytes of one tensor (no data is read yet).
 
-    ``writable=False`` uses a private copy-on-write mapping (numpy mode ``"c"``) so the tensor is
-    writable in torch's eyes without any write ever reaching the file; the table object refuses
-    writes itself. ``writable=True`` maps the file shared (``"r+"``): writes go to the file.
+    ``mode="r"`` maps the file read-only (the tensor must not be written: callers copy rows
+    out or refuse writes themselves); ``"c"`` is a private copy-on-write mapping (writes change
+    this process's view only, never the file); ``"r+"`` maps it shared, so writes reach the file.
+    The file must still hold every byte of the tensor: touching a mapped page past the end of a
+    file kills the process with SIGBUS, so a file truncated since its header was read is a
+    ``TableFileError`` here instead.
     """
+    if mode not in MAP_MODES:
+        raise ValueError(f"map mode must be one of {', '.join(MAP_MODES)}, got {mode!r}")
+    size = os.path.getsize(path)
+    if info.offset + info.nbytes > size:
+        raise TableFileError(f"table file {path} is truncated: {info.key!r} needs bytes up to {info.offset + info.nbytes} "
+                             f"but the file has {size}")
     np_dtype, torch_dtype = DTYPES[info.dtype]
-    mm = np.memmap(path, dtype=np_dtype, mode="r+" if writable else "c", offset=info.offset, shape=info.shape)
+    mm = np.memmap(path, dtype=np_dtype, mode=mode, offset=info.offset, shape=info.shape)
     _advise_random(mm)
-    tensor = torch.from_numpy(mm)
+    with warnings.catch_warnings():  # a read-only mapping: torch warns that it cannot enforce that
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(mm)
     return (tensor.view(torch_dtype) if tensor.dtype != torch_dtype else tensor), mm
 
 

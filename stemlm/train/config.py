@@ -19,8 +19,9 @@ from typing import Any, Optional
 
 import yaml
 
-from ..args import dataclass_to_dict, resolve_config
+from ..args import dataclass_to_dict, resolve_config, yaml_mapping
 from ..config import ConfigError, ModelConfig
+from ..fields import field_types
 from ..matmul import BACKENDS as MATMUL_BACKENDS
 from ..presets import PRESETS, model_config
 
@@ -42,9 +43,10 @@ def _f(default, help: str):
 def _model_section_cls():
     """``ModelSection``: ``preset`` plus every ``ModelConfig`` constructor field, default None."""
     fields = [("preset", str, _f("tiny", f"model shape preset: {', '.join(PRESETS)}"))]
+    types = field_types(ModelConfig)  # model.* values are type-checked as ModelConfig declares them
     for f in dataclasses.fields(ModelConfig):
         if f.init:
-            fields.append((f.name, Optional[Any], _f(None, f"ModelConfig.{f.name} (None = preset / ModelConfig default)")))
+            fields.append((f.name, Optional[types[f.name]], _f(None, f"ModelConfig.{f.name} (None = preset / ModelConfig default)")))
 
     def build(self, vocab_size: int | None = None) -> ModelConfig:
         """The ``ModelConfig``: preset, then the non-None overrides; vocab from the data if unset."""
@@ -82,6 +84,7 @@ class DataSection:
 
     def __post_init__(self):
         _positive(self, "data", ("batch_size", "seq_len"))
+        _non_negative(self, "data", ("seed",))
 
 
 @dataclass
@@ -91,7 +94,7 @@ class OptimSection:
     lr: float = _f(3e-3, "peak learning rate of the backbone")
     table_lr: Optional[float] = _f(None, f"peak learning rate of the STEM tables (None = {TABLE_LR_SCALE:g} x lr, see docs/training.md)")
     embed_lr: Optional[float] = _f(None, "peak learning rate of the input embedding (None = lr; 0 = frozen at its init; with tied embeddings also the LM head's)")
-    betas: Any = _f((0.9, 0.95), "AdamW betas (beta1, beta2) for backbone and tables")
+    betas: tuple[float, ...] = _f((0.9, 0.95), "AdamW betas (beta1, beta2) for backbone and tables")
     eps: float = _f(1e-8, "AdamW epsilon")
     weight_decay: float = _f(0.1, "decoupled weight decay of backbone matrices (norm gains are never decayed)")
     table_weight_decay: float = _f(0.0, "decoupled weight decay of the STEM tables (see docs/training.md)")
@@ -106,7 +109,8 @@ class OptimSection:
                                     "first step, eager with a warning if compiling fails)")
 
     def __post_init__(self):
-        if isinstance(self.betas, (list, tuple)) and len(self.betas) == 2:
+        if isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(
+                isinstance(b, (int, float)) and not isinstance(b, bool) for b in self.betas):
             self.betas = (float(self.betas[0]), float(self.betas[1]))
         else:
             raise ConfigError(f"optim.betas must be two numbers, got {self.betas!r}")
@@ -168,8 +172,10 @@ class RunSection:
         _choice(self.stage, "run.stage", STAGES)
         _choice(self.parallel, "run.parallel", ("ddp", "fsdp"))
         _choice(self.matmul, "run.matmul", MATMUL_BACKENDS)
-        if self.eval_every < 0:
-            raise ConfigError(f"run.eval_every must be >= 0, got {self.eval_every}")
+        _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
+        _non_negative(self, "run", ("eval_every", "seed"))
+        if not self.out.strip():
+            raise ConfigError("run.out must name a directory, got ''")
         if self.stage != "pretrain" and not self.init_from:
             raise ConfigError(f"run.stage={self.stage} needs run.init_from (a checkpoint to continue from)")
 
@@ -182,6 +188,13 @@ class TrainConfig:
     data: DataSection = field(default_factory=DataSection)
     optim: OptimSection = field(default_factory=OptimSection)
     run: RunSection = field(default_factory=RunSection)
+
+    def __post_init__(self):
+        if not self.run.init_from:  # a bad model.* value fails here, not after the data is prepared
+            try:
+                self.model.build()
+            except ConfigError as e:
+                raise ConfigError(f"model: {e}") from None
 
     def to_dict(self) -> dict:
         return dataclass_to_dict(self)
@@ -219,7 +232,7 @@ def load_train_config(preset: str | None = None, yaml_file: str | None = None,
 
 def config_from_yaml_text(text: str) -> TrainConfig:
     """A ``TrainConfig`` from the ``config.yaml`` written into a run or checkpoint."""
-    return resolve_config(TrainConfig, yaml.safe_load(text) or {})
+    return resolve_config(TrainConfig, yaml_mapping(text, "a run's config.yaml"))
 
 
 def config_differences(old: TrainConfig, new: TrainConfig) -> list[str]:
@@ -255,6 +268,13 @@ def _positive(obj, section: str, names: tuple[str, ...]) -> None:
         value = getattr(obj, name)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{section}.{name} must be a positive number, got {value!r}")
+
+
+def _non_negative(obj, section: str, names: tuple[str, ...]) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value < 0:
+            raise ConfigError(f"{section}.{name} must be >= 0, got {value!r}")
 
 
 def _choice(value, name: str, choices: tuple[str, ...]) -> None:

@@ -12,11 +12,12 @@ import math
 from pathlib import Path
 
 import torch
-import yaml
 
-from ..checkpoint import load_model, resolve_checkpoint
+from ..args import yaml_mapping
+from ..checkpoint import load_model, read_config, resolve_checkpoint
+from ..data import TokenDataset, count_eval_batches, iter_eval_batches
+from ..devices import resolve_device
 from ..matmul import apply_matmul
-from ..data import TokenDataset, iter_eval_batches
 
 
 def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
@@ -33,13 +34,21 @@ def autocast(device: torch.device, dtype: str):
 
 @torch.no_grad()
 def evaluate(model, ds: TokenDataset, batch_size: int, seq_len: int, max_batches: int,
-             dtype: str = "float32", doc_masking: bool = False) -> dict:
-    """Token-weighted mean loss over the first ``max_batches`` eval batches: ``{loss, ppl, tokens}``."""
+             dtype: str = "float32", doc_masking: bool = False, progress: bool = False) -> dict:
+    """Token-weighted mean loss over the first ``max_batches`` eval batches: ``{loss, ppl, tokens}``.
+
+    ``progress`` shows a progress bar (on stderr) over the batches.
+    """
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
     total, tokens = 0.0, 0
-    for batch in iter_eval_batches(ds, batch_size, seq_len, max_batches):
+    batches = iter_eval_batches(ds, batch_size, seq_len, max_batches)
+    if progress:
+        from tqdm import tqdm
+        batches = tqdm(batches, total=min(max_batches, count_eval_batches(ds, batch_size, seq_len)), desc="eval",
+                       dynamic_ncols=True, leave=False)
+    for batch in batches:
         batch = batch.to(device)
         with autocast(device, dtype):
             loss = compute_loss(model, batch, doc_masking)
@@ -53,36 +62,52 @@ def evaluate(model, ds: TokenDataset, batch_size: int, seq_len: int, max_batches
     return {"loss": mean, "ppl": math.exp(min(mean, 50.0)), "tokens": tokens}
 
 
-def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int = 50,
+DEFAULT_EVAL_BATCHES = 50
+
+
+def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int | None = None,
                         batch_size: int | None = None, seq_len: int | None = None,
-                        device: str = "cpu", dtype: str = "float32", matmul: str = "auto") -> dict:
+                        device: str = "cpu", dtype: str = "float32", matmul: str = "auto",
+                        progress: bool = False) -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
 
     ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
+    ``batches=None`` reads the first ``DEFAULT_EVAL_BATCHES`` (or all, if the split has fewer);
+    asking for more batches than the split has, or a ``seq_len`` beyond the model's
+    ``max_seq_len``, is an error rather than a silent cap. Everything is checked before the
+    model is loaded. The result names the batches read.
     """
     path = resolve_checkpoint(ckpt)
+    device = str(resolve_device(device))
     run_cfg = _stored_run_config(path)
     data_dir = data_dir or run_cfg.get("data", {}).get("dir")
     if data_dir is None:
         from ..data import default_data_dir
         data_dir = default_data_dir()
     batch_size = batch_size or run_cfg.get("data", {}).get("batch_size", 8)
-    seq_len = seq_len or run_cfg.get("data", {}).get("seq_len", 128)
+    seq_len = read_config(path).check_seq_len(seq_len or run_cfg.get("data", {}).get("seq_len", 128), "seq_len")
+    ds = TokenDataset.open(Path(data_dir), "val")
+    available = count_eval_batches(ds, batch_size, seq_len)
+    if batches is None:
+        batches = min(DEFAULT_EVAL_BATCHES, available)
+    elif batches > available:
+        raise ValueError(f"batches {batches}: the validation split of {data_dir} holds only {available} batches of "
+                         f"{batch_size} x {seq_len} tokens; ask for {available} or fewer")
     model = load_model(path, device=device)
     apply_matmul(model, matmul, device, dtype)
-    ds = TokenDataset.open(Path(data_dir), "val")
     if ds.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")
     doc_masking = bool(run_cfg.get("data", {}).get("doc_masking", False))
-    out = evaluate(model, ds, batch_size, min(seq_len, model.cfg.max_seq_len), batches, dtype, doc_masking)
-    return {**out, "checkpoint": str(path), "data": str(data_dir)}
+    out = evaluate(model, ds, batch_size, seq_len, batches, dtype, doc_masking, progress=progress)
+    return {**out, "checkpoint": str(path), "data": str(data_dir), "batches": batches, "batches_available": available,
+            "batch_size": batch_size, "seq_len": seq_len}
 
 
 def _stored_run_config(ckpt: Path) -> dict:
     for candidate in (ckpt / "config.yaml", ckpt.parent.parent / "config.yaml"):
         if candidate.exists():
-            return yaml.safe_load(candidate.read_text()) or {}
+            return yaml_mapping(candidate.read_text(), f"run config {candidate}")
     return {}

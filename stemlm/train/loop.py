@@ -25,9 +25,10 @@ import torch
 from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
-from ..checkpoint import load_model
+from ..checkpoint import load_model, write_run_config
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
+from ..devices import resolve_device
 from ..malloc import keep_freed_memory
 from ..matmul import apply_matmul
 from ..model import StemLM
@@ -56,6 +57,25 @@ class TrainResult:
     seconds: float
     checkpoint: Path | None
     loss_spikes: int
+    finished_before: bool = False  # the run was already complete: nothing was trained or written
+
+    def summary(self) -> dict:
+        """The content of ``summary.json``."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in self.__dict__.items() if k != "finished_before"}
+
+
+def finished_result(run_dir: Path, step: int) -> TrainResult | None:
+    """The stored result of a run that already reached ``step`` = its last step (its
+    ``summary.json``), or None when the run has not been completed and summarised."""
+    try:
+        data = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("steps") != step:
+        return None
+    fields = {k: data.get(k) for k in TrainResult.__dataclass_fields__ if k != "finished_before"}
+    fields["run_dir"], fields["checkpoint"] = Path(run_dir), fields["checkpoint"] and Path(fields["checkpoint"])
+    return TrainResult(**fields, finished_before=True)
 
 
 def resolve_data_dir(cfg: TrainConfig) -> Path:
@@ -68,12 +88,6 @@ def resolve_data_dir(cfg: TrainConfig) -> Path:
             return path
         return prepare_user_data(path, cfg.model.overrides().get("vocab_size"))
     return Path(prepare_default_corpus())
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
 
 
 def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
@@ -112,7 +126,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, resume: bool = False):
         self.cfg, self.run_dir = cfg, Path(cfg.run.out)
-        self.device = resolve_device(cfg.run.device)
+        self.device = resolve_device(cfg.run.device, "run.device")
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()  # process-wide, see stemlm/malloc.py
         resume_from = self._check_resume(resume)
@@ -266,9 +280,12 @@ class Trainer:
         """
         cfg, r = self.cfg, self.cfg.run
         end = min(r.steps, stop_at) if stop_at else r.steps
+        if self.step >= r.steps and (done := finished_result(self.run_dir, self.step)) is not None:
+            return done  # a finished run run again: report it and leave every file as it is
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.is_main:
             (self.run_dir / ckpt_io.RUN_CONFIG).write_text(cfg.to_yaml())
+            write_run_config(self.run_dir, self.model.cfg)  # from_pretrained(run_dir) finds the newest checkpoint
         self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
         bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not (r.progress and self.is_main),
@@ -299,9 +316,8 @@ class Trainer:
             plot_run(self.run_dir, baseline=unigram_entropy(self.data_dir))
         result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
                              self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count)
-        summary = {k: str(v) if isinstance(v, Path) else v for k, v in result.__dict__.items()}
         if self.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            (self.run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
         return result
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+import shlex
 from pathlib import Path
 
 import numpy as np
 
+from ..config import TABLE_KINDS
 from .loop import TrainResult
 
 
@@ -37,4 +39,26 @@ def summary_lines(results: dict[str, TrainResult], unigram: float | None) -> lis
             f", {abs(unigram - r.val_loss):.3f} {'below' if r.val_loss < unigram else 'ABOVE'} the unigram entropy"
         lines.append(f"{label:>10}: val loss {val}{gain}; {r.steps} steps, {r.tokens_seen / 1e6:.2f}M tokens, "
                      f"{r.flops_seen:.3g} FLOPs, {r.seconds:.0f}s, {r.loss_spikes} loss spikes -> {r.run_dir}")
+    return lines
+
+
+def next_steps_lines(result: TrainResult, ffn: str | None = None) -> list[str]:
+    """What a run made (checkpoint, plots, logs) and the exact commands to use it next.
+
+    ``ffn`` is the model's FFN kind: the row-swap edit is offered only for models with tables.
+    """
+    run = shlex.quote(str(result.run_dir))
+    made = [("checkpoint", [result.checkpoint] if result.checkpoint else []),
+            ("plots", [p for p in (result.run_dir / "loss_vs_tokens.png", result.run_dir / "loss_vs_flops.png") if p.exists()]),
+            ("logs", [p for p in (result.run_dir / "metrics.jsonl", result.run_dir / "summary.json") if p.exists()])]
+    lines = ["", "made:"] + [f"  {name:<11} {', '.join(str(f) for f in files)}" for name, files in made if files]
+    text = result.checkpoint is not None and (Path(result.checkpoint) / "tokenizer.json").exists()
+    lines.append("next:")
+    if text:  # generating and editing need the tokenizer the checkpoint carries
+        lines.append(f'  stemlm generate --ckpt {run} --prompt "The capital of France is" --max-new-tokens 20')
+    lines.append(f"  stemlm eval-ppl --ckpt {run}")
+    if text and ffn in TABLE_KINDS:
+        lines.append(f'  stemlm edit --ckpt {run} --swap Spain=Germany --prompt "The capital of Spain is"')
+    config = shlex.quote(str(result.run_dir / "config.yaml"))
+    lines.append(f"  stemlm train --config {config} --resume run.steps={2 * result.steps}   # train on to twice the steps")
     return lines
