@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("stemlm.cli.convert", "convert a Hugging Face Llama checkpoint to stemlm, or a dense stemlm model back"),
     "data": ("stemlm.cli.data", "prepare the default offline corpus and tokenizer"),
     "train": ("stemlm.cli.train", "train a dense / STEM / Hash-MoE model (the main job)"),
+    "eval": ("stemlm.cli.eval", "accuracy on benchmarks (ARC, MMLU, ...), knowledge probes and needle retrieval"),
     "eval-ppl": ("stemlm.cli.eval_ppl", "perplexity of a checkpoint on the validation split"),
     "generate": ("stemlm.cli.generate", "generate text with tables on device, host RAM or disk"),
     "plan": ("stemlm.cli.plan", "memory and transfer plan for offloaded tables"),
