@@ -15,7 +15,6 @@ from pathlib import Path
 import torch
 
 from .data import load_facts, prepare_facts_corpus
-from .edit import load_tokenizer
 from .edit.probes import build_probes
 from .edit.report import EditReport, format_report, plot_report, swap_report
 from .edit.scoring import score

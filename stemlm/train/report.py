@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import TABLE_KINDS
-from .loop import TrainResult
+from .result import TrainResult
 
 
 def unigram_entropy(data_dir: str | Path) -> float:

@@ -1,0 +1,41 @@
+"""What a training run reports (``summary.json``), and the stored report of a finished run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports."""
+
+    run_dir: Path
+    steps: int
+    train_loss: float | None
+    val_loss: float | None
+    tokens_seen: int
+    flops_seen: float
+    seconds: float
+    checkpoint: Path | None
+    loss_spikes: int
+    finished_before: bool = False  # the run was already complete: nothing was trained or written
+
+    def summary(self) -> dict:
+        """The content of ``summary.json``."""
+        return {k: str(v) if isinstance(v, Path) else v for k, v in self.__dict__.items() if k != "finished_before"}
+
+
+def finished_result(run_dir: Path, step: int) -> TrainResult | None:
+    """The stored result of a run that already reached ``step`` = its last step (its
+    ``summary.json``), or None when the run has not been completed and summarised."""
+    try:
+        data = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get("steps") != step:
+        return None
+    fields = {k: data.get(k) for k in TrainResult.__dataclass_fields__ if k != "finished_before"}
+    fields["run_dir"], fields["checkpoint"] = Path(run_dir), fields["checkpoint"] and Path(fields["checkpoint"])
+    return TrainResult(**fields, finished_before=True)
