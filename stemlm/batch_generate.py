@@ -65,11 +65,9 @@ class BatchStep:
     request_rows: int
 
 
-def _distinct(ids: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[int, int]:
-    """Distinct ids of the whole batch ``ids (B, T)`` and the sum of each row's (over ``keep`` only)."""
-    own = [torch.unique(r if keep is None else r[k]).numel() for r, k in
-           zip(ids, keep if keep is not None else [None] * len(ids))]
-    return torch.unique(ids).numel(), sum(own)
+def _distinct(ids: torch.Tensor, real: torch.Tensor) -> tuple[int, int]:
+    """Distinct ids of the whole batch ``ids (B, T)`` and the sum of each row's own (``real (B, T)``: not padding)."""
+    return torch.unique(ids).numel(), sum(torch.unique(r[k]).numel() for r, k in zip(ids, real))
 
 
 def _params_list(params, n: int) -> list[SamplingParams]:
@@ -81,9 +79,20 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     return params
 
 
+def padding_mask(real: torch.Tensor, start_pos: int, q_len: int) -> torch.Tensor:
+    """Attention mask ``(B, 1, T, S)`` for queries at slots ``start_pos..start_pos+T-1`` over keys
+    ``real (B, S)`` (False = padding): causal, padding hidden, a padding slot sees only itself (so
+    no row is empty)."""
+    keys = torch.arange(real.shape[1], device=real.device)
+    queries = torch.arange(start_pos, start_pos + q_len, device=real.device)
+    causal = keys[None, :] <= queries[:, None]  # (T, S)
+    own = keys[None, :] == queries[:, None]  # (T, S)
+    return (causal & (real[:, None, :] | own))[:, None]  # (B, 1, T, S)
+
+
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None):
     """Left-padded ``ids (B, W)``, the padding per row ``(B,)``, ``positions (B, W)`` and the prefill
-    ``mask (B, 1, W, W)`` (causal; a padding slot sees only itself, so no row is all masked)."""
+    mask ``(B, 1, W, W)`` (``padding_mask``)."""
     width = max(len(p) for p in prompts)
     pad = torch.tensor([width - len(p) for p in prompts], device=device)  # (B,)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -91,10 +100,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device=None):
         ids[r, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
     slots = torch.arange(width, device=device)
     positions = (slots[None, :] - pad[:, None]).clamp(min=0)  # (B, W)
-    real = slots[None, :] >= pad[:, None]  # (B, S): keys that are not padding
-    eye = torch.eye(width, dtype=torch.bool, device=device)
-    mask = torch.ones(width, width, dtype=torch.bool, device=device).tril() & (real[:, None, :] | eye)  # (B, T, S)
-    return ids.to(device), pad, positions, mask[:, None]
+    return ids.to(device), pad, positions, padding_mask(slots[None, :] >= pad[:, None], 0, width)
 
 
 def decode_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
@@ -157,7 +163,7 @@ def _decode_batch(model, prompts, params, eos_id, stop, pad_id, store) -> Iterat
             pad, active = pad[kept], [active[j] for j in keep]
         slot = width + step
         rows, request_rows = token.unique().numel(), len(keep)
-        step_mask = (torch.arange(slot + 1, device=device)[None, :] >= pad[:, None])[:, None, None]  # (b, 1, 1, S)
+        step_mask = padding_mask(torch.arange(slot + 1, device=device)[None, :] >= pad[:, None], slot, 1)  # (b, 1, 1, S)
         logits = decode_one_token(model, token, slot, cache, positions=(slot - pad)[:, None], attn_mask=step_mask)
 
 

@@ -24,6 +24,7 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .batch_generate import padding_mask
 from .checkpoint import resolve_checkpoint
 from .config import ModelConfig
 from .matmul import apply_matmul
@@ -142,11 +143,7 @@ def positions_and_mask(attention_mask: torch.Tensor | None, position_ids: torch.
     B = max(position_ids.shape[0], 1 if real is None else real.shape[0])
     if real is None:
         real = torch.ones(B, S, dtype=torch.bool, device=device)
-    keys = torch.arange(S, device=device)
-    causal = keys[None, :] <= plain[:, None]  # (T, S)
-    own = keys[None, :] == plain[:, None]  # (T, S)
-    mask = causal & (real[:, None, :] | own)  # (B, T, S)
-    return position_ids.expand(B, q_len), mask[:, None]
+    return position_ids.expand(B, q_len), padding_mask(real, start_pos, q_len)
 
 
 class StemForCausalLM(PreTrainedModel, GenerationMixin):
