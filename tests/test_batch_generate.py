@@ -95,3 +95,11 @@ def test_offloaded_batch_fetches_each_distinct_row_once_per_step(tier, tmp_path)
     assert stats["lookups"] == n_tables * len(steps)  # one lookup per table per step, for the whole batch
     assert stats["unique_rows"] == n_tables * sum(s.rows for s in steps)
     assert stats["prefetched"] == stats["lookups"]  # every step's rows were prefetched
+
+
+def test_each_request_stops_when_its_own_positions_run_out(model):
+    L = model.cfg.max_seq_len
+    ps = prompts((L - 2, 5, L))
+    got = generate_batch(model, ps, SamplingParams(10))
+    assert [len(g) for g in got] == [3, 10, 1]  # the last token of a full row is never fed back
+    assert got == [alone(model, p, SamplingParams(10)) for p in ps]
