@@ -6,8 +6,10 @@ After ``import stemlm``, a stemlm checkpoint directory (``checkpoint.save_model`
 the state dict of ``StemForCausalLM`` (whose ``model`` attribute is a ``StemLM``).
 
 ``generate()`` works with transformers' ``DynamicCache``, adapted to stemlm's cache protocol by
-``HFCacheAdapter``. Left padding (and any padding in the middle of a sequence) is refused, as is
-``inputs_embeds``: STEM layers look their table rows up by token id.
+``HFCacheAdapter``. Padded batches work: ``attention_mask`` and ``position_ids`` become per-row
+positions and a mask (``positions_and_mask``), so ``generate()`` on left-padded prompts gives each
+prompt what it gives alone. ``inputs_embeds`` are refused: STEM layers look their table rows up by
+token id.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .batch_generate import padding_mask
 from .checkpoint import resolve_checkpoint
 from .config import ModelConfig
 from .matmul import apply_matmul
@@ -117,26 +120,30 @@ class HFCacheAdapter:
         return k_all, v_all
 
 
-def check_attention_mask(mask: torch.Tensor | None, start_pos: int, q_len: int) -> None:
-    """Accept an all-ones mask, or right padding in a cache-free forward; refuse the rest.
+def positions_and_mask(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, start_pos: int,
+                       q_len: int, device=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(positions (B, T), attn_mask (B, 1, T, S))`` for ``StemLM.forward`` from transformers' inputs.
 
-    With right padding and no cached past, causal attention already keeps every real token
-    from seeing the pads, so the logits of real tokens are exact. Left padding would need
-    per-row positions and masks, which stemlm's attention does not take.
+    ``attention_mask (B, start_pos + T)`` marks real tokens (1) and padding (0) anywhere (left
+    padding in batched generation); ``position_ids (B|1, T)`` default to the count of real tokens
+    before each one. ``(None, None)`` when neither differs from plain causal attention at
+    ``start_pos, ...``. A padding slot attends to itself only, so no row of the mask is empty.
     """
-    if mask is None:
-        return
-    if mask.dim() != 2 or mask.shape[1] != start_pos + q_len:
-        raise ValueError(f"attention_mask must have shape (batch, {start_pos + q_len}), got {tuple(mask.shape)}")
-    keep = mask.bool()
-    if bool(keep.all()):
-        return
-    trailing_pads = bool((keep.long().diff(dim=1) <= 0).all())  # every row is 1...1 0...0
-    if start_pos == 0 and trailing_pads:
-        return
-    raise ValueError("attention_mask with padding before real tokens (left padding, or padding followed by new "
-                     "tokens during generation) is not supported by StemForCausalLM; generate one sequence at a "
-                     "time or use equal-length prompts")
+    S = start_pos + q_len
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != S):
+        raise ValueError(f"attention_mask must have shape (batch, {S}), got {tuple(attention_mask.shape)}")
+    if position_ids is not None and (position_ids.dim() != 2 or position_ids.shape[1] != q_len):
+        raise ValueError(f"position_ids must have shape (batch, {q_len}), got {tuple(position_ids.shape)}")
+    real = None if attention_mask is None or bool(attention_mask.bool().all()) else attention_mask.bool()  # (B, S)
+    if position_ids is None and real is not None:
+        position_ids = (real.long().cumsum(-1) - 1).clamp(min=0)[:, start_pos:]  # (B, T)
+    plain = torch.arange(start_pos, S, device=device)
+    if real is None and (position_ids is None or bool((position_ids == plain).all())):
+        return None, None
+    B = max(position_ids.shape[0], 1 if real is None else real.shape[0])
+    if real is None:
+        real = torch.ones(B, S, dtype=torch.bool, device=device)
+    return position_ids.expand(B, q_len), padding_mask(real, start_pos, q_len)
 
 
 class StemForCausalLM(PreTrainedModel, GenerationMixin):
@@ -188,8 +195,9 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
 
         The KV cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (older 5.x);
         it is returned under the name the installed transformers uses. Positions continue from
-        the cache: ``start_pos`` is the number of positions it holds. ``position_ids`` /
-        ``cache_position``, when passed, must agree with that.
+        the cache: ``start_pos`` is the number of slots it holds (``cache_position``, when passed,
+        must agree). ``attention_mask (B, start_pos + T)`` and ``position_ids (B, T)`` give padded
+        rows their own positions and hide the padding (left padding in batched ``generate()``).
         """
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
@@ -204,10 +212,11 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
             past_key_values = DynamicCache(config=self.config)
         start_pos = past_key_values.get_seq_length() if past_key_values is not None else 0
         T = input_ids.shape[1]
-        _check_positions(position_ids, kwargs.get("cache_position"), start_pos, T)
-        check_attention_mask(attention_mask, start_pos, T)
+        _check_cache_position(kwargs.get("cache_position"), start_pos, T)
+        positions, mask = positions_and_mask(attention_mask, position_ids, start_pos, T, input_ids.device)
         cache = HFCacheAdapter(past_key_values) if past_key_values is not None else None
-        hidden = self.model(input_ids, start_pos=start_pos, cache=cache, return_hidden=True)  # (B, T, d)
+        hidden = self.model(input_ids, start_pos=start_pos, cache=cache, return_hidden=True, positions=positions,
+                            attn_mask=mask)  # (B, T, d)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.model.lm_head(hidden[:, keep])  # (B, T_keep, V)
         loss = None
@@ -222,15 +231,13 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
 _OUTPUT_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-def _check_positions(position_ids, cache_position, start_pos: int, q_len: int) -> None:
-    """Refuse explicit positions that differ from ``start_pos, ..., start_pos + q_len - 1``."""
-    for name, pos in (("position_ids", position_ids), ("cache_position", cache_position)):
-        if pos is None:
-            continue
-        expected = torch.arange(start_pos, start_pos + q_len, device=pos.device)
-        if pos.shape[-1] != q_len or not bool((pos == expected).all()):
-            raise ValueError(f"{name} must be consecutive positions starting at {start_pos} (the cache length); "
-                             "per-row positions (left padding) are not supported by StemForCausalLM")
+def _check_cache_position(cache_position, start_pos: int, q_len: int) -> None:
+    """Refuse cache slots other than ``start_pos, ..., start_pos + q_len - 1`` (the cache only appends)."""
+    if cache_position is None:
+        return
+    expected = torch.arange(start_pos, start_pos + q_len, device=cache_position.device)
+    if cache_position.shape[-1] != q_len or not bool((cache_position == expected).all()):
+        raise ValueError(f"cache_position must be consecutive slots starting at {start_pos} (the cache length)")
 
 
 AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)

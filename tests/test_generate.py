@@ -106,6 +106,21 @@ def test_cli_generate_same_text_on_every_tier(ckpt, capsys, tables):
     assert stats["tier"] == tables and stats["new_tokens"] >= 1
 
 
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "0.9", "--top-k", "40", "--seed", "3"]])
+def test_cli_several_prompts_as_one_batch_print_what_each_prints_alone(ckpt, capsys, sampling):
+    path, _ = ckpt
+    texts = ["The capital", "Ünïcödé", "a"]
+    base = ["generate", "--ckpt", str(path), "--max-new-tokens", "6", "--tables", "host", *sampling]
+    alone = []
+    for text in texts:
+        assert cli_main(base + ["--prompt", text]) == 0
+        alone.append(capsys.readouterr().out)
+    assert cli_main(base + [a for t in texts for a in ("--prompt", t)] + ["--stats"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "".join(alone)
+    assert json.loads(captured.err)["new_tokens"] >= 3
+
+
 def test_cli_errors_are_clear(ckpt, tmp_path, capsys, model):
     path, tok = ckpt
     bare = tmp_path / "bare"

@@ -226,12 +226,38 @@ def test_padding_rules():
     right[1, 5:] = 0
     with torch.no_grad():
         torch.testing.assert_close(hf(x, attention_mask=right).logits[1, :5], hf(x[1:, :5]).logits[0], rtol=1e-5, atol=1e-5)
-    left = torch.ones_like(x)
-    left[1, :2] = 0
-    with pytest.raises(ValueError, match="left padding"):
-        hf.generate(x, attention_mask=left, max_new_tokens=2, do_sample=False)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        hf(x, attention_mask=right[:, 1:])
     with pytest.raises(ValueError, match="inputs_embeds"):
         hf(inputs_embeds=torch.randn(1, 3, 64))
+
+
+def test_left_padded_batch_generate_equals_each_prompt_alone():
+    torch.manual_seed(0)
+    hf = StemForCausalLM(StemConfig.from_model_config(model_config("debug", ffn="stem", stem_layers="1/2"),
+                                                      pad_token_id=0)).eval()
+    prompts = [torch.randint(3, 512, (n,)).tolist() for n in (3, 8, 5)]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    batched = hf.generate(input_ids=ids, attention_mask=mask, **kw)[:, width:]
+    for row, p in zip(batched, prompts):
+        assert row.tolist() == hf.generate(torch.tensor([p]), **kw)[0, len(p):].tolist()
+
+
+def test_left_padded_batch_with_a_tokenizer(tmp_path):
+    tok = tiny_tokenizer()
+    tok.pad_token = tok.eos_token
+    cfg = model_config("debug", ffn="stem", stem_layers="1/2", vocab_size=len(tok))
+    hf = StemForCausalLM(StemConfig.from_model_config(cfg, pad_token_id=tok.pad_token_id)).eval()
+    texts = ["the cat", "a dog ran in the park", "stem tables hold"]
+    batch = tok(texts, padding=True, padding_side="left", return_tensors="pt")
+    kw = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    out = hf.generate(**batch, **kw)[:, batch["input_ids"].shape[1]:]
+    for row, text in zip(out, texts):
+        alone = tok(text, return_tensors="pt")
+        assert row.tolist() == hf.generate(**alone, **kw)[0, alone["input_ids"].shape[1]:].tolist()
 
 
 # -- errors ------------------------------------------------------------------------------------

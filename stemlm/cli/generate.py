@@ -7,6 +7,7 @@ directory unless `--tokenizer` is given. Examples:
   stemlm generate --ckpt runs/debug --prompt "The capital of France is" --max-new-tokens 20
   stemlm generate --ckpt CKPT --prompt "Hello" --tables disk --cache-rows 4096 --stats
   stemlm generate --ckpt CKPT --prompt "Once" --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1
+  stemlm generate --ckpt CKPT --prompt "Once" --prompt "The capital of" --max-new-tokens 20   # one batch
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from .options import non_negative_float, non_negative_int, open_fraction, positi
 
 def add_arguments(parser) -> None:
     parser.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory")
-    parser.add_argument("--prompt", required=True, help="text to continue")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="text to continue; repeat it to generate several prompts as one batch, each printed on "
+                             "its own line as it would be alone (same --seed for each)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
     parser.add_argument("--tables", choices=("device", "host", "disk"), default="device",
                         help="where the STEM tables live: model memory, host RAM, or a file on disk")
@@ -59,10 +62,12 @@ def run(args) -> int:
                                           prefetch=not args.no_prefetch,
                                           device=device, verify=not args.no_verify)
     apply_matmul(model, args.matmul, device)
-    prompt = encode_prompt(codec, args.prompt, model.cfg.vocab_size).to(device)
+    if len(args.prompt) > 1:
+        return _run_batch(args, model, store, codec, ckpt)
+    prompt = encode_prompt(codec, args.prompt[0], model.cfg.vocab_size).to(device)
     new_tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
                           seed=args.seed, eos_id=codec.eos_id)  # checks everything before the prompt is echoed
-    sys.stdout.write(args.prompt)
+    sys.stdout.write(args.prompt[0])
     sys.stdout.flush()
     n_tokens, start = 0, time.perf_counter()
 
@@ -77,11 +82,33 @@ def run(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     elapsed = time.perf_counter() - start
+    _report(args, store, ckpt, n_tokens, elapsed, prompt.shape[1])
+    store.close()
+    return 0
+
+
+def _run_batch(args, model, store, codec, ckpt) -> int:
+    """All prompts as one batch (``batch_generate``); each prompt and its continuation on a line."""
+    from ..batch_generate import SamplingParams, generate_batch
+    from ..text import encode_prompt
+
+    prompts = [encode_prompt(codec, p, model.cfg.vocab_size)[0].tolist() for p in args.prompt]
+    params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
+    start = time.perf_counter()
+    new = generate_batch(model, prompts, params, eos_id=codec.eos_id)
+    elapsed = time.perf_counter() - start
+    for text, ids in zip(args.prompt, new):
+        sys.stdout.write(text + codec.decode(ids) + "\n")
+    _report(args, store, ckpt, sum(map(len, new)), elapsed, sum(map(len, prompts)))
+    store.close()
+    return 0
+
+
+def _report(args, store, ckpt, n_tokens: int, elapsed: float, prompt_tokens: int) -> None:
+    """Speed and table traffic as JSON on stderr when ``--stats`` is given."""
     if args.stats:
         stats = {k: v for k, v in store.stats().items() if k != "per_table"}
         report = {"new_tokens": n_tokens, "seconds": round(elapsed, 4),
-                  "tokens_per_s": round(n_tokens / elapsed, 2) if elapsed else None, "prompt_tokens": prompt.shape[1],
+                  "tokens_per_s": round(n_tokens / elapsed, 2) if elapsed else None, "prompt_tokens": prompt_tokens,
                   "checkpoint": str(ckpt), **stats}
         print(json.dumps(report, indent=2), file=sys.stderr)
-    store.close()
-    return 0

@@ -28,8 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..generate import decode_one_token, prefill
-from ..kv_cache import KVCache
+from ..batch_generate import SamplingParams, generate_batch
 from ..store.offload import store_of
 from .api import (GenerateRequest, Loglikelihood, LoglikelihoodRequest, Tokens, check_request_ids, cut_at_stop,
                   encode_pair, generation_prompt, rolling_prefix, rolling_windows, sum_loglikelihoods)
@@ -175,51 +174,13 @@ class Engine:
         return picked, torch.cat(best)[inverse] == targets
 
     # -- generation --------------------------------------------------------------------------
-    @torch.no_grad()
     def _generate_batch(self, prompts: list[tuple[list[int], int]], untils: list[Sequence[str]]) -> list[str]:
-        """Greedy decoding of left-padded prompts with one KV cache; the cut text of each."""
-        model, device = self.model, next(self.model.parameters()).device
+        """Greedy decoding of the prompts as one batch (``batch_generate``); the cut text of each."""
         for ids, _ in prompts:
             check_request_ids(ids, self.vocab_size)
-        budget = [n for _, n in prompts]
-        width, steps = max(len(p) for p, _ in prompts), max(budget)
-        new: list[list[int]] = [[] for _ in prompts]
-        if steps == 0:
-            return [""] * len(prompts)
-        pad = torch.tensor([width - len(p) for p, _ in prompts], device=device)  # (B,)
-        ids = torch.full((len(prompts), width), self.tokens.eot_id, dtype=torch.long)
-        for r, (p, _) in enumerate(prompts):
-            ids[r, width - len(p):] = torch.tensor(p)
-        slots = torch.arange(width, device=device)
-        positions = (slots[None, :] - pad[:, None]).clamp(min=0)  # (B, T)
-        real = slots[None, :] >= pad[:, None]  # (B, S): keys that are not padding
-        mask = torch.ones(width, width, dtype=torch.bool, device=device).tril() & (real[:, None, :] | torch.eye(
-            width, dtype=torch.bool, device=device))  # (B, T, S): causal, padding seen by itself only
-        param = next(model.parameters())
-        cache = KVCache(model.cfg, len(prompts), max_len=width + steps - 1, device=device, dtype=param.dtype)
-        store = store_of(model)
-        logits = prefill(model, ids.to(device), cache, store, positions=positions, attn_mask=mask[:, None])
-        active = list(range(len(prompts)))  # batch rows still decoding, in cache order
         stop_id = getattr(self.tokens, "stop_id", None)
-        for step in range(steps):
-            tokens = logits.argmax(-1).tolist()
-            keep = []
-            for j, (r, tok) in enumerate(zip(active, tokens)):
-                if tok == stop_id or not budget[r]:
-                    continue
-                new[r].append(tok)
-                if len(new[r]) < budget[r] and not any(s in self.tokens.decode(new[r]) for s in untils[r]):
-                    keep.append(j)
-            if not keep or step == steps - 1:
-                break
-            token = torch.tensor([tokens[j] for j in keep], device=device)[:, None]  # (b, 1)
-            if len(keep) < len(active):
-                rows = torch.tensor(keep, device=device)
-                cache.keep_rows(rows)
-                pad, active = pad[rows], [active[j] for j in keep]
-            slot = width + step
-            if store is not None:
-                store.prefetch(token)
-            mask = (torch.arange(slot + 1, device=device)[None, :] >= pad[:, None])[:, None, None]  # (b, 1, 1, S)
-            logits = decode_one_token(model, token, slot, cache, positions=(slot - pad)[:, None], attn_mask=mask)
+        new = generate_batch(self.model, [p for p, _ in prompts], [SamplingParams(n) for _, n in prompts],
+                             eos_id=stop_id, pad_id=self.tokens.eot_id,
+                             stop=lambda r, toks: any(s in self.tokens.decode(toks) for s in untils[r]))
+        new = [n[:-1] if n and n[-1] == stop_id else n for n in new]
         return [cut_at_stop(self.tokens.decode(n), u) for n, u in zip(new, untils)]
