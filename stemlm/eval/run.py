@@ -105,31 +105,42 @@ def format_table(docs: list[dict]) -> str:
 
 
 def draw_comparison(docs: list[dict], path: Path) -> None:
-    """Grouped bars of each task's primary metric per model, with ±1 stderr and the chance level."""
+    """Grouped bars of each task's primary metric per model, with ±1 stderr and the chance level;
+    accuracies (higher is better) and bits per byte (lower is better) on panels of their own."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    import numpy as np
 
     tasks = list(dict.fromkeys(t for d in docs for t in d["tasks"]))
+    metric = {t: next(d["tasks"][t].get("metric", "?") for d in docs if t in d["tasks"]) for t in tasks}
+    panels = [(label, [t for t in tasks if (metric[t] == "bpb") == is_bpb])
+              for label, is_bpb in (("accuracy (dotted: chance)", False), ("bits per byte (lower is better)", True))]
+    panels = [(label, group) for label, group in panels if group]
+    fig, axes = plt.subplots(1, len(panels), squeeze=False, width_ratios=[len(g) for _, g in panels],
+                             figsize=(max(5.0, 1.1 * len(tasks) + 2), 3.8))
+    for ax, (label, group) in zip(axes[0], panels):
+        _bars(ax, docs, group, metric)
+        ax.set_ylabel(label)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bars(ax, docs: list[dict], tasks: list[str], metric: dict[str, str]) -> None:
+    import numpy as np
+
     width = 0.8 / len(docs)
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(tasks) + 2), 3.8))
     for i, doc in enumerate(docs):
-        vals = [doc["tasks"].get(t, {}).get(doc["tasks"].get(t, {}).get("metric", ""), np.nan) for t in tasks]
-        errs = [doc["tasks"].get(t, {}).get(f"{doc['tasks'].get(t, {}).get('metric', '')}_stderr", 0) for t in tasks]
-        ax.bar(np.arange(len(tasks)) + (i - (len(docs) - 1) / 2) * width, vals, width,
+        vals = [doc["tasks"].get(t, {}).get(metric[t], np.nan) for t in tasks]
+        errs = [doc["tasks"].get(t, {}).get(f"{metric[t]}_stderr", 0) for t in tasks]
+        ax.bar(np.arange(len(tasks)) + (i - (len(docs) - 1) / 2) * width, np.asarray(vals, dtype=float), width,
                yerr=np.nan_to_num(np.asarray(errs, dtype=float)), capsize=2, label=Path(doc["model"]["path"]).name)
     for j, t in enumerate(tasks):
         chance = docs[0]["tasks"].get(t, {}).get("chance")
         if chance is not None:
             ax.hlines(chance, j - 0.45, j + 0.45, colors="k", linestyles="dotted", linewidth=1)
-    metrics = [docs[0]["tasks"].get(t, {}).get("metric", "?") for t in tasks]
-    ax.set_xticks(range(len(tasks)), [f"{t}\n({m})" for t, m in zip(tasks, metrics)], fontsize=7, rotation=30)
-    ax.set_ylabel("score (dotted: chance)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ax.set_xticks(range(len(tasks)), [f"{t}\n({metric[t]})" for t in tasks], fontsize=7, rotation=30)
 
 
 def plot_paths(output: Path, docs: list[dict]) -> dict[str, Path]:
