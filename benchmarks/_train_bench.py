@@ -129,11 +129,6 @@ def write_result(name: str, quick: bool, payload: dict) -> Path:
 
 def git_commit() -> str | None:
     """The commit of the code that produced a result (None outside a git checkout)."""
-    import subprocess
+    from stemlm.version import git_head
 
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, capture_output=True,
-                             text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    return git_head(Path(__file__).resolve().parent)

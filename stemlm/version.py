@@ -8,21 +8,32 @@ from pathlib import Path
 from . import __version__
 
 
+def _git(where: str | Path | None, *args: str) -> str | None:
+    """Stripped output of ``git -C WHERE ARGS`` (default: this package's checkout), or None when git
+    is missing or fails (not a checkout)."""
+    where = Path(where) if where is not None else Path(__file__).resolve().parent
+    try:
+        out = subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_head(path: str | Path | None = None, short: bool = False) -> str | None:
+    """Commit of the checkout holding ``path`` (full, or 12 hex digits with ``short``); None outside one."""
+    return _git(path, "rev-parse", *(["--short=12"] if short else []), "HEAD") or None
+
+
+def git_dirty(path: str | Path | None = None) -> bool:
+    """True when tracked files of the checkout holding ``path`` differ from its commit."""
+    return bool(_git(path, "status", "--porcelain", "--untracked-files=no"))
+
+
 def git_commit(path: str | Path | None = None) -> str | None:
     """Short commit of the checkout holding ``path`` (default: this package), plus ``-dirty`` when
     tracked files changed; None outside a git checkout or without git."""
-    where = Path(path) if path is not None else Path(__file__).resolve().parent
-    try:
-        def git(*args):
-            return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=5)
-
-        head = git("rev-parse", "--short=12", "HEAD")
-        if head.returncode != 0:
-            return None
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
-        return head.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
+    head = git_head(path, short=True)
+    return head and head + ("-dirty" if git_dirty(path) else "")
 
 
 def version_string() -> str:

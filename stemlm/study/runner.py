@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..version import git_dirty, git_head
 from .measures import accounting_summary, capacity_summary, curves, geometry_summary
 from .spec import STAGES, RunSpec, plan
 
@@ -47,12 +47,7 @@ def read_json(path: Path) -> dict | None:
 
 def provenance() -> dict:
     """Git commit (and whether the tree had changes), library versions and the machine."""
-    def git(*args):
-        try:
-            return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"git_commit": git("rev-parse", "HEAD") or None, "git_dirty": bool(git("status", "--porcelain")),
+    return {"git_commit": git_head(REPO), "git_dirty": git_dirty(REPO),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "python": platform.python_version()}
 
