@@ -56,6 +56,17 @@ def write_manifest(directory: str | os.PathLike) -> Path:
     return path
 
 
+def manifest_files(directory: str | os.PathLike) -> dict | None:
+    """``{relative name: {"bytes", "sha256"}}`` from the manifest of ``directory``; None when it has none."""
+    path = Path(directory) / MANIFEST_FILE
+    if not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"corrupt checksum manifest {path}: {e}") from None
+
+
 def verify_checkpoint(directory: str | os.PathLike) -> bool:
     """Check every file listed in the manifest of ``directory``.
 
@@ -63,13 +74,9 @@ def verify_checkpoint(directory: str | os.PathLike) -> bool:
     checkpoint); raises ``CheckpointError`` naming the first damaged or missing file.
     """
     directory = Path(directory)
-    path = directory / MANIFEST_FILE
-    if not path.exists():
+    files = manifest_files(directory)
+    if files is None:
         return False
-    try:
-        files = json.loads(path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"corrupt checksum manifest {path}: {e}") from None
     for name, want in files.items():
         f = directory / name
         if not f.is_file():

@@ -90,19 +90,18 @@ def _read_digest_cache() -> dict:
 
 
 def file_digest(path: Path) -> str:
-    """BLAKE2b of a file's bytes, remembered per (real path, size, mtime) in ``DIGEST_CACHE``."""
+    """sha256 of a file's bytes (``integrity.file_digest``), remembered per (real path, size, mtime)
+    in ``DIGEST_CACHE``."""
+    from ..integrity import file_digest as sha256_of_file
+
     path = Path(path).resolve()
     st = path.stat()
     key = f"{path}:{st.st_size}:{st.st_mtime_ns}"
     cache = _read_digest_cache()
     if key in cache:
         return cache[key]
-    h = hashlib.blake2b()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):  # hashlib.file_digest needs Python 3.11
-            h.update(block)
-    digest = h.hexdigest()
-    cache = {**_read_digest_cache(), key: digest}
+    digest = sha256_of_file(path)[1]
+    cache[key] = digest
     try:  # best effort: a read-only cache directory only costs a re-read next time
         DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=DIGEST_CACHE.parent, prefix=".digests-")
@@ -114,11 +113,13 @@ def file_digest(path: Path) -> str:
     return digest
 
 
-def model_identity(files: Sequence[Path], **settings) -> str:
-    """Stable id of a model: digests of its files (by name) and the settings that change its answers."""
+def model_identity(files: Sequence[Path], known: dict[Path, str] | None = None, **settings) -> str:
+    """Stable id of a model: sha256 digests of its files (by name; ``known`` ones, e.g. from a
+    checkpoint manifest verified on load, are not read again) and the settings that change its answers."""
+    known = known or {}
     h = hashlib.sha256()
     for f in sorted(files, key=lambda p: p.name):
-        h.update(f"{f.name}={file_digest(f)};".encode())
+        h.update(f"{f.name}={known.get(f) or file_digest(f)};".encode())
     h.update(json.dumps(settings, sort_keys=True, default=str).encode())
     return h.hexdigest()[:24]
 
@@ -168,7 +169,10 @@ def _load_llama_source(path: str, gguf: str | None):
 
 
 def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, table_kw: dict):
-    """``(StemLM, Tokens, files)`` of a stemlm run or checkpoint with its tables on ``tables``."""
+    """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables on
+    ``tables``; the digests are those of the checksum manifest the load verified (none unverified)."""
+    from ..integrity import manifest_files
+
     ckpt = resolve_checkpoint(path)
     tokens, tok_files = _tokenizer_of(ckpt, tokenizer)
     if tables == "device" and not table_kw:
@@ -177,7 +181,9 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
         from ..store import load_model_with_tables
 
         model, _ = load_model_with_tables(ckpt, tables, device=device, dtype=dtype, **table_kw)
-    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *tok_files]
+    manifest = (manifest_files(ckpt) or {}) if table_kw.get("verify", True) else {}
+    known = {ckpt / name: entry["sha256"] for name, entry in manifest.items()}
+    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *tok_files], known
 
 
 def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
@@ -209,18 +215,19 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
         path, gguf = str(Path(path).parent), Path(path).name
     if gguf is not None or path == "smollm2" or _is_llama_dir(Path(path)):
         model, tokens, files = _load_llama_source(path, gguf)
+        known = {}
         model = model.to(device=device, dtype=dtype)
         if tables != "device" and model.cfg.table_layers:
             raise ValueError("a converted Llama model is dense: it has no tables to offload")
     else:
-        model, tokens, files = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
+        model, tokens, files, known = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
     backend = apply_matmul(model, matmul, device, str(dtype).removeprefix("torch."))
     vocab = model.cfg.vocab_size
     if tokens.vocab_size > vocab:
         raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model's vocabulary has {vocab} rows: "
                          "it is not this model's tokenizer; evaluate the model with the tokenizer it was trained with")
     max_length = max_length or model.cfg.max_seq_len
-    identity = model_identity(files, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
+    identity = model_identity(files, known, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
                               eot=tokens.eot_id, max_length=max_length, matmul=backend)
     if engine == "reference":
         return ReferenceLM(model.eval(), tokens, vocab, max_length, identity=identity)
