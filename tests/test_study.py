@@ -17,6 +17,7 @@ from stemlm.presets import model_config
 from stemlm.config import ConfigError
 from stemlm.study import Study, load_spec, loss_roi, plan
 from stemlm.study.spec import STUDIES_DIR
+from stemlm.study.report import write_report
 from stemlm.study.tables import compare_rows, load_results
 from stemlm.study.variants import matched_dense_width, parameter_match
 from stemlm.train import Trainer
@@ -149,6 +150,11 @@ def test_report_reads_hand_written_eval_fixture(data_dir, tmp_path):
     mean_stem, mean_dense = (0.25 + 0.6 + 0.5) / 3, (0.25 + 0.5 + 0.5) / 3
     assert rows["stem-1/3"]["paper_roi"] == pytest.approx((mean_stem / f_stem) / (mean_dense / f_dense))
     assert rows["dense"]["paper_roi"] == pytest.approx(1.0)
+    stem_arc = rows["stem-1/3"]["acc_detail"]["arc_easy"]
+    assert (stem_arc["acc"], stem_arc["stderr"], stem_arc["chance"], stem_arc["above"]) == (0.6, 0.049, 0.25, True)
+    assert rows["stem-1/3"]["acc_detail"]["needle"]["above"] is None  # no chance level in the fixture: not judged
+    report = write_report(tmp_path / "res").read_text()
+    assert "**0.600 ± 0.049**" in report and "| chance |" in report
 
 
 def test_loss_roi_formula():
