@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..version import git_commit
 from .options import non_negative_int, positive_int
 
 
@@ -85,6 +86,7 @@ def run(args) -> int:
                               for k, v in layer.items() if isinstance(v, dict))
             print(f"layer {layer['layer']} ({layer['kind']}): {stats}")
         png = plot_geometry(res, out / "geometry.png")
+    res["git_commit"] = git_commit()  # the code that produced the numbers
     (out / f"{args.what}.json").write_text(json.dumps(res, indent=2))
     print(f"wrote {out / (args.what + '.json')} and {png}")
     return 0
