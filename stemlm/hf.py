@@ -1,7 +1,8 @@
 """Hugging Face interop: ``StemConfig`` and ``StemForCausalLM``, registered with the Auto classes.
 
-After ``import stemlm``, a stemlm checkpoint directory (``checkpoint.save_model``) loads with
-``AutoModelForCausalLM.from_pretrained(dir)``, no ``trust_remote_code``: its ``config.json`` has
+After ``import stemlm.hf`` (which calls ``register()``), a stemlm checkpoint directory
+(``checkpoint.save_model``) loads with ``AutoModelForCausalLM.from_pretrained(dir)``, no
+``trust_remote_code``: its ``config.json`` has
 ``model_type: "stemlm"`` and its weights are named ``model.<StemLM parameter>``, which is exactly
 the state dict of ``StemForCausalLM`` (whose ``model`` attribute is a ``StemLM``).
 
@@ -240,5 +241,11 @@ def _check_cache_position(cache_position, start_pos: int, q_len: int) -> None:
         raise ValueError(f"cache_position must be consecutive slots starting at {start_pos} (the cache length)")
 
 
-AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
-AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
+def register() -> None:
+    """Register ``StemConfig``/``StemForCausalLM`` with ``AutoConfig``/``AutoModelForCausalLM``
+    (idempotent). Importing this module calls it: ``import stemlm.hf`` is how a user opts in."""
+    AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
+    AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
+
+
+register()
