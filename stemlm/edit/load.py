@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import load_model, resolve_checkpoint
+from ..store import TIERS
 from .tokens import load_tokenizer
-
-TIERS = ("device", "host", "disk")
 
 
 def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None, tables: str = "device"):
