@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+
 import torch
 
 from .data.tokenizer import eos_id_of, find_tokenizer, run_places

@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer: train on a corpus, load, encode fast, count single-token words.
+"""Tokenizers: train a byte-level BPE on a corpus, load one, find a checkpoint's (``find_tokenizer``), encode fast.
 
 Conventions: ``<|endoftext|>`` separates (and starts) documents, ``<|pad|>`` pads. The ByteLevel
 pre-tokenizer uses ``add_prefix_space=False``, so " Spain" (with the space that precedes a name in
