@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the window and point samples")
 
 
-def _stream(args, ckpt_dir: Path, tokenizer_needed: bool = True):
+def _stream(args, ckpt_dir: Path):
     from ..analyze.text import token_stream
     from ..data import default_data_dir
     from ..edit.tokens import load_tokenizer
@@ -48,7 +48,7 @@ def _stream(args, ckpt_dir: Path, tokenizer_needed: bool = True):
     data = Path(args.data) if args.data else default_data_dir()
     tok = None
     if not (data / "val.bin").exists():
-        tok = load_tokenizer(ckpt_dir, Path(args.ckpt), args.data)
+        tok = load_tokenizer(ckpt_dir, args.data)
     return token_stream(data, tok, "val", args.tokens)
 
 

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import load_model, resolve_checkpoint
+from ..store import TIERS
 from .tokens import load_tokenizer
-
-TIERS = ("device", "host", "disk")
 
 
 def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None, tables: str = "device"):
@@ -27,5 +26,5 @@ def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = Non
 
         model, _ = load_model_with_tables(path, tier=tables, writable=True)
         model.eval()
-    tokenizer = load_tokenizer(path, Path(ckpt), data_dir)
+    tokenizer = load_tokenizer(ckpt, data_dir)
     return model, tokenizer
