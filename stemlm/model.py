@@ -205,7 +205,10 @@ class StemLM(nn.Module):
             cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, x.dtype)
             cos, sin = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)  # (B, 1, T, hd): broadcast over heads
         mask = attention_mask(doc_ids, start_pos, T, ids.device) if attn_mask is None else attn_mask
-        table_rows = self.tables.rows(ids) if table_rows is None else table_rows
+        if table_rows is None:
+            table_rows = self.tables.rows(ids)
+        elif missing := [str(i) for i in cfg.table_layers if str(i) not in table_rows]:
+            raise ValueError(f"table_rows has no rows for table layer(s) {', '.join(missing)}")
         for i, block in enumerate(self.layers):
             rows = table_rows[str(i)] if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)

@@ -213,7 +213,7 @@ class Tables(nn.ModuleDict):
 
     def rows(self, ids: torch.Tensor) -> LayerRows:
         """Every layer's rows for ``ids (B, T)``: ids made unique once, rows gathered per layer."""
-        if len(self) == 0:
+        if len(self) == 0:  # a dense model: nothing to index
             return LayerRows({}, ids, ids.shape)
         uniq, inverse = self.index(ids)
         return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in self.items()}, inverse, ids.shape)

@@ -370,3 +370,5 @@ def test_table_rows_passed_explicitly_replace_the_lookup(setup):
         torch.testing.assert_close(model(ids, table_rows=rows), ref[0], rtol=0, atol=1e-6)
         zero = {k: torch.zeros_like(r) for k, r in rows.items()}
         assert not torch.allclose(model(ids, table_rows=zero), ref[0])
+        with pytest.raises(ValueError, match=f"no rows for table layer.* {cfg.table_layers[-1]}"):
+            model(ids, table_rows={str(cfg.table_layers[0]): rows[str(cfg.table_layers[0])]})
