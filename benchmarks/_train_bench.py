@@ -113,22 +113,20 @@ def paired_ratio(numer: list[float], denom: list[float]) -> float:
 
 
 def write_result(name: str, quick: bool, payload: dict) -> Path:
-    """``results/<name>.json`` (``<name>.quick.json`` for smoke runs, never overwriting real results)."""
+    """``results/<name>.json`` (``<name>.quick.json`` for smoke runs, never overwriting real results), with
+    ``meta``: torch version, threads, machine, time and ``git_commit`` (``stemlm.version.git_commit`` of
+    this checkout: short commit, ``-dirty`` when tracked files differ from it)."""
     import platform
 
     import torch
+
+    from stemlm.version import git_commit
 
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}{'.quick' if quick else ''}.json"
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "processor": platform.processor(), "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "git_commit": git_commit()}
+            "git_commit": git_commit(Path(__file__).resolve().parent)}
     path.write_text(json.dumps({"meta": meta, **payload}, indent=2))
     return path
 
-
-def git_commit() -> str | None:
-    """The commit of the code that produced a result (None outside a git checkout)."""
-    from stemlm.version import git_head
-
-    return git_head(Path(__file__).resolve().parent)

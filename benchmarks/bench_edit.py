@@ -10,7 +10,8 @@ of known countries into held-out countries and unused tokens; removal with neutr
     python benchmarks/bench_edit.py --runs a,b      # a subset (merged into the results file)
     python benchmarks/bench_edit.py --quick         # 30-step smoke run -> edit_eval.quick.json
 
-Training runs use ``nice -n 10``. Runs live under ``runs/edit/`` (not in git).
+Each run's entry records the ``git_commit`` it was evaluated at (runs are merged into one file over
+several invocations). Training runs use ``nice -n 10``. Runs live under ``runs/edit/`` (not in git).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
@@ -282,7 +285,7 @@ def main() -> int:
         t0 = time.time()
         res = evaluate(run, corpus(spec["data"]), 4 if args.quick else args.pairs, args.quick,
                        spec.get("swaps_only", False), None if args.quick else spec.get("heldout_pairs"))
-        results[name] = {"spec": spec, "eval_seconds": round(time.time() - t0), **res}
+        results[name] = {"spec": spec, "git_commit": git_commit(ROOT), "eval_seconds": round(time.time() - t0), **res}
         RESULTS.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=1))
         print(headline(name, results[name]), flush=True)

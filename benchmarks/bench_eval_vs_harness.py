@@ -22,7 +22,7 @@ import json
 import time
 
 import torch
-from _train_bench import git_commit, paired_ratio, round_ratios, write_result
+from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm import artifacts
 from stemlm.convert import llama_to_stem, load_llama, load_tokenizer, resolve_source
@@ -112,7 +112,7 @@ def main() -> None:
     for t in tasks:
         print(f"  {t:<14} acc stemlm {acc['stemlm'][t]:.4f}  harness {acc['harness_hf'][t]:.4f}  max |diff| {task_diff[t]:.1e}")
     path = write_result(args.name, args.quick, {
-        "git_commit": git_commit() or "unknown", "model": "SmolLM2-135M-Instruct.Q4_1.gguf (dequantised, fp32)", "tasks": tasks,
+        "model": "SmolLM2-135M-Instruct.Q4_1.gguf (dequantised, fp32)", "tasks": tasks,
         "limit": args.limit, "n_requests": len(all_rows), "batch_size": args.batch_size, "max_length": args.max_length,
         "rounds": args.rounds, "matmul": matmul, "seconds": seconds, "ratio_rounds": round_ratios(seconds["harness_hf"], seconds["stemlm"]),
         "ratio": ratio, "max_abs_logprob_diff": diff, "max_abs_logprob_diff_by_task": task_diff, "accuracy": acc, "accuracies_identical": same_acc,

@@ -86,6 +86,11 @@ def same_sweep(a: dict, b: dict) -> bool:
     return widths_only and a["meta"]["quick"] == b["meta"]["quick"] and all(a[k] == b[k] for k in keys)
 
 
+def width_sweep(results: list[dict], latest: dict) -> list[tuple[int, dict]]:
+    """``(width, result)`` of the ``results`` of the same sweep as ``latest``, by increasing width."""
+    return sorted(((backbone_width(r), r) for r in results if same_sweep(r, latest)), key=lambda wr: wr[0])
+
+
 def plot_widths(latest: dict) -> Path:
     """Redraw ``train_step_widths[.quick].png`` from every ``train_step*.json`` in the results dir of
     the same sweep as ``latest``: time ratio and FLOP ratio (top), gap (bottom) vs width."""
@@ -93,8 +98,7 @@ def plot_widths(latest: dict) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = [json.loads(f.read_text()) for f in RESULTS.glob("train_step*.json")]
-    runs = sorted(((backbone_width(r), r) for r in runs if same_sweep(r, latest)), key=lambda wr: wr[0])
+    runs = width_sweep([json.loads(f.read_text()) for f in RESULTS.glob("train_step*.json")], latest)
     widths = [w for w, _ in runs]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6, 5.5), sharex=True)
     top.plot(widths, [r["time_ratio"] for _, r in runs], "o-", label="measured step time ratio")

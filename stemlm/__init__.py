@@ -1,7 +1,7 @@
 """stemlm: STEM (Scaling Transformers with Embedding Modules) in plain PyTorch.
 
-``import stemlm`` registers ``StemConfig``/``StemForCausalLM`` with Hugging Face's Auto classes
-when transformers is installed (lazily: at the first ``import transformers``, see ``_hf_hook``).
+Importing stemlm changes no global state. ``import stemlm.hf`` registers ``StemConfig`` and
+``StemForCausalLM`` with Hugging Face's Auto classes (docs/hf_interop.md).
 """
 
 from .config import FFN_KINDS, ConfigError, ModelConfig, resolve_stem_layers
@@ -10,7 +10,3 @@ from .presets import PRESETS, model_config
 
 __version__ = "0.1.0"
 __all__ = ["FFN_KINDS", "ConfigError", "ModelConfig", "PRESETS", "StemLM", "model_config", "resolve_stem_layers"]
-
-from ._hf_hook import install as _install_hf_registration
-
-_install_hf_registration()

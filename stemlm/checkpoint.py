@@ -1,7 +1,7 @@
 """Model checkpoints: a Hugging Face-style directory written atomically, loaded without executing code.
 
 Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_pretrained`` after
-``import stemlm``)::
+``import stemlm.hf``)::
 
     config.json          {"model_type": "stemlm", "architectures": [...], <ModelConfig fields>}
     model.safetensors    keys "model.<StemLM parameter name>" (a tied LM head is not stored)

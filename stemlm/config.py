@@ -133,8 +133,6 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.hash_seed < 0:
             raise ConfigError(f"hash_seed must be >= 0, got {self.hash_seed}")
-        if isinstance(self.stem_layers, list):
-            set_("stem_layers", tuple(self.stem_layers))
         layers = () if self.ffn == "dense" else resolve_stem_layers(self.stem_layers, self.n_layers)
         set_("head_dim", self.d_model // self.n_heads)
         set_("stem_layer_ids", layers)

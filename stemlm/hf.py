@@ -1,7 +1,8 @@
 """Hugging Face interop: ``StemConfig`` and ``StemForCausalLM``, registered with the Auto classes.
 
-After ``import stemlm``, a stemlm checkpoint directory (``checkpoint.save_model``) loads with
-``AutoModelForCausalLM.from_pretrained(dir)``, no ``trust_remote_code``: its ``config.json`` has
+After ``import stemlm.hf`` (which calls ``register()``), a stemlm checkpoint directory
+(``checkpoint.save_model``) loads with ``AutoModelForCausalLM.from_pretrained(dir)``, no
+``trust_remote_code``: its ``config.json`` has
 ``model_type: "stemlm"`` and its weights are named ``model.<StemLM parameter>``, which is exactly
 the state dict of ``StemForCausalLM`` (whose ``model`` attribute is a ``StemLM``).
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -30,10 +32,28 @@ from .config import ModelConfig
 from .matmul import apply_matmul
 from .model import StemLM, init_module_
 
-_DEFAULTS = ModelConfig()  # StemConfig's defaults are ModelConfig's (checked by the tests)
+def _mirrored_fields() -> dict:
+    """Class namespace holding every ``ModelConfig`` constructor field with its default.
+
+    The fields are annotated ``Any``: ``StemConfig.__post_init__`` checks the values through
+    ``ModelConfig`` (one validator, stemlm's one-line errors), and JSON gives lists where
+    ``ModelConfig`` declares tuples.
+    """
+    namespace = {"__annotations__": {}, "__module__": __name__,
+                 "__doc__": "The ``ModelConfig`` constructor fields as transformers config fields."}
+    for f in dataclasses.fields(ModelConfig):
+        if f.init:
+            namespace["__annotations__"][f.name] = Any
+            namespace[f.name] = f.default if f.default_factory is dataclasses.MISSING \
+                else dataclasses.field(default_factory=f.default_factory)
+    return namespace
 
 
-class StemConfig(PreTrainedConfig):
+# Generated from ModelConfig, so a field added there needs no edit here.
+_ModelFields = type("_ModelFields", (PreTrainedConfig,), _mirrored_fields())
+
+
+class StemConfig(_ModelFields):
     """A ``ModelConfig`` as a transformers config (same field names, same defaults).
 
     The usual transformers names (``hidden_size``, ``num_hidden_layers`` ...) are aliases of the
@@ -47,22 +67,6 @@ class StemConfig(PreTrainedConfig):
         "rms_norm_eps": "norm_eps", "tie_word_embeddings": "tie_embeddings", "initializer_range": "init_std",
     }
 
-    d_model: int = _DEFAULTS.d_model
-    n_layers: int = _DEFAULTS.n_layers
-    n_heads: int = _DEFAULTS.n_heads
-    n_kv_heads: int | None = None
-    d_ff: int | None = None
-    vocab_size: int = _DEFAULTS.vocab_size
-    rope_theta: float | int = _DEFAULTS.rope_theta
-    norm_eps: float = _DEFAULTS.norm_eps
-    max_seq_len: int = _DEFAULTS.max_seq_len
-    tie_embeddings: bool = _DEFAULTS.tie_embeddings
-    ffn: str = _DEFAULTS.ffn
-    stem_layers: str | list[int] = _DEFAULTS.stem_layers
-    n_experts: int | None = None
-    hash_seed: int = _DEFAULTS.hash_seed
-    init_std: float = _DEFAULTS.init_std
-    table_init: str = _DEFAULTS.table_init
     # generation metadata (not part of the architecture)
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -80,10 +84,7 @@ class StemConfig(PreTrainedConfig):
 
     def model_config(self) -> ModelConfig:
         """The ``ModelConfig`` these fields describe (validated; derived sizes filled in)."""
-        values = {name: getattr(self, name) for name in self.model_field_names()}
-        if isinstance(values["stem_layers"], list):
-            values["stem_layers"] = tuple(values["stem_layers"])
-        return ModelConfig.from_dict(values)
+        return ModelConfig.from_dict({name: getattr(self, name) for name in self.model_field_names()})
 
     @classmethod
     def from_model_config(cls, cfg: ModelConfig, **generation) -> "StemConfig":
@@ -240,5 +241,11 @@ def _check_cache_position(cache_position, start_pos: int, q_len: int) -> None:
         raise ValueError(f"cache_position must be consecutive slots starting at {start_pos} (the cache length)")
 
 
-AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
-AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
+def register() -> None:
+    """Register ``StemConfig``/``StemForCausalLM`` with ``AutoConfig``/``AutoModelForCausalLM``
+    (idempotent). Importing this module calls it: ``import stemlm.hf`` is how a user opts in."""
+    AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
+    AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
+
+
+register()

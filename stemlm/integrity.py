@@ -6,7 +6,7 @@
 
 It is written last, inside the temporary directory that ``atomic_directory`` renames into place, so
 a published checkpoint always carries the checksums of its own bytes. ``verify_checkpoint`` re-hashes
-the files in 8 MiB chunks (OpenSSL's sha256, ~1-2 GB/s per core) and raises ``CheckpointError``
+the files in 8 MiB chunks (OpenSSL's sha256) and raises ``CheckpointError``
 naming the first file that is missing, of another size, or of other content. A directory without a
 manifest (written before manifests existed) is reported as unverified, not as corrupt.
 

@@ -3,11 +3,10 @@
 A CPU training step allocates and frees the same large activations and gradients every time.
 glibc's malloc serves blocks above its mmap threshold (128 KiB, raised on its own up to 32 MiB)
 with fresh ``mmap`` calls and returns freed memory at the top of the heap once more than the trim
-threshold is free, so the next step touches new pages: ~100 000 page faults per step of the
-P7 shape (d=256, 6 layers, 16 × 256 tokens) on this machine. Raising both thresholds keeps the
-memory mapped, much as PyTorch's CUDA caching allocator does on GPUs: ~600 faults per step and
-steps ~7 % faster (five process pairs, median of paired ratios 0.93). The cost: resident memory
-stays at its peak.
+threshold is free, so the next step faults new pages in. Raising both thresholds keeps the
+memory mapped, much as PyTorch's CUDA caching allocator does on GPUs; the cost is that resident
+memory stays at its peak. Measured page faults and step times: docs/training.md
+("Freed memory stays mapped").
 
 The settings are process-wide (they also speed up any other model trained in the same process)
 and only exist on glibc; elsewhere ``keep_freed_memory`` does nothing and says so.

@@ -1,11 +1,10 @@
 """Matrix products through oneDNN on CPU (training's ``run.matmul``, ``stemlm generate --matmul``).
 
 ATen's fp32 ``mm``/``linear`` on CPU call the BLAS PyTorch was built with (MKL in the official
-wheels). On CPUs MKL does not tune for, it runs far below oneDNN's JIT kernels, which PyTorch also
-ships: on this project's AMD EPYC (Zen 4, AVX-512) ``torch.ops.mkldnn._linear_pointwise`` ran the
-training shapes' forward and input-gradient GEMMs at 150-200 GFLOP/s against MKL's 85-150
-(``benchmarks/bench_vs_hf.py`` times the whole step both ways). The weight gradient
-(``grad.T @ x``, a long reduction over tokens) stays on ATen, where MKL was as fast.
+wheels); on CPUs MKL does not tune for, oneDNN's JIT kernels, which PyTorch also ships
+(``torch.ops.mkldnn._linear_pointwise``), can be much faster. This module routes the forward and
+input-gradient GEMMs through oneDNN; the weight gradient (``grad.T @ x``, a long reduction over
+tokens) stays on ATen. Measurements: docs/training.md ("GEMMs on CPU") and docs/generation.md.
 
 Applied from outside, like compile and parallelism: ``use_matmul_backend(model, "onednn")`` turns
 every ``nn.Linear`` of the model into a ``OneDNNLinear`` (same parameters, same state-dict names),
@@ -13,8 +12,7 @@ and the model's chunked loss follows its LM head's ``matmul_backend``. A product
 ATen whenever oneDNN does not apply: a non-CPU tensor, a dtype other than float32, or autocast.
 The results equal ATen's up to float summation order.
 
-Generation uses it too (``stemlm generate --matmul``): there MKL's matrix-vector products were
-slower still (a 2048 × 8192 product of 1 / 4 rows: 4.8 / 13.7 ms against oneDNN's 3.2 / 4.4 ms).
+Generation uses it too (``stemlm generate --matmul``), where the products have few rows.
 """
 
 from __future__ import annotations
@@ -67,7 +65,7 @@ def _onednn_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a (M, K) @ b (N, K).T`` by oneDNN (``a`` and ``b`` may be strided views)."""
     if torch.compiler.is_compiling():
         return _onednn_nt_op(a, b)
-    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # eager: no custom-op dispatch (~25 us)
+    return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # eager: no custom-op dispatch
 
 
 @torch.library.custom_op("stemlm::onednn_mm_nt", mutates_args=())

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 
 import torch
 
-from .data.tokenizer import eos_id_of, load_tokenizer
+from .data.tokenizer import eos_id_of, find_tokenizer, run_places
 
 
 class TextCodec:
@@ -42,31 +41,13 @@ class TextCodec:
 
 def load_text_codec(ckpt_dir: str | os.PathLike, tokenizer: str | os.PathLike | None = None) -> TextCodec:
     """The tokenizer of ``tokenizer`` (a file or directory) if given, else of the checkpoint dir or
-    the training run around it (``run/checkpoints/step_X`` -> ``run``)."""
+    the training run around it (``run/checkpoints/step_X`` -> ``run``); see ``find_tokenizer``."""
     if tokenizer is not None:
-        where = Path(tokenizer)
-        codec = TextCodec(load_tokenizer(where)) if where.is_file() else _codec_in(where)
-        if codec is None:
-            raise FileNotFoundError(f"no tokenizer at {where} (expected tokenizer.json, tokenizer.model or HF "
-                                    "tokenizer files)")
-        return codec
-    ckpt_dir = Path(ckpt_dir)
-    for where in (ckpt_dir, ckpt_dir.parent.parent):
-        codec = _codec_in(where)
-        if codec is not None:
-            return codec
-    raise FileNotFoundError(f"checkpoint {ckpt_dir} has no tokenizer (tokenizer.json); pass --tokenizer PATH "
-                            "(e.g. the data dir of `stemlm data prepare`)")
-
-
-def _codec_in(where: Path) -> TextCodec | None:
-    for name in ("tokenizer.json", "tokenizer.model"):
-        if (where / name).exists():
-            return TextCodec(load_tokenizer(where / name))
-    if (where / "tokenizer_config.json").exists():
-        from transformers import AutoTokenizer
-        return TextCodec(AutoTokenizer.from_pretrained(str(where), local_files_only=True), hf=True)
-    return None
+        found = find_tokenizer(tokenizer)
+    else:
+        found = find_tokenizer(*run_places(ckpt_dir), hint="pass --tokenizer PATH (e.g. the data dir of "
+                               "`stemlm data prepare`)")
+    return TextCodec(found.tokenizer, hf=found.hf)
 
 
 def encode_prompt(codec: TextCodec, text: str, vocab_size: int) -> torch.Tensor:

@@ -14,6 +14,7 @@ from stemlm.analyze.text import windows
 from stemlm.checkpoint import save_model
 from stemlm.cli import main
 from stemlm.data import write_token_split
+from stemlm.version import git_commit
 
 
 def test_heaps_fit_recovers_k_and_beta():
@@ -88,6 +89,7 @@ def test_analyze_cli_writes_json_and_png(tmp_path):
                  "--max-len", "512", "--windows", "4"]) == 0
     res = json.loads((out / "capacity.json").read_text())
     assert res["n_table_layers"] == 2 and 0 < res["heaps"]["beta"] <= 1 and (out / "capacity.png").stat().st_size > 0
+    assert res["git_commit"] == git_commit()
     assert main(["analyze", "geometry", "--ckpt", str(tmp_path / "ckpt"), "--data", str(data), "--out", str(out),
                  "--seqs", "2", "--seq-len", "32"]) == 0
     assert len(json.loads((out / "geometry.json").read_text())["layers"]) == cfg.n_layers

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from stemlm.version import git_commit
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
@@ -78,6 +80,7 @@ def test_other_training_benchmarks_quick(tmp_path, script, result):
     run_quick(script, tmp_path)
     r = json.loads((tmp_path / result).read_text())
     assert r["meta"]["quick"] is True
+    assert r["meta"]["git_commit"] == git_commit(BENCH)  # the commit of the code that produced it
 
 
 @pytest.mark.slow
@@ -107,6 +110,6 @@ def test_eval_vs_harness_quick_scores_alike(tmp_path):
     pytest.importorskip("lm_eval")
     out = run_quick("bench_eval_vs_harness.py", tmp_path)
     r = json.loads((tmp_path / "eval_vs_harness.quick.json").read_text())
-    assert r["n_requests"] == 16 and r["git_commit"] and r["meta"]["quick"] is True
+    assert r["n_requests"] == 16 and r["meta"]["git_commit"] and r["meta"]["quick"] is True
     assert r["max_abs_logprob_diff"] <= 1e-4 and r["accuracies_identical"] is True
     assert min(r["seconds"]["stemlm"]) > 0 and "speed ratio" in out

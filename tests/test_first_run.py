@@ -58,6 +58,7 @@ def test_a_run_directory_loads_with_transformers(run, capsys):
     if not (out / "checkpoints").exists():
         assert main(args) == 0
     pytest.importorskip("transformers")
+    import stemlm.hf  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()

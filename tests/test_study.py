@@ -14,7 +14,10 @@ from stemlm import accounting as acc
 from stemlm.cli import main
 from stemlm.data import TokenDataset
 from stemlm.presets import model_config
+from stemlm.config import ConfigError
 from stemlm.study import Study, load_spec, loss_roi, plan
+from stemlm.study.spec import STUDIES_DIR
+from stemlm.study.report import write_report
 from stemlm.study.tables import compare_rows, load_results
 from stemlm.study.variants import matched_dense_width, parameter_match
 from stemlm.train import Trainer
@@ -36,7 +39,7 @@ def write_spec(path: Path, data_dir: Path, **changes) -> Path:
             "compare": {"sizes": ["d64"], "seeds": [0], "variants": ["dense", "stem-1/3"], "lr": 3e-2},
             "stability": {"size": "d64", "variants": ["stem-1/3"], "lrs": ["1e-3", 1.0e6], "steps": 4},
             "context": {"size": "d64", "variants": ["stem-1/3"], "seq_len": 64, "steps": 2, "position_batches": 2},
-            "eval": {"tasks": ["country_facts", "arc_easy"], "niah_tasks": ["niah"], "limit": 5,
+            "eval": {"tasks": ["country_facts", "arc_easy"], "niah_tasks": ["needle"], "limit": 5,
                      "command": [sys.executable, str(FIXTURES / "fake_eval.py")]}}
     spec.update(changes)
     path.write_text(yaml.safe_dump(spec))
@@ -73,7 +76,7 @@ def test_study_end_to_end_resumes_and_reports_from_json(data_dir, tmp_path, caps
     evals = sorted(p.name for p in (res / "eval").glob("*.json"))
     assert evals == ["compare-d64-dense-seed0.final.json", "compare-d64-stem-1_3-seed0.final.json",
                      "context-d64-stem-1_3-L64.final.json"]
-    assert set(json.loads((res / "eval" / evals[2]).read_text())["result"]["tasks"]) == {"niah"}
+    assert set(json.loads((res / "eval" / evals[2]).read_text())["result"]["tasks"]) == {"needle"}
     report = (res / "report.md").read_text()
     for text in ("Matched-budget comparison", "| stem-1/3 |", "Stability", "| diverged |", "Context extension",
                  "arc_easy", "Definitions"):
@@ -147,6 +150,11 @@ def test_report_reads_hand_written_eval_fixture(data_dir, tmp_path):
     mean_stem, mean_dense = (0.25 + 0.6 + 0.5) / 3, (0.25 + 0.5 + 0.5) / 3
     assert rows["stem-1/3"]["paper_roi"] == pytest.approx((mean_stem / f_stem) / (mean_dense / f_dense))
     assert rows["dense"]["paper_roi"] == pytest.approx(1.0)
+    stem_arc = rows["stem-1/3"]["acc_detail"]["arc_easy"]
+    assert (stem_arc["acc"], stem_arc["stderr"], stem_arc["chance"], stem_arc["above"]) == (0.6, 0.049, 0.25, True)
+    assert rows["stem-1/3"]["acc_detail"]["needle"]["above"] is None  # no chance level in the fixture: not judged
+    report = write_report(tmp_path / "res").read_text()
+    assert "**0.600 ± 0.049**" in report and "| chance |" in report
 
 
 def test_loss_roi_formula():
@@ -237,3 +245,13 @@ def test_context_run_of_a_diverged_run_is_not_run(data_dir, tmp_path, capsys):
     assert "1 runs trained (1 diverged)" in captured.out
     assert "context-d64-dense-L64: not trained, the run it continues (compare-d64-dense-seed0) diverged" in captured.err
     assert not (tmp_path / "res" / "runs" / "context-d64-dense-L64.json").exists()
+
+
+def test_spec_with_unknown_eval_task_is_refused(tmp_path):
+    """A task name `stemlm eval` does not know is a one-line ConfigError at load, not a failed eval hours later."""
+    spec = yaml.safe_load((STUDIES_DIR / "quick.yaml").read_text())
+    spec["eval"]["niah_tasks"] = ["niah"]
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(ConfigError, match=r"unknown eval.niah_tasks \['niah'\]"):
+        load_spec(path)

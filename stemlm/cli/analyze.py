@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..version import git_commit
 from .options import non_negative_int, positive_int
 
 
@@ -39,7 +40,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the window and point samples")
 
 
-def _stream(args, ckpt_dir: Path, tokenizer_needed: bool = True):
+def _stream(args, ckpt_dir: Path):
     from ..analyze.text import token_stream
     from ..data import default_data_dir
     from ..edit.tokens import load_tokenizer
@@ -47,7 +48,7 @@ def _stream(args, ckpt_dir: Path, tokenizer_needed: bool = True):
     data = Path(args.data) if args.data else default_data_dir()
     tok = None
     if not (data / "val.bin").exists():
-        tok = load_tokenizer(ckpt_dir, Path(args.ckpt), args.data)
+        tok = load_tokenizer(ckpt_dir, args.data)
     return token_stream(data, tok, "val", args.tokens)
 
 
@@ -85,6 +86,7 @@ def run(args) -> int:
                               for k, v in layer.items() if isinstance(v, dict))
             print(f"layer {layer['layer']} ({layer['kind']}): {stats}")
         png = plot_geometry(res, out / "geometry.png")
+    res["git_commit"] = git_commit()  # the code that produced the numbers
     (out / f"{args.what}.json").write_text(json.dumps(res, indent=2))
     print(f"wrote {out / (args.what + '.json')} and {png}")
     return 0

@@ -1,4 +1,4 @@
-"""Byte-level BPE tokenizer: train on a corpus, load, encode fast, count single-token words.
+"""Tokenizers: train a byte-level BPE on a corpus, load one, find a checkpoint's (``find_tokenizer``), encode fast.
 
 Conventions: ``<|endoftext|>`` separates (and starts) documents, ``<|pad|>`` pads. The ByteLevel
 pre-tokenizer uses ``add_prefix_space=False``, so " Spain" (with the space that precedes a name in
@@ -8,7 +8,9 @@ running text and in the fact prompts) is the unit that may become a single token
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,88 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 SPECIAL_TOKENS = [EOS_TOKEN, PAD_TOKEN]
+STEMLM_FILES = ("tokenizer.json", "tokenizer.model")  # read by ``load_tokenizer``
+HF_CONFIG_FILE = "tokenizer_config.json"  # marks a Hugging Face tokenizer directory
+# Any of these lets transformers' AutoTokenizer build a tokenizer from a directory.
+TRANSFORMERS_FILES = ("tokenizer.json", HF_CONFIG_FILE, "tokenizer.model", "vocab.json")
+PREFERENCES = ("stemlm", "hf", "transformers")
+
+
+@dataclass(frozen=True)
+class FoundTokenizer:
+    """A tokenizer and the files it was read from.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer`` when ``hf`` is False, else a transformers
+    tokenizer (``AutoTokenizer``).
+    """
+
+    tokenizer: object
+    hf: bool
+    files: tuple[Path, ...]
+
+
+def run_places(ckpt: str | os.PathLike) -> tuple[Path, Path]:
+    """Where a checkpoint's tokenizer may be: the checkpoint, then the training run around it
+    (``run/checkpoints/step_X`` -> ``run``)."""
+    ckpt = Path(ckpt)
+    return ckpt, ckpt.parent.parent
+
+
+def find_tokenizer(*places: str | os.PathLike | None, prefer: str = "stemlm", gguf_file: str | None = None,
+                   hint: str = "") -> FoundTokenizer:
+    """The tokenizer of the first of ``places`` (files or directories; None is skipped) that has one.
+
+    A file is read by ``load_tokenizer`` (``tokenizer.json`` or a SentencePiece ``.model``). In a
+    directory, ``prefer`` picks the order:
+
+    * ``"stemlm"``: ``tokenizer.json``, then ``tokenizer.model``, then Hugging Face tokenizer
+      files (``tokenizer_config.json``) through transformers' ``AutoTokenizer``;
+    * ``"hf"``: the Hugging Face files first, so a converted checkpoint tokenizes exactly as
+      lm-evaluation-harness's ``hf`` backend does; stemlm's files otherwise;
+    * ``"transformers"``: any tokenizer file (or ``gguf_file`` inside the directory) through
+      ``AutoTokenizer``, giving a tokenizer that ``save_pretrained`` can write.
+
+    Nothing is downloaded. ``FileNotFoundError`` names the places tried, followed by ``hint``.
+    """
+    if prefer not in PREFERENCES:
+        raise ValueError(f"unknown tokenizer preference {prefer!r}; choose one of {', '.join(PREFERENCES)}")
+    tried = []
+    for place in places:
+        if place is None:
+            continue
+        place = Path(place)
+        tried.append(str(place))
+        found = _read_file(place) if place.is_file() else _read_dir(place, prefer, gguf_file)
+        if found is not None:
+            return found
+    where = ", ".join(tried) or "nowhere (no path given)"
+    raise FileNotFoundError(f"no tokenizer in {where} (expected tokenizer.json, tokenizer.model or Hugging Face "
+                            f"tokenizer files){'; ' + hint if hint else ''}")
+
+
+def _read_file(path: Path) -> FoundTokenizer:
+    return FoundTokenizer(load_tokenizer(path), False, (path,))
+
+
+def _read_dir(where: Path, prefer: str, gguf_file: str | None) -> FoundTokenizer | None:
+    if prefer == "transformers":
+        if gguf_file is None and not any((where / name).exists() for name in TRANSFORMERS_FILES):
+            return None
+        return _read_hf(where, gguf_file)
+    stemlm = next((where / name for name in STEMLM_FILES if (where / name).exists()), None)
+    hf = (where / HF_CONFIG_FILE).exists()
+    if hf and (prefer == "hf" or stemlm is None):
+        return _read_hf(where, None)
+    return _read_file(stemlm) if stemlm is not None else None
+
+
+def _read_hf(where: Path, gguf_file: str | None) -> FoundTokenizer:
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(where), local_files_only=True, **kwargs)
+    files = (where / gguf_file,) if gguf_file else tuple(p for p in sorted(where.glob("tokenizer*")) if p.is_file())
+    return FoundTokenizer(tokenizer, True, files)
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

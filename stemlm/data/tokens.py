@@ -30,7 +30,8 @@ from ..artifacts import sha256_of
 
 META = "meta.json"
 FORMAT_VERSION = 1
-# Verify the full sha256 of a bin on open when it is at most this big (hashing is ~1 GB/s).
+# Verify the full sha256 of a bin on open when it is at most this big (larger bins: size checks only,
+# so opening a large corpus does not read it whole).
 VERIFY_LIMIT_BYTES = 512 << 20
 
 

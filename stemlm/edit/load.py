@@ -25,5 +25,5 @@ def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = Non
 
         model, _ = load_model_with_tables(path, tier=tables, writable=True)
         model.eval()
-    tokenizer = load_tokenizer(path, Path(ckpt), data_dir)
+    tokenizer = load_tokenizer(ckpt, data_dir)
     return model, tokenizer

@@ -63,9 +63,3 @@ def build_probes(facts: list[dict], tokenizer, split: str | None = None,
         out[f["country"]].append(make_probe(tokenizer, f["country"], f["relation"], f["template_id"],
                                             f["prompt"], f["answer"]))
     return dict(out)
-
-
-def rename(probe: Probe, tokenizer, new_country: str) -> Probe:
-    """The same question about another (e.g. made-up) country, with the same expected answer."""
-    return make_probe(tokenizer, new_country, probe.relation, probe.template_id,
-                      probe.prompt.replace(probe.country, new_country), probe.answer)

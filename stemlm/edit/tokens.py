@@ -13,8 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-TOKENIZER_FILE = "tokenizer.json"
-
 
 def encode(tokenizer, text: str) -> list[int]:
     """Ids of ``text`` without special tokens."""
@@ -30,27 +28,15 @@ def decode_token(tokenizer, token_id: int) -> str:
     return tokenizer.decode([int(token_id)])
 
 
-def find_tokenizer_file(*dirs: str | Path | None) -> Path:
-    """``tokenizer.json`` from the first dir (or its parents up to a run dir) that has one."""
-    tried = []
-    for d in dirs:
-        if d is None:
-            continue
-        d = Path(d)
-        for candidate in (d, d.parent, d.parent.parent):
-            path = candidate / TOKENIZER_FILE
-            tried.append(str(candidate))
-            if path.exists():
-                return path
-    where = ", ".join(tried) or "nowhere (no checkpoint or data dir given)"
-    raise FileNotFoundError(f"no {TOKENIZER_FILE} found in {where}; pass --data DIR with a prepared corpus")
+def load_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None):
+    """The tokenizer of a checkpoint or run (in the checkpoint, else in the run around it), else of
+    the prepared ``data_dir``; see ``data.tokenizer.find_tokenizer``."""
+    from ..checkpoint import resolve_checkpoint
+    from ..data.tokenizer import find_tokenizer, run_places
 
-
-def load_tokenizer(*dirs: str | Path | None):
-    """A ``tokenizers.Tokenizer`` from the first of ``dirs`` holding ``tokenizer.json``."""
-    from ..data.tokenizer import load_tokenizer as load_file
-
-    return load_file(find_tokenizer_file(*dirs))
+    found = find_tokenizer(*run_places(resolve_checkpoint(ckpt)), data_dir,
+                           hint="pass --data DIR with a prepared corpus")
+    return found.tokenizer
 
 
 def eos_id(tokenizer) -> int:

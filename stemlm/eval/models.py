@@ -126,25 +126,6 @@ def model_identity(files: Sequence[Path], known: dict[Path, str] | None = None, 
 
 
 # -- sources ---------------------------------------------------------------------------------
-def _tokenizer_of(ckpt: Path, tokenizer: str | os.PathLike | None):
-    """``(Tokens, tokenizer files)`` for a checkpoint: an explicit path, else the checkpoint or its run."""
-    from ..data.tokenizer import load_tokenizer
-
-    places = [Path(tokenizer)] if tokenizer is not None else [ckpt, ckpt.parent.parent]
-    for where in places:
-        if where.is_file():
-            return StemTokens(load_tokenizer(where)), [where]
-        if (where / "tokenizer_config.json").exists():
-            from transformers import AutoTokenizer
-
-            files = [p for p in where.glob("tokenizer*") if p.is_file()]
-            return HFTokens(AutoTokenizer.from_pretrained(str(where), local_files_only=True)), files
-        for name in ("tokenizer.json", "tokenizer.model"):
-            if (where / name).exists():
-                return StemTokens(load_tokenizer(where / name)), [where / name]
-    raise FileNotFoundError(f"no tokenizer for {ckpt} (looked in {', '.join(map(str, places))}); pass tokenizer=PATH")
-
-
 def _is_llama_dir(path: Path) -> bool:
     try:
         return json.loads((path / CONFIG_FILE).read_text()).get("model_type") == "llama"
@@ -154,12 +135,11 @@ def _is_llama_dir(path: Path) -> bool:
 
 def _load_llama_source(path: str, gguf: str | None):
     """``(dense StemLM, HFTokens, files)`` from a Llama directory, a GGUF file or a pinned name."""
-    from ..convert import check_vocab, llama_to_stem, load_llama, load_tokenizer, resolve_source
+    from ..convert import check_vocab, llama_to_stem, load_llama, resolve_source
+    from ..data.tokenizer import find_tokenizer
 
     directory, gguf_name = resolve_source(path, gguf)
-    tokenizer = load_tokenizer(directory, gguf_name)
-    if tokenizer is None:
-        raise FileNotFoundError(f"{directory} has no tokenizer files")
+    tokenizer = find_tokenizer(directory, prefer="transformers", gguf_file=gguf_name).tokenizer
     llama = load_llama(directory, gguf_name)
     check_vocab(tokenizer, llama.config.vocab_size)
     model = llama_to_stem(llama)
@@ -172,10 +152,13 @@ def _load_llama_source(path: str, gguf: str | None):
 def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, table_kw: dict):
     """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables on
     ``tables``; the digests are those of the checksum manifest the load verified (none unverified)."""
+    from ..data.tokenizer import find_tokenizer, run_places
     from ..integrity import manifest_files
 
     ckpt = resolve_checkpoint(path)
-    tokens, tok_files = _tokenizer_of(ckpt, tokenizer)
+    places = [tokenizer] if tokenizer is not None else run_places(ckpt)
+    found = find_tokenizer(*places, prefer="hf", hint="pass tokenizer=PATH")
+    tokens = HFTokens(found.tokenizer) if found.hf else StemTokens(found.tokenizer)
     if tables == "device" and not table_kw:
         model = load_model(ckpt, device=device, dtype=dtype)
     else:
@@ -184,7 +167,7 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
         model, _ = load_model_with_tables(ckpt, tables, device=device, dtype=dtype, **table_kw)
     manifest = (manifest_files(ckpt) or {}) if table_kw.get("verify", True) else {}
     known = {ckpt / name: entry["sha256"] for name, entry in manifest.items()}
-    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *tok_files], known
+    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *found.files], known
 
 
 def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",

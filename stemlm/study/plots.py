@@ -98,9 +98,10 @@ def loss_by_position(rows: list[dict], out_dir: Path) -> Path | None:
 
 
 def niah_grid(rows: list[dict], out_dir: Path) -> Path | None:
-    """NIAH accuracy per model: a length x depth heat map when the eval JSON carries a ``grid``
-    (``{"context_lengths": [...], "depths": [...], "acc": [[...]]}``), else one bar per model."""
-    hits = [(r, t, s) for r in rows for t, s in r["eval"].items() if t.startswith(("niah", "passkey"))]
+    """NIAH accuracy per model: a depth x length heat map when the eval JSON carries the ``grid`` of
+    the ``needle`` task (``{"depths": [...], "lengths": [...], "acc": [[per length] per depth]}``),
+    else one bar per model."""
+    hits = [(r, t, s) for r in rows for t, s in r["eval"].items() if t.startswith(("needle", "niah", "passkey"))]
     if not hits:
         return None
     plt = pyplot()
@@ -109,9 +110,9 @@ def niah_grid(rows: list[dict], out_dir: Path) -> Path | None:
         fig, axes = plt.subplots(1, len(grids), figsize=(4.5 * len(grids), 4), squeeze=False)
         for ax, (r, t, g) in zip(axes[0], grids):
             im = ax.imshow(g["acc"], vmin=0, vmax=1, cmap="viridis", aspect="auto")
-            ax.set_xticks(range(len(g["context_lengths"])), g["context_lengths"])
+            ax.set_xticks(range(len(g["lengths"])), g["lengths"])
             ax.set_yticks(range(len(g["depths"])), g["depths"])
-            ax.set_xlabel("context length")
+            ax.set_xlabel("context length (tokens, nominal)")
             ax.set_ylabel("needle depth")
             ax.set_title(f"{r['variant']} {t}")
         fig.colorbar(im, ax=axes[0, -1])

@@ -58,9 +58,21 @@ def _compare(rows_by_size: dict) -> list[str]:
                               human((r["capacity"] or {}).get("table_params_activated_at_seq_len") or 0)] for r in geo])
         tasks = sorted({t for r in rows for t in r["acc"]})
         if tasks:
-            lines += ["Eval accuracy (`stemlm eval`, mean over seeds):", ""]
-            lines += _table(["variant", *tasks], [[r["variant"], *(_f(r["acc"].get(t)) for t in tasks)] for r in rows])
+            lines += ["Eval accuracy (`stemlm eval`): mean over seeds ± its standard error; **bold** = above chance "
+                      "(mean − 2 se > chance); chance in the last row.", ""]
+            lines += _table(["variant", *tasks], [[r["variant"], *(_acc_cell(r["acc_detail"].get(t)) for t in tasks)]
+                                                  for r in rows])
+            chance = {t: next((r["acc_detail"][t]["chance"] for r in rows if t in r["acc_detail"]), None) for t in tasks}
+            lines = lines[:-1] + [f"| chance | " + " | ".join(_f(chance[t]) for t in tasks) + " |", ""]
     return lines
+
+
+def _acc_cell(d: dict | None) -> str:
+    """``acc ± se``, bold when above chance."""
+    if not d:
+        return "–"
+    cell = f"{d['acc']:.3f} ± {_f(d['stderr'])}"
+    return f"**{cell}**" if d["above"] else cell
 
 
 def _layer_mean(geometry: dict, key: str) -> float | None:
@@ -111,7 +123,7 @@ def _midtrain(rows: list[dict]) -> list[str]:
                      *(f"{t} 0 → end" for t in tasks)],
                     [[r["variant"], human(r["total_params"]), human(r["train_flops_per_token"]), r["status"], str(r["steps"]),
                       _f(r["val_loss_init"]), _f(r["final_val_loss"]),
-                      *(f"{_f(r['acc_init'].get(t))} → {_f(r['acc_final'].get(t))}" for t in tasks)] for r in rows])
+                      *(f"{_acc_cell(r['detail_init'].get(t))} → {_acc_cell(r['detail_final'].get(t))}" for t in tasks)] for r in rows])
     return lines
 
 

@@ -66,7 +66,22 @@ def load_spec(path_or_name: str | Path) -> dict:
         if key not in spec:
             raise ConfigError(f"study spec {path}: missing '{key}'")
     spec.setdefault("name", path.stem)
+    _check_eval_tasks(spec, path)
     return spec
+
+
+def _check_eval_tasks(spec: dict, path: Path) -> None:
+    """``ConfigError`` naming an eval task ``stemlm eval`` does not know (a spec with its own
+    ``eval.command`` is not checked: that command decides)."""
+    ev = spec.get("eval") or {}
+    if ev.get("command"):
+        return
+    from ..eval.tasks import GROUPS, TASKS
+
+    for key in ("tasks", "niah_tasks"):
+        unknown = [t for t in ev.get(key) or [] if t not in TASKS and t not in GROUPS]
+        if unknown:
+            raise ConfigError(f"study spec {path}: unknown eval.{key} {unknown} (`stemlm eval --help` lists the tasks)")
 
 
 def slug(text: str) -> str:

@@ -43,6 +43,30 @@ def eval_scores(evals: dict, run: str, point: str = "final") -> dict[str, float]
     return {t: s["acc"] for t, s in e["result"]["tasks"].items() if isinstance(s, dict) and s.get("acc") is not None}
 
 
+def eval_details(evals: dict, run: str, point: str = "final") -> dict[str, dict]:
+    """``{task: {"acc", "stderr", "chance", "n"}}`` of one evaluation (empty if there is none)."""
+    e = evals.get((run, point))
+    if not e:
+        return {}
+    return {t: {"acc": s["acc"], "stderr": s.get("acc_stderr"), "chance": s.get("chance"), "n": s.get("n")}
+            for t, s in e["result"]["tasks"].items() if isinstance(s, dict) and s.get("acc") is not None}
+
+
+def combine_seeds(details: list[dict[str, dict]]) -> dict[str, dict]:
+    """Per task over seeds: mean accuracy, the standard error of that mean (the seeds' binomial
+    errors combined as independent: sqrt(sum se^2) / k), chance, and ``above`` = mean - 2 se > chance."""
+    out = {}
+    for t in sorted({t for d in details for t in d}):
+        ds = [d[t] for d in details if t in d]
+        mean = sum(x["acc"] for x in ds) / len(ds)
+        ses = [x["stderr"] for x in ds if x["stderr"] is not None]
+        se = (sum(v * v for v in ses) ** 0.5) / len(ses) if ses else None
+        chance = ds[0]["chance"]
+        above = None if se is None or chance is None else mean - 2 * se > chance
+        out[t] = {"acc": mean, "stderr": se, "chance": chance, "above": above, "seeds": len(ds)}
+    return out
+
+
 def _mean_acc(scores: dict[str, float], tasks: list[str] | None = None) -> float | None:
     vals = [v for t, v in scores.items() if tasks is None or t in tasks]
     return sum(vals) / len(vals) if vals else None
@@ -72,6 +96,7 @@ def compare_rows(runs: list[dict], evals: dict) -> dict[str, list[dict]]:
             "train_seconds": mean_spread([r["metrics"]["train_seconds"] for r in rs])[0],
             "unigram_entropy": rs[0]["data"]["unigram_entropy"],
             "acc": {t: mean_spread([s.get(t) for s in scores])[0] for t in tasks},
+            "acc_detail": combine_seeds([eval_details(evals, r["name"]) for r in rs]),
             "mean_acc": mean_spread([_mean_acc(s) for s in scores])[0],
             "geometry": rs[0].get("geometry"), "capacity": rs[0].get("capacity"),
             "match": rs[0]["labels"].get("match"), "n_experts": a.get("n_experts"), "d_ff": a.get("d_ff")})
@@ -148,6 +173,8 @@ def midtrain_rows(runs: list[dict], evals: dict) -> list[dict]:
                      "total_params": r["accounting"]["total_params"],
                      "train_flops_per_token": r["accounting"]["train_flops_per_token"],
                      "acc_init": eval_scores(evals, r["name"], "init"), "acc_final": eval_scores(evals, r["name"]),
+                     "detail_init": combine_seeds([eval_details(evals, r["name"], "init")]),
+                     "detail_final": combine_seeds([eval_details(evals, r["name"])]),
                      "train": m["train"], "val": m["val"]})
     return rows
 

@@ -30,7 +30,7 @@ DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
-# (the backbone in every step); on the default run 10x beat 1x and 3.3x (docs/training.md).
+# (the backbone in every step); the scale was chosen on the default run (docs/training.md).
 TABLE_LR_SCALE = 10.0
 # Sections whose change makes a resumed run a different run (run.* may change, e.g. run.steps).
 RESUME_CHECKED = ("model", "data", "optim")
@@ -159,7 +159,7 @@ class RunSection:
     matmul: str = _f("auto", "GEMMs of linears and loss: auto (onednn for fp32 on CPU, else aten) | aten | onednn "
                      "(oneDNN kernels; faster than MKL on CPUs it does not tune for)")
     keep_freed_memory: bool = _f(True, "CPU: keep freed memory in the glibc heap between steps instead of returning "
-                                 "it to the OS (no page faults on the next step; ~7% faster; RSS stays at its peak)")
+                                 "it to the OS (no page faults on the next step; RSS stays at its peak)")
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
     init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = measured once by a fp32 matmul probe")

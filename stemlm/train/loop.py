@@ -80,9 +80,8 @@ def compile_blocks(model: StemLM) -> None:
 
     Per block rather than the whole model: the table lookups (data-dependent ``unique``) and the
     chunked loss stay eager outside the compiled regions, blocks of the same kind share one graph,
-    and parameter names are unchanged (checkpoints are the same as eager ones). On the tiny shape
-    this made training steps ~8 % (dense) and ~13 % (STEM) faster on CPU; compiling the whole
-    model was slower for STEM, whose lookups break the graph.
+    and parameter names are unchanged (checkpoints are the same as eager ones). Measured effect:
+    docs/training.md ("Benchmarks").
     """
     for block in model.layers:
         block.compile()

@@ -62,8 +62,8 @@ def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.A
 
 
 def _adamw(groups: list[dict], cfg: OptimSection) -> torch.optim.AdamW:
-    """The fused AdamW kernel (one pass over each tensor, ~6x faster than the per-op loop on CPU),
-    or the reference implementation where no fused kernel exists for the device/dtype."""
+    """The fused AdamW kernel (one pass over each tensor), or the reference implementation where
+    no fused kernel exists for the device/dtype."""
     try:
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=True)
     except (RuntimeError, ValueError):

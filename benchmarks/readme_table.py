@@ -1,0 +1,294 @@
+"""Regenerate the results table of README.md from the results JSON.
+
+    python benchmarks/readme_table.py            # rewrite the table between the marker comments
+    python benchmarks/readme_table.py --check    # exit 1 if README.md's table is out of date
+
+The table sits between ``<!-- results:begin ... -->`` and ``<!-- results:end -->`` in README.md.
+Each row is one formatter, registered with ``@row(goal, script, *results)``:
+
+* ``goal``: the goal's text, written from the same constant the formatter checks against;
+* ``script``: the benchmark that writes the results;
+* ``results``: paths relative to the repository root of the JSON the row is read from. A glob
+  (``train_step*.json``) gives ``{path: JSON}`` of every match; ``FILE#KEY`` gives the entry
+  ``KEY`` of the file (one run of ``edit_eval.json``). ``*.quick.json`` never matches.
+
+The formatter receives the loaded results in that order and returns ``(measured, met)``: the
+measured cell and the "goal met?" cell, both computed from the JSON. The benchmark cell (script,
+links to the JSON, the commit each was measured at) is built from ``results``. A row whose results do not
+exist yet is left out, with a note on stderr, so a formatter can be written before its first run.
+
+To add a row, e.g. for ``bench_foo.py`` writing ``benchmarks/results/foo.json`` = ``{"ratio": ...}``::
+
+    FOO_GOAL = 2.0
+
+    @row(f"P9 foo ≥ {FOO_GOAL:g}× faster than bar", "bench_foo.py", RES + "foo.json")
+    def foo(r: dict) -> tuple[str, str]:
+        return f"**{r['ratio']:.2f}×** ([docs](docs/foo.md))", yes(r["ratio"] >= FOO_GOAL)
+
+Rows appear in the order they are defined; ``yes``, ``pct``, ``ms``, ``sci`` and ``span`` format
+cells; the registry, the loading and the table's place in README.md are in ``_results_table.py``.
+Keep cells short: the explanation and the history of earlier runs belong on the docs page the cell
+links to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from _results_table import RES, ROOT, ms, pct, render, replace_table, row, sci, span, yes
+
+
+# ---------------------------------------------------------------- the rows
+
+GAP_GOAL = 0.03
+
+
+@row(f"P1 train step STEM-full ÷ dense within {pct(GAP_GOAL, 0)} of the FLOP ratio", "bench_train_step.py",
+     RES + "train_step.json", RES + "train_step*.json")
+def train_step(base: dict, runs: dict) -> tuple[str, str]:
+    from bench_train_step import width_sweep
+
+    sweep = width_sweep(list(runs.values()), base)  # the widths measured like the default shape
+    label = {w: f"d={w}" + (f" ({r['preset']})" if not r["overrides"] else "") for w, r in sweep}
+    own = [r["seconds_per_step"]["stem_own"] / r["seconds_per_step"]["stem"] for _, r in sweep]
+    gaps = ", ".join(f"{label[w]} {100 * r['gap']:+.1f} %" for w, r in sweep)
+    measured = (f"gap by backbone width ({base['batch_size']}×{base['seq_len']} tokens, median of per-round "
+                f"ratios): **{gaps}** ([plot]({RES}train_step_widths.png)); STEM's own work {pct(own[0])} → "
+                f"{pct(own[-1])} of its step ([why](docs/training.md#where-the-step-time-goes-p1-and-p7))")
+    met = [label[w] for w, r in sweep if abs(r["gap"]) <= GAP_GOAL]
+    missed = [label[w] for w, r in sweep if abs(r["gap"]) > GAP_GOAL]
+    verdict = yes(not missed) if not (met and missed) else f"at {', '.join(met)} yes; at {', '.join(missed)} no"
+    return measured, verdict
+
+
+SPEEDUP_GOAL = 20
+
+
+@row(f"P2 sparse ÷ dense table AdamW step ≥ {SPEEDUP_GOAL}× faster", "bench_sparse_optim.py",
+     RES + "sparse_optim.json")
+def sparse_optim(r: dict) -> tuple[str, str]:
+    m = r["main"]
+    measured = (f"V={m['V']}, d_ff={m['d_ff']}, U={m['unique']}: step {ms(m['sparse_step_s'])} (eager) / "
+                f"{ms(m['sparse_compiled_step_s'])} (`compile=True`) vs torch AdamW defaults "
+                f"{ms(m['dense_step_s'], 0)}: {m['dense_over_sparse_step']:.0f}× / "
+                f"{m['dense_over_sparse_compiled_step']:.0f}×; vs `fused=True` {ms(m['dense_fused_step_s'], 0)}: "
+                f"{m['dense_fused_over_sparse_step']:.1f}× / {m['dense_fused_over_sparse_compiled_step']:.1f}×; "
+                f"lookup + backward + step {m['dense_over_sparse_total']:.0f}× / "
+                f"{m['dense_over_sparse_compiled_total']:.0f}× ([docs](docs/training.md#table-optimizer-sparse-vs-dense))")
+    return measured, (f"{yes(m['dense_over_sparse_step'] >= SPEEDUP_GOAL)} vs torch defaults (the official setup); "
+                      f"{yes(m['dense_fused_over_sparse_step'] >= SPEEDUP_GOAL)} vs fused")
+
+
+MFU_GOAL = 0.5
+
+
+@row(f"P3 MFU of `tiny` ≥ {pct(MFU_GOAL, 0)} of measured fp32 matmul peak", "bench_mfu.py", RES + "mfu.json")
+def mfu(r: dict) -> tuple[str, str]:
+    runs = r["runs"]
+    measured = (f"dense {pct(runs['dense']['mfu'])}, STEM {pct(runs['stem']['mfu'])} (peak "
+                f"{r['peak_flops'] / 1e9:.0f} GFLOP/s: the best of ATen and oneDNN, measured in the same run)")
+    return measured, yes(all(x["mfu"] >= MFU_GOAL for x in runs.values()))
+
+
+DISK_SPEED_GOAL, RSS_GOAL = 0.95, 0.9
+
+
+@row(f"P4 decode with tables on disk ≥ {DISK_SPEED_GOAL}× RAM, RSS −{pct(RSS_GOAL, 0)} of table bytes",
+     "bench_offload_decode.py", RES + "offload_decode.json", RES + "offload_decode_llama3.2-1b.json")
+def offload_decode(r: dict, big: dict) -> tuple[str, str]:
+    cfg, runs, summary = r["config"], r["runs"], r["summary"]
+    cold, warm = summary["disk-cold"], summary["disk"]
+    waits = " / ".join(ms(runs[k]["store"]["stall_seconds"], 0) for k in ("disk-cold", "disk"))
+    rss = min(s["rss_saved_over_table_bytes"] for s in (cold, warm))
+    same = all(s["same_tokens_as_ram"] for s in (cold, warm))
+    big_run = big["runs"]["disk-cold"]
+    measured = (f"{cfg['repeats']} rotated rounds × {cfg['gens']} generations, median of per-round disk ÷ RAM "
+                f"ratios (ratio of medians): page cache dropped **{cold['speed_ratio_vs_ram']:.2f}× "
+                f"({cold['speed_ratio_of_medians']:.2f})**, warm **{warm['speed_ratio_vs_ram']:.2f}× "
+                f"({warm['speed_ratio_of_medians']:.2f})**; lookups waited {waits} in all (cold / warm); "
+                f"{'same' if same else 'different'} tokens; RSS −{pct(rss)} of {cfg['table_bytes'] / 1e9:.2f} GB. "
+                f"{big['config']['preset']} STEM-{big['config']['stem_layers']} with "
+                f"{big['config']['table_bytes'] / 1e9:.1f} GB of tables "
+                f"({big['summary']['disk-cold']['table_bytes_over_ram']:.2f}× RAM) decodes from disk at "
+                f"{big_run['decode_tokens_per_s']:.2f} tok/s, RSS {big_run['rss_end']['VmRSS'] / 2**30:.1f} GiB "
+                "([docs](docs/offload.md#measurements))")
+    if all(s["speed_ratio_vs_ram"] >= DISK_SPEED_GOAL for s in (cold, warm)):
+        speed = "yes"
+    elif all(s["speed_ratio_of_medians"] >= DISK_SPEED_GOAL for s in (cold, warm)):
+        speed = "no by the paired median, yes by the ratio of medians (the machine's noise: see docs)"
+    else:
+        speed = "no"
+    return measured, f"RSS {yes(rss >= RSS_GOAL)}; speed {speed}"
+
+
+HIT_GOAL, HIT_FRACTION = 0.9, 0.1
+ONLINE = ("lfu_cold", "lfu_warm", "window_cold", "window_warm")
+
+
+@row(f"P5 cache hit rate ≥ {pct(HIT_GOAL, 0)} at {pct(HIT_FRACTION, 0)} of rows (real corpus)", "bench_cache_hit.py",
+     RES + "cache_hit.json", RES + "cache_hit_train.json")
+def cache_hit(val: dict, train: dict) -> tuple[str, str]:
+    def at(result, stream):
+        return next(x for x in result["streams"][stream]["rows"] if x["fraction"] == HIT_FRACTION)
+
+    def both(result, key):
+        return " / ".join(f"{at(result, s)[key]:.3f}" for s in ("corpus", "smollm2"))
+    v = {s: val["streams"][s]["vocab_size"] for s in ("corpus", "smollm2")}
+    measured = (f"validation split, W-TinyLFU warm: V={v['corpus']} {at(val, 'corpus')['window_warm']:.3f}, "
+                f"SmolLM2 V={v['smollm2']} {at(val, 'smollm2')['window_warm']:.3f} (LFU warm "
+                f"{both(val, 'lfu_warm')}; Belady's optimum from an empty cache {both(val, 'belady_cold')}); "
+                f"a {train['streams']['corpus']['tokens'] // 1000}k-token training stream: W-TinyLFU cold "
+                f"{both(train, 'window_cold')} (static top-{pct(HIT_FRACTION, 0)} {both(train, 'static_oracle')}, "
+                f"Belady {both(train, 'belady_cold')}) ([plot]({RES}cache_hit.png), "
+                "[docs](docs/offload.md#measurements))")
+    best = max(at(res, s)[k] for res in (val, train) for s in res["streams"] for k in ONLINE
+               if at(res, s)[k] is not None)
+    if best >= HIT_GOAL:
+        return measured, "yes"
+    return measured, (f"no (best {best:.3f}; SmolLM2's top {pct(HIT_FRACTION, 0)} of ids cover only "
+                      f"{pct(at(train, 'smollm2')['static_oracle'])} of the training text)")
+
+
+@row("P6 decode STEM ÷ dense vs parameter-byte ratio", "bench_stem_vs_dense_decode.py",
+     RES + "stem_vs_dense_decode.json")
+def stem_vs_dense_decode(r: dict) -> tuple[str, str]:
+    d, prefill = r["decode"], r["prefill_disk_tier"]
+    exact = all(p["bytes_ratio"] == 1 for p in prefill.values()) and r["decode_bytes_disk_tier"]["ratio"] == 1
+    measured = (f"byte ratio {d['inverse_bytes_ratio']:.3f}; speed ratio **{d['speed_ratio_stem_over_dense']:.2f}×** "
+                f"(median of {len(d['speed_ratio_rounds'])} alternating paired rounds, {span(d['speed_ratio_rounds'])}; "
+                f"ratio of medians {d['speed_ratio_of_medians']:.2f}×); disk-tier prefill with prefetch overlap "
+                + " / ".join(f"×{p['speedup_prefetch']:.3f}" for p in prefill.values())
+                + f" (the gather is {span([1000 * p['gather_all_layers_s'] for p in prefill.values()], '.0f')} ms "
+                f"of a {span([p['forward_sync_s'] for p in prefill.values()], '.1f')} s prefill); bytes moved = "
+                f"formula {'exactly' if exact else 'not exactly'} ([docs](docs/offload.md#measurements))")
+    return measured, "reported (no threshold)"
+
+
+HF_GOAL = 1.3
+
+
+@row(f"P7 training tokens/s stemlm ÷ HF Llama (sdpa) ≥ {HF_GOAL}×", "bench_vs_hf.py", RES + "vs_hf.json")
+def vs_hf(r: dict) -> tuple[str, str]:
+    tps = r["tokens_per_s"]
+    measured = (f"**{r['ratio']:.2f}×** (median of per-round ratios, {r['steps']} rounds; ratio of medians "
+                f"{r['ratio_of_medians']:.2f}, of fastest steps {r['ratio_of_fastest']:.2f}): stemlm "
+                f"{tps['stemlm']:.0f} vs HF {tps['hf']:.0f} tok/s; in the same rounds `run.matmul=aten` "
+                f"{r['ratio_aten']:.2f}×, `run.compile=true` {r['ratio_compiled']:.2f}×. Earlier runs and where "
+                "the lead comes from: [docs](docs/training.md#where-the-step-time-goes-p1-and-p7)")
+    return measured, f"eager: {yes(r['ratio'] >= HF_GOAL)}; with compiled blocks: {yes(r['ratio_compiled'] >= HF_GOAL)}"
+
+
+EVAL_SPEED_GOAL, EVAL_DIFF_GOAL = 2, 1e-4
+GEMMS = {"aten": "ATen", "onednn": "oneDNN"}
+
+
+def eval_misses(r: dict) -> list[str]:
+    """Which parts of the P8 goal a ``bench_eval_vs_harness`` result misses."""
+    return [what for what, ok in (("speed", r["ratio"] >= EVAL_SPEED_GOAL),
+                                  (f"the {sci(EVAL_DIFF_GOAL, 0)} agreement", r["max_abs_logprob_diff"] <= EVAL_DIFF_GOAL),
+                                  ("accuracy", r["accuracies_identical"])) if not ok]
+
+
+@row(f"P8 `stemlm eval` ÷ lm-eval `hf` backend ≥ {EVAL_SPEED_GOAL}× faster, per-request log-likelihoods within "
+     f"{sci(EVAL_DIFF_GOAL, 0)}, identical accuracy", "bench_eval_vs_harness.py",
+     RES + "eval_vs_harness_aten.json", RES + "eval_vs_harness.json", RES + "eval_agreement.json")
+def eval_vs_harness(aten: dict, onednn: dict, agreement: dict) -> tuple[str, str]:
+    acc = " / ".join(f"{a:.3f}" for a in aten["accuracy"]["stemlm"].values())
+    same = "identical" if aten["accuracies_identical"] else "different"
+    measured = (f"SmolLM2-135M fp32, {aten['n_requests']:,} {' + '.join(aten['tasks'])} requests, "
+                f"{aten['rounds']} paired rounds: {GEMMS[aten['matmul']]} GEMMs (the default) **{aten['ratio']:.2f}×** "
+                f"({min(aten['seconds']['stemlm']):.1f} s vs {min(aten['seconds']['harness_hf']):.1f} s, fastest "
+                f"rounds), max difference {sci(aten['max_abs_logprob_diff'])}, accuracy {same} ({acc}); "
+                f"{GEMMS[onednn['matmul']]} (`--matmul auto`) **{onednn['ratio']:.2f}×**, max difference "
+                f"{sci(onednn['max_abs_logprob_diff'])}; all {len(agreement['tasks'])} multiple-choice tasks "
+                f"({agreement['limit']} items each, {GEMMS[agreement['matmul']]}): {agreement['ratio']:.2f}×, "
+                f"{sci(agreement['max_abs_logprob_diff'])}, accuracy "
+                f"{'identical' if agreement['accuracies_identical'] else 'different'} "
+                "([docs](docs/evaluation.md#speed-against-the-harnesss-hf-backend))")
+    verdicts = [(f"{GEMMS[r['matmul']]}" + (f" ({len(r['tasks'])} tasks)" if r is agreement else "") + ": "
+                 + (f"no (misses {', '.join(miss)})" if (miss := eval_misses(r)) else "yes"))
+                for r in (aten, onednn, agreement)]
+    return measured, "; ".join(verdicts)
+
+
+SWAP_GOAL, LOCALITY_GOAL = 0.9, 0.99
+
+
+def all_layers(run: dict, split: str) -> dict:
+    """The swap evaluation of ``run`` on ``split`` with every table layer edited."""
+    return next(x for x in run[f"swap_{split}"]["runs"] if x["layers_label"] == "all")
+
+
+@row(f"knowledge edit: swap success ≥ {pct(SWAP_GOAL, 0)} on held-out phrasings, ≥ {pct(LOCALITY_GOAL, 0)} "
+     "locality, exact undo", "bench_edit.py",
+     RES + "edit_eval.json#r16_full_tlr30_emb0_s4000", RES + "edit_eval.json#r16_full_tlr30_s4000")
+def edit(frozen: dict, trained: dict) -> tuple[str, str]:
+    held, seen = all_layers(frozen, "heldout_template"), all_layers(frozen, "train")
+    undo = "exact" if held["reversible"] == 1 else f"exact in {pct(held['reversible'])}"
+    measured = (f"default corpus with each training fact ×16, input embedding frozen (`optim.embed_lr=0`), "
+                f"{frozen['spec']['steps']} steps: **{pct(held['success'])}** held-out (n={held['known']}), "
+                f"{pct(seen['success'])} trained; locality {pct(held['locality_top1'], 0)}; undo {undo}. "
+                f"{pct(all_layers(trained, 'heldout_template')['success'])} / "
+                f"{pct(all_layers(trained, 'train')['success'])} with the embedding trained "
+                "([docs](docs/editing.md#results) has the recipe and what moves it)")
+    ok = held["success"] >= SWAP_GOAL and held["locality_top1"] >= LOCALITY_GOAL and held["reversible"] == 1
+    return measured, yes(ok)
+
+
+BATCH_GOAL = 4
+
+
+@row(f"batched decode: batch 8 ≥ {BATCH_GOAL}× the tokens/s of batch 1", "bench_batch_decode.py",
+     RES + "batch_decode.json")
+def batch_decode(r: dict) -> tuple[str, str]:
+    cfg, tiers = r["config"], {t: v for t, v in r["tiers"].items() if v["summary"]}
+    parts = []
+    for tier, res in tiers.items():
+        b1, b8 = res["batches"]["1"], res["batches"]["8"]
+        parts.append(f"{tier}: **{res['summary']['speed_ratio_b8_over_b1']:.2f}×** ({b1['decode_tokens_per_s']:.0f} → "
+                     f"{b8['decode_tokens_per_s']:.0f} tok/s; rows per step {b8['rows_per_step']:.1f} against "
+                     f"{b8['request_rows_per_step']:.1f} fetched one request at a time)")
+    measured = (f"{cfg['preset']}, STEM-{cfg['stem_layers']}, median of per-round ratios over {cfg['repeats']} "
+                f"rounds: " + "; ".join(parts) + " ([docs](docs/generation.md#batched-generation))")
+    return measured, "; ".join(f"{t}: {yes(v['summary']['speed_ratio_b8_over_b1'] >= BATCH_GOAL)}"
+                               for t, v in tiers.items())
+
+
+# Not rows yet, their JSON schema being unsettled: bench_table_dtype.py (bench_table_dtype.json),
+# bench_serve.py (bench_serve.json) and the study (results/study/full/study.json, whose measurements
+# are in runs/*.json and eval/*.json next to it). Add each with @row as above once its JSON exists.
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite README.md's results table (or with ``--check`` only say whether it is current)."""
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the table is out of date; write nothing")
+    ap.add_argument("--readme", type=Path, default=ROOT / "README.md", help="the file holding the table "
+                                                                          "(default: README.md of this checkout)")
+    args = ap.parse_args(argv)
+    table, notes = render()
+    for note in notes:
+        print(note, file=sys.stderr)
+    old = args.readme.read_text()
+    try:
+        new = replace_table(old, table)
+    except ValueError as e:
+        print(f"error: {args.readme}: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if new != old:
+            print(f"{args.readme}: the results table is out of date; run python benchmarks/readme_table.py",
+                  file=sys.stderr)
+            return 1
+        print(f"{args.readme}: the results table is current")
+        return 0
+    if new != old:
+        args.readme.write_text(new)
+    print(f"{'wrote' if new != old else 'unchanged:'} {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
