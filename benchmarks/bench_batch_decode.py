@@ -44,7 +44,7 @@ def prompts_for(batch: int, lens: list[int], vocab: int, seed: int) -> list[list
 def timed_batch(model, store, prompts: list[list[int]], new_tokens: int, seed: int) -> dict:
     """Decode one batch; its tokens, decode speed and rows per decode step."""
     params = [SamplingParams(new_tokens, temperature=1.0, seed=seed + i) for i in range(len(prompts))]
-    n_tables = len(store.tables)
+    n_tables = len(store)
     out: list[list[int]] = [[] for _ in prompts]
     fetched, own, decoded = [], [], 0
     store.reset_stats()

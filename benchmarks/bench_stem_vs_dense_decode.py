@@ -68,7 +68,7 @@ def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int, matmul: str) -
             t0 = time.perf_counter()
             uniq = torch.unique(ids)
             for t in runs[False][0].tables.values():
-                t.gather_unique(uniq)
+                t.fetch(uniq)
             if r:
                 gather.append(time.perf_counter() - t0)
     stats = runs[True][1].stats()

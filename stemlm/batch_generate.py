@@ -13,7 +13,7 @@ batch. A row that produced ``eos_id``, used up its budget or met its ``stop`` te
 and the KV cache (``KVCache.keep_rows``).
 
 Table rows are fetched once per step for the whole batch: a lookup deduplicates the ids of every
-row, and the table store (if any) is asked to prefetch the next step's ids right after sampling,
+row, and the model's tables are asked to prefetch the next step's ids right after sampling,
 before the step is yielded, so the gather overlaps with the caller's work and the next forward's
 attention. ``decode_batch`` yields one ``BatchStep`` per forward pass with the number of distinct
 ids it looked up and the sum of each request's own distinct ids (what one-at-a-time decoding would
@@ -29,7 +29,6 @@ import torch
 
 from .generate import _generator, check_sampling, decode_one_token, prefill, sample
 from .kv_cache import KVCache
-from .store.offload import store_of
 from .tables import check_ids
 
 
@@ -111,7 +110,7 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams
     ``params`` is one ``SamplingParams`` for all or one per prompt. A request ends after its
     ``max_new_tokens``, at ``eos_id`` (included in its tokens), when ``stop(i, tokens_so_far)`` is
     true, or at the model's ``max_seq_len``. ``pad_id`` (default ``eos_id`` or 0) fills the left
-    padding; it never affects results. ``store="auto"`` prefetches through the model's table store;
+    padding; it never affects results. ``store="auto"`` prefetches through the model's tables (``model.tables``);
     ``None`` disables prefetch. Arguments are checked before the first step is asked for.
     """
     params = _params_list(params, len(prompts))
@@ -135,7 +134,7 @@ def _decode_batch(model, prompts, params, eos_id, stop, pad_id, store) -> Iterat
     active = [i for i in range(len(prompts)) if budget[i] > 0]  # requests in the batch, in cache order
     if not active:
         return
-    store = store_of(model) if store == "auto" else store
+    store = model.tables if store == "auto" else store
     ids, pad, positions, mask = left_pad([prompts[i] for i in active], pad_id, device)
     width = ids.shape[1]
     generators = {i: _generator(params[i].seed, device) for i in active}

@@ -26,6 +26,7 @@ from .fields import ConfigError, coerce_fields
 
 FFN_KINDS = ("dense", "stem", "stem_dagger", "stem_gate", "hash_moe")
 TABLE_KINDS = ("stem", "stem_dagger", "stem_gate")  # FFN kinds that own a token-indexed table
+TIERS = ("device", "host", "disk")  # where table rows live: the model's memory, host RAM, a file
 TABLE_INITS = ("xavier_normal", "matched", "normal")
 
 
@@ -174,6 +175,13 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with some constructor fields changed (derived fields recomputed)."""
         return ModelConfig.from_dict({**self.to_dict(), **changes})
+
+
+def check_tier(tier: str) -> str:
+    """``tier`` if it is one of ``TIERS``; else a ``ValueError`` naming the choices."""
+    if tier not in TIERS:
+        raise ValueError(f"unknown table tier {tier!r}; choose one of {', '.join(TIERS)}")
+    return tier
 
 
 def matched_expert_count(d_model: int, vocab_size: int) -> int:

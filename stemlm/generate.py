@@ -3,7 +3,7 @@
 ``prefill`` runs the prompt through the model filling a ``KVCache``; ``decode_one_token`` runs one
 new token; ``sample`` turns last-position logits into token ids; ``generate`` strings them together
 and yields the new tokens one step at a time. Whatever tier the tables are on, the loop asks the
-model's table store (if any) to prefetch the rows of the next token right after it is sampled, so
+model's tables (``model.tables``, a no-op in memory) to prefetch the rows of the next token right after it is sampled, so
 the gather overlaps with the rest of the step's Python and attention work.
 """
 
@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import torch
 
 from .kv_cache import KVCache
-from .store.offload import store_of
 
 
 def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
@@ -77,8 +76,7 @@ def generate(model, prompt: torch.Tensor, max_new_tokens: int, temperature: floa
     """Yield the new tokens ``(B,)`` one step at a time.
 
     Stops after ``max_new_tokens``, when every row has produced ``eos_id``, or at the model's
-    ``max_seq_len``. ``store="auto"`` uses the table store installed in the model (if any) for
-    prefetching; pass ``None`` to disable prefetch. Same seed, same tokens. The arguments are
+    ``max_seq_len``. ``store="auto"`` prefetches through the model's tables (``model.tables``); pass ``None`` to disable prefetch. Same seed, same tokens. The arguments are
     checked when ``generate`` is called, before the first token is asked for.
     """
     if prompt.dim() != 2 or prompt.shape[1] == 0:
@@ -96,7 +94,7 @@ def _generate(model, prompt, max_new_tokens, temperature, top_k, top_p, seed, eo
     n_new = min(max_new_tokens, cfg.max_seq_len - T + 1)  # the last sampled token is never fed back
     if n_new <= 0:
         return
-    store = store_of(model) if store == "auto" else store
+    store = model.tables if store == "auto" else store
     param = next(model.parameters())
     cache = KVCache(cfg, B, max_len=T + n_new - 1, device=param.device, dtype=param.dtype)
     generator = _generator(seed, prompt.device)

@@ -3,8 +3,10 @@ token-indexed table row instead of (or added to) the up-projection.
 
 Differences from a plain Llama:
 * ``cfg.layer_kinds[i]`` selects the FFN of layer ``i`` (see ``ffn.py``);
-* every table layer ``i`` has a table ``self.tables[str(i)]`` queried by token id through
-  ``lookup(ids)``; this file does not know where the rows are stored;
+* every table layer ``i`` has a table ``self.tables[str(i)]``; ``forward`` gets the rows of all
+  of them in one call, ``self.tables.rows(ids)`` (the ids are made unique once), and passes each
+  block its layer's rows, as nanochat passes value embeddings. A caller may pass the rows itself
+  (``table_rows``). This file does not know where the rows are stored;
 * input embedding and LM head are untied unless ``cfg.tie_embeddings``.
 
 RoPE uses the rotate-half convention of Hugging Face Llama, so HF weights load unpermuted.
@@ -14,6 +16,8 @@ applied from outside.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from .config import TABLE_KINDS, ModelConfig
 from .ffn import FFN_CLASSES, HashMoEFFN, token_expert_hash
 from .loss import linear_cross_entropy
-from .tables import StemTable, check_ids, init_table_
+from .tables import StemTable, Tables, check_ids, init_table_
 
 
 class RMSNorm(nn.Module):
@@ -153,7 +157,7 @@ class StemLM(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.tables = nn.ModuleDict({str(i): StemTable(cfg.vocab_size, cfg.d_ff) for i in cfg.table_layers})
+        self.tables = Tables({str(i): StemTable(cfg.vocab_size, cfg.d_ff) for i in cfg.table_layers})
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -168,7 +172,8 @@ class StemLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
                 return_hidden: bool = False, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
+                table_rows: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
         ``cache`` (optional) keeps keys/values across calls (see ``kv_cache.KVCache``);
@@ -180,6 +185,9 @@ class StemLM(nn.Module):
         Packed or padded batches: ``positions (B, T)`` gives every token its own RoPE position
         (``start_pos`` then only names the cache slots written), and ``attn_mask (B|1, 1, T, S)``
         (True = may attend) replaces the causal mask.
+
+        ``table_rows`` maps each table layer (``"1"``, ...) to its rows ``(B, T, d_ff)`` for ``ids``;
+        by default ``self.tables.rows(ids)`` gathers them.
         """
         cfg = self.cfg
         if ids.dim() != 2:
@@ -197,8 +205,12 @@ class StemLM(nn.Module):
             cos, sin = rope_cos_sin(positions.reshape(-1), cfg.head_dim, cfg.rope_theta, x.dtype)
             cos, sin = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)  # (B, 1, T, hd): broadcast over heads
         mask = attention_mask(doc_ids, start_pos, T, ids.device) if attn_mask is None else attn_mask
+        if table_rows is None:
+            table_rows = self.tables.rows(ids)
+        elif missing := [str(i) for i in cfg.table_layers if str(i) not in table_rows]:
+            raise ValueError(f"table_rows has no rows for table layer(s) {', '.join(missing)}")
         for i, block in enumerate(self.layers):
-            rows = self.tables[str(i)].lookup(ids) if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
+            rows = table_rows[str(i)] if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
         if targets is not None:

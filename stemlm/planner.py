@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from . import accounting as acc
 from .args import parse_overrides
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, check_tier
 from .presets import PRESETS, model_config
 
 # Shapes used only for planning (too large to build on CPU); combine with any ffn / placement.
@@ -34,7 +34,6 @@ EXTRA_SHAPES: dict[str, dict] = {
     "7b-class": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, d_ff=14336, vocab_size=128256,
                      rope_theta=500000.0, max_seq_len=8192),
 }
-TIERS = ("device", "host", "disk")
 GB = 1e9
 
 
@@ -150,8 +149,7 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
     Activations are not modelled.
     """
     seq_len = seq_len or cfg.max_seq_len
-    if tables not in TIERS:
-        raise ValueError(f"tables must be one of {', '.join(TIERS)}, got {tables!r}")
+    check_tier(tables)
     if not 0 <= cache_frac <= 1:
         raise ValueError(f"cache_frac must be in [0, 1], got {cache_frac}")
     if batch <= 0 or seq_len <= 0 or dtype_bytes <= 0 or optimizer_bytes < 0:

@@ -1,20 +1,35 @@
-"""Token-indexed STEM tables: the lookup API every storage tier implements.
+"""Token-indexed STEM tables and ``Tables``, the container of all tables of a model.
 
-A table maps token ids to rows of width ``d_ff``. The model only ever calls
-``table.lookup(ids)``; where the rows live (this in-memory module, host RAM, disk, a cache, a
-shard on another rank) is decided by whoever installs the table object in ``model.tables``.
+A table maps token ids to rows of width ``d_ff``. The model never asks a single table: its
+``forward`` calls ``self.tables.rows(ids)`` once, which makes the ids unique *once* for every
+layer and returns a ``LayerRows`` mapping (layer key -> rows ``ids.shape + (d_ff,)``) that the
+model passes into its blocks (or the caller passes its own mapping as ``table_rows``).
 
-Lookups deduplicate: the ids of a batch are made unique, each unique row is gathered once and
-scattered back to every position (``expand_rows``).
+Every tier implements the same two levels:
+
+* a table (``StemTable`` here; ``OffloadedTable`` for host/disk, ``ShardedTable`` across ranks):
+  ``index(ids) -> (unique_ids, inverse)``, ``gather(unique_ids) -> (U, dim)`` (differentiable, and
+  recorded as a row-sparse leaf under ``sparse_grad``), ``lookup(ids)`` for one table alone,
+  ``pop_touched()``, ``read_rows``/``write_rows``, ``num_rows``, ``dim``;
+* a container (``Tables`` here, for tables in the model's memory; ``stemlm.store.TableStore`` for
+  host/disk), installed as ``model.tables``: ``rows(ids)``, ``prefetch(ids)``, ``stats()``,
+  ``reset_stats()``, ``flush()``, ``close()``. State-dict keys stay ``tables.<layer>.weight``.
+
+Lookups deduplicate: each unique row is gathered once and scattered back to every position
+(``expand_rows``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from .config import TIERS
 
 
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,10 +89,51 @@ class WeightRows:
         self.weight[ids] = rows.to(self.weight.dtype)
 
 
-class StemTable(WeightRows, nn.Module):
+class TableLookup:
+    """What every table kind shares: index ids, look up one table alone, hand out recorded leaves.
+
+    A subclass provides ``num_rows``, ``dim``, ``sparse_grad``, ``touched`` and ``gather(uniq)``.
+    """
+
+    num_rows: int
+    dim: int
+    sparse_grad: bool
+    touched: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(unique_ids, inverse)`` of ``ids``, checked against the table's rows."""
+        check_ids(ids, self.num_rows)
+        return unique_ids(ids)
+
+    def gather(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Rows ``(U, dim)`` for unique ids."""
+        raise NotImplementedError
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows for ``ids`` (any shape) of this table alone -> ``ids.shape + (dim,)``."""
+        uniq, inverse = self.index(ids)
+        rows = self.gather(uniq)
+        return expand_rows(rows, inverse.to(rows.device), ids.shape)
+
+    def record(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows (U, dim)`` as a fresh leaf kept in ``touched`` when ``sparse_grad`` applies, so
+        backward gives a ``(U, dim)`` gradient for the touched rows only; else ``rows`` itself."""
+        if not (self.sparse_grad and torch.is_grad_enabled()):
+            return rows
+        rows = rows.detach().requires_grad_(True)
+        self.touched.append((uniq, rows))
+        return rows
+
+    def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(unique_ids, rows_leaf)`` pairs recorded since the last call."""
+        out, self.touched = self.touched, []
+        return out
+
+
+class StemTable(WeightRows, TableLookup, nn.Module):
     """A table held as a parameter in the model's own memory (the ``device`` tier).
 
-    With ``sparse_grad`` set, a lookup under autograd gathers the unique rows into a fresh leaf
+    With ``sparse_grad`` set, a gather under autograd copies the unique rows into a fresh leaf
     tensor instead of indexing the parameter, so backward produces a ``(U, d_ff)`` gradient
     for the touched rows only and never a dense ``V × d_ff`` one. The ``(unique_ids, leaf)``
     pairs are kept in ``touched`` until an optimizer takes them with ``pop_touched()``.
@@ -90,20 +146,96 @@ class StemTable(WeightRows, nn.Module):
         self.sparse_grad = False
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids`` (any shape) -> ``ids.shape + (dim,)``."""
-        uniq, inverse = unique_ids(ids)
+    def gather(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Rows ``(U, dim)`` for unique ids (a recorded leaf under ``sparse_grad``)."""
         if self.sparse_grad and torch.is_grad_enabled():
-            rows = self.weight.detach().index_select(0, uniq).requires_grad_(True)  # (U, dim) leaf
-            self.touched.append((uniq, rows))
-        else:
-            rows = F.embedding(uniq, self.weight)  # (U, dim)
-        return expand_rows(rows, inverse, ids.shape)
-
-    def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The ``(unique_ids, rows_leaf)`` pairs recorded since the last call."""
-        out, self.touched = self.touched, []
-        return out
+            return self.record(uniq, self.weight.detach().index_select(0, uniq))
+        return F.embedding(uniq, self.weight)
 
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.dim}, sparse_grad={self.sparse_grad}"
+
+
+class LayerRows(Mapping):
+    """The rows of every table layer for one batch of ids: ``rows[key] -> ids.shape + (dim,)``.
+
+    The ids were made unique once for all layers; a layer's unique rows are gathered when its key
+    is read (so the gathers of later layers, prefetched in the background, overlap the compute of
+    earlier ones) and are not kept: read each key once, as ``StemLM.forward`` does.
+    """
+
+    def __init__(self, gathers: dict[str, Callable[[], torch.Tensor]], inverse: torch.Tensor, shape: torch.Size):
+        self._gathers, self.inverse, self.shape = gathers, inverse, shape
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        rows = self._gathers[key]()  # (U, dim)
+        return expand_rows(rows, self.inverse.to(rows.device), self.shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._gathers)
+
+    def __len__(self) -> int:
+        return len(self._gathers)
+
+
+@dataclass
+class TableStats:
+    """Traffic counters of one table (rows/bytes moved = read from the backing store)."""
+
+    lookups: int = 0
+    unique_rows: int = 0
+    rows_moved: int = 0
+    bytes_moved: int = 0
+    prefetched: int = 0  # lookups served by a prefetch
+    stalls: int = 0  # ... of which had to wait for it
+    stall_seconds: float = 0.0  # ... in total
+    rows_written: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Tables(nn.ModuleDict):
+    """All tables of a model keyed by layer (``"1"``, ``"3"``, ...), installed as ``model.tables``.
+
+    This class serves tables held in the model's memory (``StemTable``, or ``ShardedTable`` on a
+    rank); ``stemlm.store.TableStore`` is the same container for the host and disk tiers. Every
+    tier is also the handle callers keep: ``prefetch``, ``stats``, ``flush`` and ``close`` are
+    no-ops here, and it is a context manager.
+    """
+
+    tier = TIERS[0]
+
+    def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(unique_ids, inverse)`` of ``ids`` for all layers at once (the tables of a model index
+        alike: the first one does it; a sharded table makes it the union over the ranks)."""
+        return next(iter(self.values())).index(ids)
+
+    def rows(self, ids: torch.Tensor) -> LayerRows:
+        """Every layer's rows for ``ids (B, T)``: ids made unique once, rows gathered per layer."""
+        if len(self) == 0:  # a dense model: nothing to index
+            return LayerRows({}, ids, ids.shape)
+        uniq, inverse = self.index(ids)
+        return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in self.items()}, inverse, ids.shape)
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start gathering the rows of ``ids`` ahead of the forward (nothing to do in memory)."""
+
+    def stats(self) -> dict:
+        """The counters of ``TableStore.stats``: all zero, rows in memory are not traffic."""
+        return {"tier": self.tier, "tables": len(self), "prefetch": False, **TableStats().as_dict(), "per_table": {}}
+
+    def reset_stats(self) -> None:
+        """Zero every counter (none here)."""
+
+    def flush(self) -> None:
+        """Make written rows durable (they are, in memory)."""
+
+    def close(self) -> None:
+        """Release what the tables hold (nothing in memory)."""
+
+    def __enter__(self) -> "Tables":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -85,7 +85,7 @@ def test_offloaded_batch_fetches_each_distinct_row_once_per_step(tier, tmp_path)
     ps = [[5, 6, 5, 7], [5, 6], [9, 5, 6, 5, 5, 8]]
     want = generate_batch(model, ps, SamplingParams(5))
     with offload_tables(model, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None) as store:
-        n_tables = len(store.tables)
+        n_tables = len(store)
         store.reset_stats()
         steps = list(decode_batch(model, ps, SamplingParams(5)))
         stats = store.stats()

@@ -334,3 +334,41 @@ def test_disk_tier_descriptors_are_closed(setup, tmp_path):
     rows.close()  # idempotent
     gc.collect()
     assert _open_fds() == base
+
+
+@pytest.mark.parametrize("tier, prefetch", [("device", False), ("host", False), ("host", True), ("disk", False),
+                                            ("disk", True)])
+def test_one_forward_makes_the_ids_unique_once_for_every_layer(tmp_path, monkeypatch, tier, prefetch):
+    cfg = model_config("debug", ffn="stem", stem_layers="full")
+    assert len(cfg.table_layers) > 1
+    torch.manual_seed(0)
+    model = StemLM(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        want = model(ids)
+    store = offload_tables(model, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None, prefetch=prefetch)
+    assert model.tables is store
+    calls = []
+    real = torch.unique
+    monkeypatch.setattr(torch, "unique", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    with torch.no_grad():
+        store.prefetch(ids)
+        got = model(ids)
+    assert len(calls) == 1  # one torch.unique for all table layers (in the prefetch, or else in the forward)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    if tier != "device":
+        s = store.stats()
+        assert s["lookups"] == len(cfg.table_layers) and s["prefetched"] == (len(cfg.table_layers) if prefetch else 0)
+    store.close()
+
+
+def test_table_rows_passed_explicitly_replace_the_lookup(setup):
+    cfg, model, _, batches, ref, _ = setup
+    ids = batches[0]
+    rows = {k: t.weight.detach()[ids] for k, t in model.tables.items()}  # (B, T, d_ff) per layer
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids, table_rows=rows), ref[0], rtol=0, atol=1e-6)
+        zero = {k: torch.zeros_like(r) for k, r in rows.items()}
+        assert not torch.allclose(model(ids, table_rows=zero), ref[0])
+        with pytest.raises(ValueError, match=f"no rows for table layer.* {cfg.table_layers[-1]}"):
+            model(ids, table_rows={str(cfg.table_layers[0]): rows[str(cfg.table_layers[0])]})

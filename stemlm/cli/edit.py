@@ -15,7 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..edit.load import TIERS, load_model_and_tokenizer
+from ..config import TIERS
+from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import forget, inject
 from ..edit.report import edit_report, format_report, plot_report, swap_report
 from ..edit.rows import resolve_layers

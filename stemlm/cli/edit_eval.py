@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from ..edit.evaluate import EditEvalConfig, layer_sweep, run_edit_eval
-from ..edit.load import TIERS, load_model_and_tokenizer
+from ..config import TIERS
+from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import MODES
 from ..edit.strategies import ALIGNS
 from .edit import parse_layers

@@ -23,9 +23,9 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..artifacts import cache_dir
+    from ..config import TIERS
     from ..matmul import add_matmul_argument
     from ..eval.models import ENGINES
-    from ..store import TIERS
 
     parser.add_argument("--model", action="append", required=True, metavar="PATH",
                         help="stemlm run/checkpoint dir, Llama dir, .gguf file or 'smollm2'; repeat to compare")

@@ -17,8 +17,8 @@ import argparse
 import json
 
 from ..accounting import human
-from ..config import FFN_KINDS
-from ..planner import TIERS, Hardware, plan, preset_names, resolve_model_config
+from ..config import FFN_KINDS, TIERS
+from ..planner import Hardware, plan, preset_names, resolve_model_config
 from .options import fraction, non_empty, non_negative_int, positive_float, positive_int
 
 

@@ -7,9 +7,11 @@ for any number of table layers (a layer split needs N to divide the number of ta
 
 A lookup is collective (every rank must call it, in the same order):
 
-1. every rank's unique ids are all-gathered and merged into the step's union ``u`` (sorted);
-2. each rank fills the rows of ``u`` it owns, zeros elsewhere; an all-reduce (sum) gives every rank
-   all rows of ``u`` (each row has exactly one owner, so the sum is exact);
+1. ``index``: every rank's unique ids are all-gathered and merged into the step's union ``u``
+   (sorted); in a forward this happens once for all table layers (``Tables.rows``);
+2. ``gather(u)``, per layer: each rank fills the rows of ``u`` it owns, zeros elsewhere; an
+   all-reduce (sum) gives every rank all rows of ``u`` (each row has exactly one owner, so the sum
+   is exact);
 3. with ``sparse_grad``, the ``(len(u), dim)`` result is a leaf; after backward, ``pop_touched``
    all-reduces its gradient, divides by the world size (the mean over ranks, as DDP does for the
    backbone) and keeps the owner's rows. Ids it returns are *local* row indices, so the sparse
@@ -24,10 +26,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..tables import WeightRows, check_ids, expand_rows
+from ..tables import TableLookup, WeightRows, check_ids, unique_ids
 
 
-class ShardedTable(WeightRows, nn.Module):
+class ShardedTable(WeightRows, TableLookup, nn.Module):
     """Rows ``id % world == rank`` of a ``num_rows × dim`` table, with the table lookup protocol.
 
     ``read_rows``/``write_rows`` take *local* row indices (``id // world``), as ``pop_touched`` returns.
@@ -61,20 +63,22 @@ class ShardedTable(WeightRows, nn.Module):
         union = torch.unique(torch.cat(gathered))
         return union[union >= 0]
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids`` (collective: all ranks call it together)."""
+    def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(union, inverse)``: the sorted union of every rank's ids and, for each position of
+        ``ids``, its row in the union (collective)."""
         check_ids(ids, self.full_num_rows)
-        local_unique, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        local_unique, inverse = unique_ids(ids)
         union = self._union_ids(local_unique)  # (U,) sorted
+        position = torch.searchsorted(union, local_unique)  # local unique id -> row of the union
+        return union, position[inverse]
+
+    def gather(self, union: torch.Tensor) -> torch.Tensor:
+        """Rows ``(U, dim)`` of the union (collective: every row from its owner)."""
         owned = union % self.world_size == self.rank
         rows = torch.zeros(union.numel(), self.dim, dtype=self.weight.dtype, device=self.weight.device)
         rows[owned] = self.weight.detach()[union[owned] // self.world_size]
-        dist.all_reduce(rows, group=self.group)  # (U, dim): every row from its owner
-        if self.sparse_grad and torch.is_grad_enabled():
-            rows.requires_grad_(True)
-            self.touched.append((union, rows))
-        position = torch.searchsorted(union, local_unique)  # local unique id -> row of the union
-        return expand_rows(rows, position[inverse], ids.shape)
+        dist.all_reduce(rows, group=self.group)  # (U, dim)
+        return self.record(union, rows)
 
     def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Owned ``(local_row_ids, rows_leaf with .grad)`` pairs, gradients averaged over ranks."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..checkpoint import load_model, resolve_checkpoint
-from ..store import TIERS
+from ..config import check_tier
 from .tokens import load_tokenizer
 
 
@@ -16,8 +16,7 @@ def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = Non
     ``host`` and ``disk`` serve the tables through ``stemlm.store``; the disk tier maps the
     checkpoint copy-on-write, so edits never reach the file.
     """
-    if tables not in TIERS:
-        raise ValueError(f"unknown table tier {tables!r}; choose one of {', '.join(TIERS)}")
+    check_tier(tables)
     path = resolve_checkpoint(ckpt)
     if tables == "device":
         model = load_model(path)

@@ -29,7 +29,6 @@ from typing import Sequence
 import torch
 
 from ..batch_generate import SamplingParams, generate_batch
-from ..store.offload import store_of
 from .api import (GenerateRequest, Loglikelihood, LoglikelihoodRequest, Tokens, check_request_ids, cut_at_stop,
                   encode_pair, generation_prompt, rolling_prefix, rolling_windows, sum_loglikelihoods)
 
@@ -136,9 +135,7 @@ class Engine:
                 owners += [(ctx, cont)] * len(cont)
                 at += n
         ids = ids.to(device)
-        store = store_of(self.model)
-        if store is not None:
-            store.prefetch(ids)
+        self.model.tables.prefetch(ids)  # the rows are gathered while the mask is built
         if all(len(conts) == 1 for _, conts in rows):  # nothing packed: plain causal (right padding is never seen)
             hidden = self.model(ids, return_hidden=True)
         else:

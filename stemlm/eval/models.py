@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from ..checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
+from ..config import check_tier
 from ..matmul import apply_matmul
 from .api import ReferenceLM
 
@@ -184,12 +185,9 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
     backend does (per-request log-likelihoods within 1e-4 of it); ``auto`` (oneDNN for fp32 on CPU)
     is faster and differs in the last digits. The resolved backend is part of ``identity``.
     """
-    from ..store import TIERS
-
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    if tables not in TIERS:
-        raise ValueError(f"unknown table tier {tables!r}; choose one of {', '.join(TIERS)}")
+    check_tier(tables)
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")

@@ -1,7 +1,8 @@
 """Put a model's STEM tables on a storage tier: ``device``, ``host`` or ``disk``.
 
 * ``offload_tables(model, tier, ...)`` moves the tables of a built model (from whatever tier they
-  are on) and returns a ``TableStore`` handle (prefetch, stats, flush, close).
+  are on) into a new container installed as ``model.tables`` and returns it: a ``TableStore``
+  for ``host``/``disk`` (prefetch, stats, flush, close), ``Tables`` for ``device``.
 * ``load_model_with_tables(ckpt, tier, ...)`` loads a checkpoint with its tables going straight
   to the tier: for ``disk`` they are served from the checkpoint's own ``model.safetensors``
   (keys ``model.tables.<layer>.weight``) without a copy and never enter RAM as a whole.
@@ -23,93 +24,19 @@ import torch
 import torch.nn as nn
 
 from ..checkpoint import KEY_PREFIX, WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint
+from ..config import check_tier
 from ..integrity import check_finite, verify_checkpoint
 from ..model import StemLM
-from ..tables import StemTable
+from ..tables import StemTable, Tables
 from .backends import DiskRows, HostRows
 from .cache import HotRowCache
-from .prefetch import Prefetcher
 from .safetensors_io import write_safetensors
-from .table import OffloadedTable, TableStats
-
-TIERS = ("device", "host", "disk")
+from .table import OffloadedTable, TableStore
 
 
 def table_key(layer: str | int) -> str:
     """The safetensors key of a layer's table in checkpoints and tables files."""
     return f"{KEY_PREFIX}tables.{layer}.weight"
-
-
-class TableStore:
-    """Handle on a model's installed tables: prefetch, statistics, flush, close (also as a context manager)."""
-
-    def __init__(self, tier: str, tables: dict[str, nn.Module], prefetcher: Prefetcher | None = None,
-                 path: Path | None = None):
-        self.tier, self.tables, self.prefetcher, self.path = tier, tables, prefetcher, path
-        for t in tables.values():
-            if isinstance(t, OffloadedTable):
-                t.store = self
-
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start gathering the rows of ``ids`` for every layer (no-op without prefetch)."""
-        if self.prefetcher is not None:
-            self.prefetcher.prefetch(ids)
-
-    def _offloaded(self) -> dict[str, OffloadedTable]:
-        return {k: t for k, t in self.tables.items() if isinstance(t, OffloadedTable)}
-
-    def stats(self) -> dict:
-        """Totals and per-layer traffic counters, plus cache counters when a cache is on."""
-        per = {k: t.stats.as_dict() for k, t in self._offloaded().items()}
-        totals = {f: sum(p[f] for p in per.values()) for f in TableStats().as_dict()}
-        out = {"tier": self.tier, "tables": len(self.tables), "prefetch": self.prefetcher is not None, **totals}
-        caches = {k: t.cache.stats() for k, t in self._offloaded().items() if t.cache is not None}
-        if caches:
-            cache = {f: sum(c[f] for c in caches.values()) for f in ("capacity_rows", "resident_rows", "hits",
-                                                                         "misses", "evictions", "inserts")}
-            seen = cache["hits"] + cache["misses"]
-            out["cache"] = {**cache, "hit_rate": cache["hits"] / seen if seen else 0.0}
-        out["per_table"] = {k: {**per[k], **({"cache": caches[k]} if k in caches else {})} for k in per}
-        return out
-
-    def reset_stats(self) -> None:
-        """Zero every counter (e.g. after a warm-up)."""
-        for t in self._offloaded().values():
-            t.stats = TableStats()
-            if t.cache is not None:
-                t.cache.reset_stats()
-
-    def flush(self) -> None:
-        """Make written rows durable (disk tier)."""
-        for t in self._offloaded().values():
-            t.flush()
-
-    def close(self) -> None:
-        """Stop the prefetch worker, flush, and close every backend (disk files); idempotent.
-
-        The offloaded tables are unusable afterwards: install them again to keep serving.
-        """
-        if self.prefetcher is not None:
-            self.prefetcher.close()
-            self.prefetcher = None
-        for t in self._offloaded().values():
-            t.prefetcher = None
-            with t._lock:
-                t.backend.close()
-
-    def __enter__(self) -> TableStore:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def store_of(model: nn.Module) -> TableStore | None:
-    """The ``TableStore`` that installed the model's tables, if any."""
-    for t in getattr(model, "tables", {}).values():
-        if getattr(t, "store", None) is not None:
-            return t.store
-    return None
 
 
 # -- sources --------------------------------------------------------------------------------
@@ -163,31 +90,28 @@ def _load_counts(warm_counts):
 
 
 def _install(model: nn.Module, tier: str, backends: dict, device, dtype, cache_rows=0, cache_bytes=None,
-             prefetch=True, warm_counts=None, decay_every=0, path=None, cache_window=0.0) -> TableStore:
-    """Replace ``model.tables`` entries by tables over ``backends`` (StemTable for ``device``)."""
-    old = store_of(model)
-    sparse = {k: getattr(t, "sparse_grad", False) for k, t in model.tables.items()}
-    if old is not None:
-        old.close()
-    installed: dict[str, nn.Module] = {}
-    counts = _load_counts(warm_counts)
-    for name, backend in backends.items():
-        if tier == "device":
-            table = backend
-        else:
+             prefetch=True, warm_counts=None, decay_every=0, path=None, cache_window=0.0) -> Tables:
+    """Install a new ``model.tables`` over ``backends`` (``StemTable``s for ``device``), closing the old one."""
+    old = model.tables
+    sparse = {k: t.sparse_grad for k, t in old.items()}
+    old.close()
+    if tier == "device":
+        tables = Tables(backends)
+    else:
+        caches = {}
+        for name, backend in backends.items():
             capacity = _cache_capacity(cache_rows, cache_bytes, backend.shape[1], dtype)
-            cache = HotRowCache(*backend.shape, capacity, device, dtype, decay_every, cache_window) if capacity > 0 else None
-            table = OffloadedTable(backend, device, dtype, cache)
-            table.name = name
-            if cache is not None and counts is not None:
-                cache.warm(counts, table._load)
-                table.stats = TableStats()  # warm-up traffic is not counted
+            caches[name] = HotRowCache(*backend.shape, capacity, device, dtype, decay_every, cache_window) \
+                if capacity > 0 else None
+        tables = TableStore(tier, backends, caches, device, dtype, prefetch, path)
+        counts = _load_counts(warm_counts)
+        for table in tables.values():
+            if table.cache is not None and counts is not None:
+                table.warm(counts)
+    for name, table in tables.items():
         table.sparse_grad = sparse.get(name, False)
-        installed[name] = table
-        model.tables[name] = table
-    offloaded = [installed[k] for k in sorted(installed, key=int) if isinstance(installed[k], OffloadedTable)]
-    fetcher = Prefetcher(offloaded, device) if prefetch and offloaded else None
-    return TableStore(tier, installed, fetcher, path)
+    model.tables = tables
+    return tables
 
 
 def _check_finite_rows(rows: DiskRows, src: Path, chunk_bytes: int = 64 << 20) -> None:
@@ -198,9 +122,8 @@ def _check_finite_rows(rows: DiskRows, src: Path, chunk_bytes: int = 64 << 20) -
         check_finite([(rows.key, rows.gather(ids))], str(src), "refusing to load a diverged model; use an earlier checkpoint")
 
 
-def _check_tier(tier: str, cache_rows, cache_bytes, path) -> None:
-    if tier not in TIERS:
-        raise ValueError(f"unknown table tier {tier!r}; choose one of {', '.join(TIERS)}")
+def _check_tier(tier: str, cache_rows, cache_bytes) -> None:
+    check_tier(tier)
     if tier == "device" and (cache_rows or cache_bytes):
         raise ValueError("a hot-row cache applies to the host and disk tiers only")
 
@@ -208,8 +131,8 @@ def _check_tier(tier: str, cache_rows, cache_bytes, path) -> None:
 def offload_tables(model: StemLM, tier: str, path: str | os.PathLike | None = None, cache_rows: int = 0,
                    cache_bytes: int | None = None, prefetch: bool = True, device=None, dtype: torch.dtype | None = None,
                    storage_dtype: torch.dtype | None = None, warm_counts=None, decay_every: int = 0,
-                   overwrite: bool = False, cache_window: float = 0.0) -> TableStore:
-    """Move ``model.tables`` to ``tier`` and return the ``TableStore`` handle.
+                   overwrite: bool = False, cache_window: float = 0.0) -> Tables:
+    """Move ``model.tables`` to ``tier``; returns the new ``model.tables`` (a ``TableStore`` off the device).
 
     ``path``: the tables file of the ``disk`` tier (written here, then mapped read-write).
     ``device``/``dtype``: where and as what rows are served (default: those of the model's
@@ -218,7 +141,7 @@ def offload_tables(model: StemLM, tier: str, path: str | os.PathLike | None = No
     ``cache_window``: the fraction of it kept as an LRU admission window (``HotRowCache``).
     ``warm_counts``: token counts (array or ``.npy`` path) to warm-start the caches.
     """
-    _check_tier(tier, cache_rows, cache_bytes, path)
+    _check_tier(tier, cache_rows, cache_bytes)
     device, dtype = _compute_place(model, device, dtype)
     if tier == "disk":
         if path is None:
@@ -261,9 +184,9 @@ def _skeleton(ckpt: Path, device, dtype) -> StemLM:
         model = StemLM(cfg)
     if any(m._non_persistent_buffers_set for m in model.modules()):
         model = load_model(ckpt, skip_tables=True, verify=False)  # the caller verified it
-        model.tables = nn.ModuleDict()
+        model.tables = Tables()
     else:
-        model.tables = nn.ModuleDict()
+        model.tables = Tables()
         model.to_empty(device="cpu")
         if cfg.tie_embeddings:
             model.lm_head.weight = model.tok_embeddings.weight
@@ -276,16 +199,17 @@ def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables
                            writable: bool = False, cache_rows: int = 0, cache_bytes: int | None = None,
                            prefetch: bool = True, device="cpu", dtype: torch.dtype | None = None, warm_counts=None,
                            decay_every: int = 0, cache_window: float = 0.0,
-                           verify: bool = True) -> tuple[StemLM, TableStore]:
+                           verify: bool = True) -> tuple[StemLM, Tables]:
     """Load a checkpoint (or a run's newest one) with its tables on ``tier``.
 
     Tables come from ``tables_path`` if given (a tables file, see ``export_tables``), else from
     the checkpoint's ``model.safetensors``. ``disk`` maps them in place: read-only, or with
     ``writable`` copy-on-write for the checkpoint / write-through for a ``tables_path``.
     ``verify`` checks the checkpoint against its checksum manifest first; NaN/inf weights are
-    refused on every tier (``CheckpointError``).
+    refused on every tier (``CheckpointError``). Returns the model and its ``model.tables``
+    (a ``TableStore`` for ``host``/``disk``).
     """
-    _check_tier(tier, cache_rows, cache_bytes, tables_path)
+    _check_tier(tier, cache_rows, cache_bytes)
     ckpt = resolve_checkpoint(ckpt)
     if verify:
         verify_checkpoint(ckpt)

@@ -1,49 +1,40 @@
-"""An off-device table: the ``StemTable`` lookup protocol over host or disk rows, with an optional
-hot-row cache on the compute device and consumption of rows prefetched in the background.
+"""The host and disk tiers: ``OffloadedTable`` (one layer's rows in a backend, behind an optional
+hot-row cache) and ``TableStore`` (all of a model's offloaded tables, installed as
+``model.tables``, with the prefetcher, the lock and the traffic counters).
 
-Protocol (shared with ``stemlm.tables.StemTable``; the sparse optimizer relies on it):
-``lookup(ids) -> ids.shape + (dim,)``, ``num_rows``, ``dim``, ``sparse_grad``,
-``pop_touched() -> [(unique_ids, rows_leaf)]``, ``read_rows(ids)``, ``write_rows(ids, rows)``.
+``TableStore.rows(ids)`` is the one entry of a forward pass: it takes the rows a ``prefetch(ids)``
+gathered in the background when the ids match, else makes the ids unique once and gathers every
+layer synchronously. Tables hold no pointer to their store: the store hands each table its lock
+when it builds it, and a write bumps the table's ``version``, which tells the prefetcher that rows
+gathered before it are stale.
 
-The table also takes part in ``state_dict``/``load_state_dict`` under the same key as an
-in-memory table (``tables.<layer>.weight``), so ``checkpoint.save_model`` writes a normal
-checkpoint whatever the tier (the tensor it hands out is the backing tensor itself: for the disk
-tier a memory-mapped view, read chunk by chunk only when saved).
+Tables take part in ``state_dict``/``load_state_dict`` under the same key as an in-memory table
+(``tables.<layer>.weight``), so ``checkpoint.save_model`` writes a normal checkpoint whatever the
+tier (the tensor handed out is the backing tensor itself: for the disk tier a memory-mapped view,
+read chunk by chunk only when saved).
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from ..tables import check_ids, expand_rows, unique_ids
+from ..tables import LayerRows, TableLookup, Tables, TableStats, check_ids
 from .cache import HotRowCache
+from .prefetch import Prefetcher
 
 
-@dataclass
-class TableStats:
-    """Traffic counters of one table (rows/bytes moved = read from the backing store)."""
+class OffloadedTable(TableLookup, nn.Module):
+    """Rows in ``backend`` (``HostRows``/``DiskRows``), served on ``device`` as ``dtype``.
 
-    lookups: int = 0
-    unique_rows: int = 0
-    rows_moved: int = 0
-    bytes_moved: int = 0
-    prefetched: int = 0  # lookups served by a prefetch
-    stalls: int = 0  # ... of which had to wait for it
-    stall_seconds: float = 0.0  # ... in total
-    rows_written: int = 0
+    ``lock`` guards the backend, the cache and the traffic counters; a ``TableStore`` gives all
+    its tables its own lock, shared with its prefetch worker."""
 
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class OffloadedTable(nn.Module):
-    """Rows in ``backend`` (``HostRows``/``DiskRows``), served on ``device`` as ``dtype``."""
-
-    def __init__(self, backend, device=None, dtype: torch.dtype | None = None, cache: HotRowCache | None = None):
+    def __init__(self, backend, device=None, dtype: torch.dtype | None = None, cache: HotRowCache | None = None,
+                 lock: threading.Lock | None = None):
         super().__init__()
         self.backend = backend
         self.num_rows, self.dim = backend.shape
@@ -53,26 +44,33 @@ class OffloadedTable(nn.Module):
         self.sparse_grad = False
         self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.stats = TableStats()
-        self.name = ""  # the layer key in model.tables, set by the store
-        self.prefetcher = None  # set by the store when prefetch is on
-        self.store = None  # the TableStore handle that installed this table
-        self._lock = threading.Lock()  # the prefetch worker and the caller share cache and counters
+        self.version = 0  # bumped by every write: rows gathered before it are stale
+        self.lock = lock or threading.Lock()
 
     # -- reading ---------------------------------------------------------------------------
-    def gather_unique(self, uniq: torch.Tensor) -> torch.Tensor:
-        """Rows ``(U, dim)`` on the compute device for unique ids (through the cache if any)."""
+    def fetch(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Rows ``(U, dim)`` on the compute device for unique ids, through the cache if any (no
+        autograd, not counted as a lookup; the prefetch worker calls it)."""
         uniq = uniq.to("cpu")
-        with self._lock:
+        with self.lock:
             if self.cache is not None:
                 return self.cache.fetch(uniq, self._load)
             return self._load(uniq)
 
+    def gather(self, uniq: torch.Tensor, fetched: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``(U, dim)`` for unique ids: ``fetched`` (rows a prefetch gathered) or read now;
+        counted as one lookup, and a recorded leaf under ``sparse_grad``."""
+        rows = self.fetch(uniq) if fetched is None else fetched
+        self.stats.lookups += 1  # the consuming thread alone counts lookups: no lock needed
+        self.stats.unique_rows += len(uniq)
+        return self.record(uniq, rows)
+
     def advise(self, uniq: torch.Tensor) -> None:
         """Let the backing store start reading the rows of ``uniq`` the cache does not hold.
 
-        The prefetch worker calls it for layers ahead of the one it gathers, without their table
-        lock: the cache lookup may be stale, which costs at most a needless or a missing hint,
-        never a wrong row. Host rows need no hint: nothing is done for them."""
+        The prefetch worker calls it for layers ahead of the one it gathers, without the lock:
+        the cache lookup may be stale, which costs at most a needless or a missing hint, never a
+        wrong row. Host rows need no hint: nothing is done for them."""
         if not self.backend.reads_ahead:
             return
         uniq = uniq.to("cpu")
@@ -88,33 +86,17 @@ class OffloadedTable(nn.Module):
             return rows.pin_memory().to(self.device, self.dtype, non_blocking=True)
         return rows.to(self.device, self.dtype)
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids`` (any shape) -> ``ids.shape + (dim,)``, using a matching prefetch if issued."""
-        got = self.prefetcher.take(self, ids) if self.prefetcher is not None else None
-        if got is not None:
-            uniq, inverse, rows = got
-        else:
-            check_ids(ids, self.num_rows)
-            uniq, inverse = unique_ids(ids)
-            rows = self.gather_unique(uniq)
-        with self._lock:
-            self.stats.lookups += 1
-            self.stats.unique_rows += len(uniq)
-        if self.sparse_grad and torch.is_grad_enabled():
-            rows = rows.detach().requires_grad_(True)  # (U, dim) leaf: the gradient stays row-sparse
-            self.touched.append((uniq, rows))
-        return expand_rows(rows, inverse.to(rows.device), ids.shape)
-
-    def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The ``(unique_ids, rows_leaf)`` pairs recorded since the last call."""
-        out, self.touched = self.touched, []
-        return out
+    def warm(self, counts) -> None:
+        """Fill the cache with the most frequent rows of ``counts`` (not counted as traffic)."""
+        with self.lock:
+            self.cache.warm(counts, self._load)
+            self.stats = TableStats()
 
     def read_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Copy of the rows at ``ids`` on the compute device (no autograd, no cache traffic)."""
         ids = torch.as_tensor(ids, dtype=torch.long)
         check_ids(ids, self.num_rows)
-        with self._lock:
+        with self.lock:
             return self.backend.gather(ids.to("cpu").flatten()).to(self.device, self.dtype).view(*ids.shape, self.dim)
 
     # -- writing ---------------------------------------------------------------------------
@@ -124,18 +106,22 @@ class OffloadedTable(nn.Module):
         ids = torch.as_tensor(ids, dtype=torch.long).flatten().to("cpu")
         check_ids(ids, self.num_rows)
         rows = rows.detach().reshape(len(ids), self.dim)
-        with self._lock:
+        with self.lock:
             self.backend.scatter(ids, rows)
             if self.cache is not None:
                 self.cache.update(ids, rows)
             self.stats.rows_written += len(ids)
-        if self.prefetcher is not None:
-            self.prefetcher.invalidate(self)  # rows gathered before this write are stale
+            self.version += 1
 
     def flush(self) -> None:
         """Make written rows durable (disk tier)."""
-        with self._lock:
+        with self.lock:
             self.backend.flush()
+
+    def close(self) -> None:
+        """Close the backend (a disk file); the table is unusable afterwards."""
+        with self.lock:
+            self.backend.close()
 
     # -- checkpoints -----------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -161,3 +147,82 @@ class OffloadedTable(nn.Module):
         cache = f", cache={self.cache.capacity} rows" if self.cache is not None else ""
         return (f"{self.num_rows}, {self.dim}, {self.backend.describe()} -> {self.device}/{self.dtype}{cache}, "
                 f"sparse_grad={self.sparse_grad}")
+
+
+class TableStore(Tables):
+    """All offloaded tables of a model (``host`` or ``disk`` tier), installed as ``model.tables``.
+
+    Built from ``backends`` (layer key -> ``HostRows``/``DiskRows``) and ``caches`` (layer key ->
+    ``HotRowCache`` or None); with ``prefetch`` a ``Prefetcher`` worker gathers rows ahead of the
+    forward. Also a context manager that closes the store.
+    """
+
+    def __init__(self, tier: str, backends: dict, caches: dict[str, HotRowCache | None], device=None,
+                 dtype: torch.dtype | None = None, prefetch: bool = True, path: Path | None = None):
+        super().__init__()
+        self.tier, self.path = tier, path
+        self.lock = threading.Lock()
+        for key in sorted(backends, key=int):  # layer order: the prefetcher gathers in it
+            self[key] = OffloadedTable(backends[key], device, dtype, caches.get(key), self.lock)
+        self.prefetcher = Prefetcher(dict(self.items()), device) if prefetch and len(self) else None
+
+    def rows(self, ids: torch.Tensor) -> LayerRows:
+        """Every layer's rows for ``ids``: those of a matching ``prefetch(ids)``, else gathered now."""
+        job = self.prefetcher.take(ids) if self.prefetcher is not None else None
+        if job is None:
+            return super().rows(ids)
+        return LayerRows({k: (lambda k=k: self._take_layer(job, k)) for k in self.keys()}, job.inverse, ids.shape)
+
+    def _take_layer(self, job, key: str) -> torch.Tensor:
+        """One layer's rows of a prefetch job (gathered again if a write made them stale)."""
+        table, got = self[key], self.prefetcher.wait(job, key)
+        if got is None:
+            return table.gather(job.uniq)
+        rows, stall_seconds = got
+        table.stats.prefetched += 1
+        table.stats.stalls += int(stall_seconds is not None)
+        table.stats.stall_seconds += stall_seconds or 0.0
+        return table.gather(job.uniq, rows)
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Start gathering the rows of ``ids`` for every layer (no-op without prefetch)."""
+        if self.prefetcher is not None:
+            self.prefetcher.prefetch(ids)
+
+    def stats(self) -> dict:
+        """Totals and per-layer traffic counters, plus cache counters when a cache is on."""
+        per = {k: t.stats.as_dict() for k, t in self.items()}
+        totals = {f: sum(p[f] for p in per.values()) for f in TableStats().as_dict()}
+        out = {"tier": self.tier, "tables": len(self), "prefetch": self.prefetcher is not None, **totals}
+        caches = {k: t.cache.stats() for k, t in self.items() if t.cache is not None}
+        if caches:
+            cache = {f: sum(c[f] for c in caches.values()) for f in ("capacity_rows", "resident_rows", "hits",
+                                                                         "misses", "evictions", "inserts")}
+            seen = cache["hits"] + cache["misses"]
+            out["cache"] = {**cache, "hit_rate": cache["hits"] / seen if seen else 0.0}
+        out["per_table"] = {k: {**per[k], **({"cache": caches[k]} if k in caches else {})} for k in per}
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero every counter (e.g. after a warm-up)."""
+        with self.lock:
+            for t in self.values():
+                t.stats = TableStats()
+                if t.cache is not None:
+                    t.cache.reset_stats()
+
+    def flush(self) -> None:
+        """Make written rows durable (disk tier)."""
+        for t in self.values():
+            t.flush()
+
+    def close(self) -> None:
+        """Stop the prefetch worker, flush, and close every backend (disk files); idempotent.
+
+        The tables are unusable afterwards: install them again to keep serving.
+        """
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+            self.prefetcher = None
+        for t in self.values():
+            t.close()

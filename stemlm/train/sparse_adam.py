@@ -2,7 +2,8 @@
 
 A table object (``stemlm.tables.StemTable`` or any off-device tier) follows this protocol:
 
-* ``sparse_grad`` (set True here): lookups under autograd record ``(unique_ids, rows_leaf)``;
+* ``sparse_grad`` (set True here): gathers under autograd record ``(unique_ids, rows_leaf)``
+  (``stemlm.tables.TableLookup.record``; one forward shares its ``unique_ids`` across layers);
 * ``pop_touched() -> [(unique_ids (U,), rows_leaf (U, dim) with .grad)]``;
 * ``read_rows(ids) -> (len(ids), dim)`` and ``write_rows(ids, rows)``;
 * ``num_rows``, ``dim``.
@@ -10,7 +11,8 @@ A table object (``stemlm.tables.StemTable`` or any off-device tier) follows this
 One step: ``collect()`` pops the recorded lookups of every table and coalesces the gradients of
 the same id across lookups and micro-batches (``index_add`` over the unique ids), so the result
 is exactly the non-zero rows of the dense gradient; the trainer folds them into the global
-gradient norm and may ``scale_grads`` them; ``step()`` then applies AdamW row by row:
+gradient norm and clips them in place (``optim.clip_grad_norm``); ``step()`` then applies AdamW
+row by row:
 
     m_r = b1 m_r + (1-b1) g_r;  v_r = b2 v_r + (1-b2) g_r^2;  n_r = n_r + 1
     w_r = w_r (1 - lr wd) - lr (m_r / (1 - b1^n_r)) / (sqrt(v_r / (1 - b2^n_r)) + eps)
@@ -107,11 +109,6 @@ class SparseRowAdamW:
             if got is not None:
                 self._pending[name] = got
         return [g for _, g in self._pending.values()]
-
-    def scale_grads(self, factor: float | torch.Tensor) -> None:
-        """Multiply the collected gradients (gradient clipping)."""
-        for _, grad in self._pending.values():
-            grad.mul_(factor)
 
     def zero_grad(self) -> None:
         """Drop collected gradients and any lookups recorded since the last step."""
