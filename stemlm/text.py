@@ -29,12 +29,13 @@ class TextCodec:
             except ValueError:
                 self.eos_id = None
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids: the HF tokenizer's own special tokens, or ``[eos] + ids`` (document start)."""
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Prompt ids: the HF tokenizer's own special tokens, or ``[eos] + ids`` (document start);
+        ``special=False`` gives the text's ids alone."""
         if self.hf:
-            return list(self.tokenizer(text)["input_ids"])
+            return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self.eos_id] if self.eos_id is not None else []) + ids
+        return ([self.eos_id] if special and self.eos_id is not None else []) + ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
