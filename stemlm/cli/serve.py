@@ -50,7 +50,7 @@ def run(args) -> int:
         print("stemlm serve: error: the server needs FastAPI and uvicorn: pip install 'stemlm[serve]'", file=sys.stderr)
         return 2
     from ..devices import resolve_device
-    from ..serve.server import load_served, uvicorn_server
+    from ..serve.server import load_served, serve_forever
 
     model = args.model
     if model is None:
@@ -62,11 +62,8 @@ def run(args) -> int:
                          max_batch=args.max_batch, model_name=args.model_name, chat_template=args.chat_template,
                          tokenizer=args.tokenizer, verify=not args.no_verify)
     print(_banner(served.name, args.host, args.port, served.chat is not None), flush=True)
-    try:
-        uvicorn_server(served, args.host, args.port, args.log_level).run()
-    finally:
-        if served.store is not None:
-            served.store.close()
+    serve_forever(served, args.host, args.port, args.log_level)
+    print("stemlm serve: stopped after finishing the requests in flight", file=sys.stderr)
     return 0
 
 

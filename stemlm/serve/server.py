@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 from pathlib import Path
@@ -44,6 +45,20 @@ def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, lo
 
     config = uvicorn.Config(create_app(served), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
     return uvicorn.Server(config)
+
+
+def serve_forever(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM (main thread): in-flight requests finish, the engine drains, the table
+    store closes, and the call returns (uvicorn re-raises the signal it caught; a quiet handler takes it)."""
+    caught = []
+    previous = {sig: signal.signal(sig, lambda s, frame: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn_server(served, host, port, log_level).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if served.store is not None:
+            served.store.close()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
