@@ -165,6 +165,20 @@ def test_two_streams_one_cancelled_midway(server, client):
     assert m["requests_cancelled"] == before + 1 and m["requests_running"] == 0
 
 
+def test_a_client_that_gives_up_waiting_frees_its_slot(server):
+    url = server[1]
+    before = metrics(url)["requests_cancelled"]
+    with pytest.raises(requests.Timeout):  # the client closes the connection before the answer
+        requests.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 480, "temperature": 0},
+                      timeout=0.3)
+    for _ in range(200):
+        m = metrics(url)
+        if m["requests_cancelled"] == before + 1 and m["requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["requests_cancelled"] == before + 1 and m["requests_running"] == 0
+
+
 @pytest.mark.parametrize("body,status,says", [
     ('{"prompt": "hi", "max_tokens": ', 400, "not valid JSON"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "does not exist"),

@@ -26,6 +26,7 @@ from .chat import ChatTemplate
 from .engine import Engine, EngineClosed, Request
 from .responses import Outcome
 
+DISCONNECT_CHECK_S = 0.25  # how often a non-streaming handler asks whether its client is still there
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -86,12 +87,17 @@ def _cancel(jobs: list[_Job]) -> None:
 
 async def _collect(http: HttpRequest, jobs: list[_Job]) -> None:
     """Wait until every job has finished; cancel them all if the client goes away."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
     try:
         for job in jobs:
             while not job.done:
                 try:
-                    await asyncio.wait_for(job.next_piece(), timeout=0.5)
+                    await asyncio.wait_for(job.next_piece(), timeout=DISCONNECT_CHECK_S)
                 except TimeoutError:
+                    pass
+                if loop.time() - checked >= DISCONNECT_CHECK_S:
+                    checked = loop.time()
                     if await http.is_disconnected():
                         return
     finally:

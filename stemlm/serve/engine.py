@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,15 +77,19 @@ class EngineClosed(RuntimeError):
 
 
 class Engine:
-    """Owns ``model`` on a background thread and serves ``Request``s by continuous batching."""
+    """Owns ``model`` on a background thread and serves ``Request``s by continuous batching.
 
-    def __init__(self, model, eos_id: int | None = None, max_batch: int = 16, store=None,
+    A request ends when it produces one of the ``eos_id`` tokens (one id or several, e.g. a chat
+    model's end of turn), meets its ``stop`` test or uses up its budget."""
+
+    def __init__(self, model, eos_id: int | Sequence[int] | None = None, max_batch: int = 16, store=None,
                  metrics: Metrics | None = None):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        self.model, self.eos_id, self.max_batch = model, eos_id, max_batch
+        eos = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
+        self.model, self.eos_ids, self.max_batch = model, frozenset(eos), max_batch
         self.store, self.metrics = store, metrics or Metrics()
-        self.batch = RunningBatch(model, pad_id=eos_id if eos_id is not None else 0, store=store)
+        self.batch = RunningBatch(model, pad_id=eos[0] if eos else 0, store=store)
         self.running: list[Request] = []  # in batch row order
         self._budget: dict[Request, int] = {}
         self._generators: dict[Request, torch.Generator | None] = {}
@@ -214,7 +218,7 @@ class Engine:
                 req.sink(Token(tok, lp, top))
             else:
                 req.sink(Token(tok))
-            if tok == self.eos_id or (req.stop is not None and req.stop(req.tokens)):
+            if tok in self.eos_ids or (req.stop is not None and req.stop(req.tokens)):
                 self._finish(req, "stop")
             elif len(req.tokens) >= self._budget[req]:
                 self._finish(req, "length")

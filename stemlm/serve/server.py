@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -15,10 +16,12 @@ from .engine import Engine
 
 def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int = 0, device: str = "cpu",
                 max_batch: int = 16, model_name: str | None = None, chat_template: str | os.PathLike | None = None,
-                tokenizer: str | os.PathLike | None = None, verify: bool = True) -> Served:
+                tokenizer: str | os.PathLike | None = None, tables_path: str | os.PathLike | None = None,
+                verify: bool = True) -> Served:
     """Load a checkpoint (or a run's newest one) with its tables on ``tier`` into an engine, not yet started.
 
-    The served name defaults to the checkpoint's directory name (the run's, for a run directory).
+    The served name defaults to the checkpoint's directory name (the run's, for a run directory);
+    ``tables_path`` is a separate tables file (``store.export_tables``).
     """
     from ..checkpoint import resolve_checkpoint
     from ..store import load_model_with_tables
@@ -33,10 +36,20 @@ def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int =
         eos = "" if codec.eos_id is None else codec.tokenizer.decode([codec.eos_id], skip_special_tokens=False)
         chat = ChatTemplate(template, eos_token=eos)
     # a table dtype (quantized tables) would be chosen here, when the model and its tables are loaded
-    model, store = load_model_with_tables(ckpt, tier=tier, cache_rows=cache_rows, device=device, verify=verify)
+    model, store = load_model_with_tables(ckpt, tier=tier, tables_path=tables_path, cache_rows=cache_rows,
+                                          device=device, verify=verify)
     model.eval()
-    engine = Engine(model, eos_id=codec.eos_id, max_batch=max_batch, store=store)
+    engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store)
     return Served(engine, codec, model_name or given.resolve().name, chat, store)
+
+
+def _end_ids(ckpt: Path, codec) -> list[int]:
+    """Tokens that end a request: the tokenizer's end of text and a converted model's ``eos_token_id``
+    (e.g. SmolLM2-Instruct's end of turn ``<|im_end|>``, which its tokenizer.json does not mark)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys(([codec.eos_id] if codec.eos_id is not None else []) + ids))
 
 
 def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
