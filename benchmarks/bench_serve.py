@@ -30,11 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from _store_bench import bench_checkpoint
+from _store_bench import stem_bench_model
 from _train_bench import paired_ratio, round_ratios, write_result
 
-from stemlm import model_config
-from stemlm.artifacts import cache_dir
 from stemlm.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
 from stemlm.serve.server import ServerThread, load_served
@@ -123,10 +121,7 @@ def main() -> None:
     import openai
 
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = model_config(args.preset, ffn="stem", stem_layers=args.stem_layers)
-    ckpt, tables = bench_checkpoint(cfg, cache_dir() / "bench" / "serve")
+    cfg, ckpt, tables = stem_bench_model(args, "serve")
     tokdir = Path(tempfile.mkdtemp())
     train_bpe(TEXTS, vocab_size=300).save(str(tokdir / "tokenizer.json"))
     served = load_served(ckpt, tier="host", max_batch=args.max_batch, model_name="bench", tokenizer=tokdir,

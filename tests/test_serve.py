@@ -49,6 +49,16 @@ def metrics(url):
     return requests.get(url + "/metrics").json()
 
 
+def assert_slot_freed(url, cancelled):
+    """Within a few seconds, ``/metrics`` counts ``cancelled`` cancelled requests and none running."""
+    for _ in range(200):
+        m = metrics(url)
+        if m["requests_cancelled"] == cancelled and m["requests_running"] == 0:
+            break
+        time.sleep(0.05)
+    assert m["requests_cancelled"] == cancelled and m["requests_running"] == 0
+
+
 def test_health_models_and_metrics(server, client):
     served, url = server
     assert requests.get(url + "/health").json() == {"status": "ok"}
@@ -157,12 +167,7 @@ def test_two_streams_one_cancelled_midway(server, client):
     assert chunks[-1].choices[0].finish_reason in ("length", "stop")
     want = client.completions.create(prompt="Once upon", max_tokens=200, **kw).choices[0].text
     assert "".join(c.choices[0].text for c in chunks) == want
-    for _ in range(200):
-        m = metrics(url)
-        if m["requests_cancelled"] == before + 1 and m["requests_running"] == 0:
-            break
-        time.sleep(0.05)
-    assert m["requests_cancelled"] == before + 1 and m["requests_running"] == 0
+    assert_slot_freed(url, before + 1)
 
 
 def test_a_client_that_gives_up_waiting_frees_its_slot(server):
@@ -171,12 +176,7 @@ def test_a_client_that_gives_up_waiting_frees_its_slot(server):
     with pytest.raises(requests.Timeout):  # the client closes the connection before the answer
         requests.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 480, "temperature": 0},
                       timeout=0.3)
-    for _ in range(200):
-        m = metrics(url)
-        if m["requests_cancelled"] == before + 1 and m["requests_running"] == 0:
-            break
-        time.sleep(0.05)
-    assert m["requests_cancelled"] == before + 1 and m["requests_running"] == 0
+    assert_slot_freed(url, before + 1)
 
 
 @pytest.mark.parametrize("body,status,says", [

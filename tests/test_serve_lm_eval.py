@@ -7,12 +7,12 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("lm_eval")
 
-from stemlm.eval import models as eval_models  # noqa: E402
 from stemlm.eval.api import encode_pair  # noqa: E402
 from stemlm.eval.models import load_lm  # noqa: E402
 from stemlm.serve.server import ServerThread, load_served  # noqa: E402
 
 from serve_helpers import tiny_checkpoint  # noqa: E402
+from test_eval_harness import _offline  # noqa: E402,F401  (autouse: no hub, a private datasets cache)
 
 DOCS = [{"question": "The capital of France is", "choices": ["Paris", "Madrid", "a cat"], "answer": 0},
         {"question": "Once upon a time there was", "choices": ["a cat", "Spain", "the capital"], "answer": 0},
@@ -29,14 +29,6 @@ class TextTokens:
 
     def encode(self, text):
         return self.codec.encode(text, special=False)
-
-
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch, tmp_path):
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    monkeypatch.setattr(eval_models, "DIGEST_CACHE", tmp_path / "digests.json")
 
 
 def write_task(root):
