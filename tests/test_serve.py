@@ -200,6 +200,23 @@ def test_bad_requests_get_clear_openai_errors(server, body, status, says):
     assert says in err["message"] and set(err) == {"message", "type", "param", "code"}
 
 
+def test_a_failed_generation_is_a_500_and_an_error_event(server, client):
+    served, url = server
+
+    def boom(tokens):
+        raise RuntimeError("boom")
+
+    served.engine.batch.step = boom  # the next decode step fails; the engine then starts a fresh batch
+    with pytest.raises(openai.InternalServerError, match="generation failed: RuntimeError: boom"):
+        client.completions.create(model="tiny", prompt="The cat", max_tokens=5, temperature=0)
+    served.engine.batch.step = boom
+    with requests.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 5, "stream": True},
+                       stream=True) as resp:
+        lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
+    assert "boom" in json.loads(lines[-2][6:])["error"]["message"] and lines[-1] == "data: [DONE]"
+    assert client.completions.create(model="tiny", prompt="The cat", max_tokens=5).usage.completion_tokens == 5
+
+
 def test_openai_client_raises_on_errors(client):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="hi")

@@ -179,3 +179,21 @@ def test_shutdown_drains_queued_and_running_requests(model):
     assert all(len(t) == 20 for t in out.tokens.values())
     with pytest.raises(RuntimeError, match="shutting down"):
         engine.submit(Request(ps[0], SamplingParams(2), out.sink(0)))
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model):
+    p = prompts((4,))[0]
+    engine = Engine(model).start()
+
+    def boom(tokens):
+        raise RuntimeError("boom")
+
+    engine.batch.step = boom  # the next decode step fails (the engine then starts a fresh batch)
+    try:
+        failed, _ = run(engine, [p], [SamplingParams(5)])
+        fine, _ = run(engine, [p], [SamplingParams(5)])
+    finally:
+        engine.shutdown()
+    assert failed.done[0] == "error" and "boom" in failed.events[0][-1].message and len(failed.tokens[0]) == 1
+    assert fine.done[0] == "length" and fine.tokens[0] == alone(model, p, SamplingParams(5), None)
+    assert engine.metrics.snapshot()["requests_failed"] == 1

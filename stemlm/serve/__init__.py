@@ -2,6 +2,7 @@
 
 ``engine`` (the scheduler thread that owns the model), ``batch`` (the running batch and how
 newcomers' KV caches join it), ``api`` (request schemas, validation, response bodies), ``chat``
-(chat templates), ``metrics`` and ``app`` (the FastAPI layer). Only ``app`` needs FastAPI; nothing
-here is imported by ``import stemlm``.
+(chat templates), ``responses`` (OpenAI response bodies and stream chunks), ``metrics``, ``app`` (the
+FastAPI layer) and ``server`` (loading a checkpoint into an engine, running uvicorn). Only ``app`` and
+``server`` need FastAPI; nothing here is imported by ``import stemlm``.
 """

@@ -125,6 +125,9 @@ def _stream(jobs: list[_Job], first: list[str], chunk, final, usage_chunk, openi
                     piece = await job.next_piece()
                     if piece:
                         yield _sse(chunk(i, piece))
+                if job.outcome.finished.reason == "error":  # the status line is long gone: an error event, then the end
+                    yield _sse(ApiError(500, f"generation failed: {job.outcome.finished.message}", type="server_error").body())
+                    break
                 yield _sse(final(i, job.outcome.finish_reason))
             if usage_chunk is not None:
                 yield _sse(usage_chunk())

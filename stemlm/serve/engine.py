@@ -149,9 +149,10 @@ class Engine:
                     self._decode()
             except Exception as e:  # a failed forward must not kill the server: fail the requests involved
                 log.exception("engine step failed")
+                with self._cond:  # a fresh batch before anyone hears of the failure
+                    self.running, self.batch = [], RunningBatch(self.model, self.batch.pad_id, self.store)
                 for req in list(self._budget):  # every request the engine still owns
                     self._finish(req, "error", f"{type(e).__name__}: {e}")
-                self.running, self.batch = [], RunningBatch(self.model, self.batch.pad_id, self.store)
 
     def _admit(self, newcomers: list[Request]) -> None:
         """Prefill the newcomers as one group, emit their first token and merge the rest into the batch."""
