@@ -92,10 +92,13 @@ async def _collect(http: HttpRequest, jobs: list[_Job]) -> None:
     try:
         for job in jobs:
             while not job.done:
-                try:
-                    await asyncio.wait_for(job.next_piece(), timeout=DISCONNECT_CHECK_S)
-                except TimeoutError:
-                    pass
+                if not job.queue.empty():  # events already here: no timer needed
+                    job.outcome.add(job.queue.get_nowait())
+                else:
+                    try:
+                        await asyncio.wait_for(job.next_piece(), timeout=DISCONNECT_CHECK_S)
+                    except TimeoutError:
+                        pass
                 if loop.time() - checked >= DISCONNECT_CHECK_S:
                     checked = loop.time()
                     if await http.is_disconnected():
