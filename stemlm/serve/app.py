@@ -53,12 +53,18 @@ class _Job:
     """One prompt in the engine and the queue its events arrive on."""
 
     def __init__(self, served: Served, prompt: list[int], params, stops: list[str], logprobs=None, prompt_logprobs=None):
-        loop, codec = asyncio.get_running_loop(), served.codec
-        self.queue: asyncio.Queue = asyncio.Queue()
+        codec = served.codec
+        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
         self.outcome = Outcome(prompt, TextStream(codec, stops))
         stop = (lambda toks: any(s in codec.decode(toks) for s in stops)) if stops else None
-        self.req = Request(prompt, params, lambda ev: loop.call_soon_threadsafe(self.queue.put_nowait, ev), stop,
-                           logprobs, prompt_logprobs)
+        self.req = Request(prompt, params, self._deliver, stop, logprobs, prompt_logprobs)
+
+    def _deliver(self, event) -> None:
+        """Called on the engine thread: hand ``event`` to the handler's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (forced exit): nobody listens any more
+            self.req.cancel()
 
     async def next_piece(self) -> str:
         """Wait for the next event and record it; the text it makes showable."""
