@@ -197,3 +197,22 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model):
     assert failed.done[0] == "error" and "boom" in failed.events[0][-1].message and len(failed.tokens[0]) == 1
     assert fine.done[0] == "length" and fine.tokens[0] == alone(model, p, SamplingParams(5), None)
     assert engine.metrics.snapshot()["requests_failed"] == 1
+
+
+def test_a_failing_sink_drops_only_its_own_request(model):
+    ps = prompts((4, 6))
+    out = Collector(1)
+
+    def broken(ev):
+        raise RuntimeError("listener gone")
+
+    engine = Engine(model).start()
+    try:
+        bad = Request(ps[0], SamplingParams(50), broken)
+        engine.submit(bad)
+        engine.submit(Request(ps[1], SamplingParams(8), out.sink(0)))
+        assert out.all_done.wait(60)
+    finally:
+        engine.shutdown()
+    assert bad.cancelled and out.tokens[0] == alone(model, ps[1], SamplingParams(8), None)
+    assert engine.counts()["requests_running"] == 0 and engine.metrics.snapshot()["requests_failed"] == 0

@@ -175,7 +175,7 @@ class Engine:
         for j, req in enumerate(group):
             if req.prompt_logprobs is not None:
                 start = width - len(req.prompt)  # the row's first real slot
-                req.sink(PromptLogprobs([(None, None)] + _logprobs(logits[j, start:-1], req.prompt[1:], req.prompt_logprobs)))
+                _send(req, PromptLogprobs([(None, None)] + _logprobs(logits[j, start:-1], req.prompt[1:], req.prompt_logprobs)))
         going = [j for j, req in enumerate(group) if self._budget[req] > 0]
         for j in set(range(len(group))) - set(going):
             self._finish(group[j], "length")
@@ -216,9 +216,9 @@ class Engine:
             req.tokens.append(tok)
             if req.logprobs is not None:
                 (lp, top), = _logprobs(logits[j:j + 1], [tok], req.logprobs)
-                req.sink(Token(tok, lp, top))
+                _send(req, Token(tok, lp, top))
             else:
-                req.sink(Token(tok))
+                _send(req, Token(tok))
             if tok in self.eos_ids or (req.stop is not None and req.stop(req.tokens)):
                 self._finish(req, "stop")
             elif len(req.tokens) >= self._budget[req]:
@@ -234,7 +234,16 @@ class Engine:
         self._budget.pop(req, None)
         self._generators.pop(req, None)
         self.metrics.finished(reason)
-        req.sink(Finished(reason, message))
+        _send(req, Finished(reason, message))
+
+
+def _send(req: Request, event) -> None:
+    """Hand ``event`` to the request's sink; a sink that fails cancels its own request, no other."""
+    try:
+        req.sink(event)
+    except Exception:
+        log.exception("a request's event sink failed; the request is dropped")
+        req.cancel()
 
 
 def _logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> list[tuple[float, list[tuple[int, float]] | None]]:
