@@ -24,6 +24,18 @@ def proc_status() -> dict[str, int]:
     return out
 
 
+def stem_bench_model(args, name: str):
+    """``(cfg, ckpt_dir, tables_file)`` of ``args.preset`` with STEM at ``args.stem_layers`` (cached under
+    ``bench/<name>``), after applying ``args.threads`` (0 = torch's choice)."""
+    from stemlm import model_config
+    from stemlm.artifacts import cache_dir
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = model_config(args.preset, ffn="stem", stem_layers=args.stem_layers)
+    return (cfg, *bench_checkpoint(cfg, cache_dir() / "bench" / name))
+
+
 def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
     """``(ckpt_dir, tables_file)`` of a random model of shape ``cfg``, created once under ``root``.
 

@@ -25,11 +25,9 @@ import statistics
 import time
 
 import torch
-from _store_bench import bench_checkpoint, use_matmul
+from _store_bench import stem_bench_model, use_matmul
 from _train_bench import paired_ratio, round_ratios, write_result
 
-from stemlm import model_config
-from stemlm.artifacts import cache_dir
 from stemlm.batch_generate import SamplingParams, decode_batch
 from stemlm.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
@@ -126,10 +124,7 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = model_config(args.preset, ffn="stem", stem_layers=args.stem_layers)
-    ckpt, tables = bench_checkpoint(cfg, cache_dir() / "bench" / "batch")
+    cfg, ckpt, tables = stem_bench_model(args, "batch")
     tiers = {tier: run_tier(args, ckpt, tables, tier) for tier in args.tiers.split(",")}
     path = write_result("batch_decode", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),

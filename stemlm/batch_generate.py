@@ -144,7 +144,7 @@ def _decode_batch(model, prompts, params, eos_id, stop, pad_id, store) -> Iterat
     rows, request_rows = _distinct(ids, mask[:, 0, -1])
     logits = prefill(model, ids, cache, store, positions=positions, attn_mask=mask)
     for step in range(max(budget.values())):
-        tokens = _sample_rows(logits, [params[i] for i in active], [generators[i] for i in active])
+        tokens = sample_rows(logits, [params[i] for i in active], [generators[i] for i in active])
         keep, finished = [], []
         for j, (i, tok) in enumerate(zip(active, tokens)):
             new[i].append(tok)
@@ -166,7 +166,7 @@ def _decode_batch(model, prompts, params, eos_id, stop, pad_id, store) -> Iterat
         logits = decode_one_token(model, token, slot, cache, positions=(slot - pad)[:, None], attn_mask=step_mask)
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
     """One token per row of ``logits (B, V)``, each row with its own settings and generator."""
     if all(sp.temperature == 0 for sp in params):
         return logits.argmax(-1).tolist()

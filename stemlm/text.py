@@ -8,7 +8,7 @@ every document with ``<|endoftext|>``, so prompts get that token in front, as in
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -28,12 +28,13 @@ class TextCodec:
             except ValueError:
                 self.eos_id = None
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt ids: the HF tokenizer's own special tokens, or ``[eos] + ids`` (document start)."""
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Prompt ids: the HF tokenizer's own special tokens, or ``[eos] + ids`` (document start);
+        ``special=False`` gives the text's ids alone."""
         if self.hf:
-            return list(self.tokenizer(text)["input_ids"])
+            return list(self.tokenizer(text, add_special_tokens=special)["input_ids"])
         ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self.eos_id] if self.eos_id is not None else []) + ids
+        return ([self.eos_id] if special and self.eos_id is not None else []) + ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -64,17 +65,55 @@ def encode_prompt(codec: TextCodec, text: str, vocab_size: int) -> torch.Tensor:
 
 def stream_text(codec: TextCodec, tokens: Iterable[int]) -> Iterator[str]:
     """Text pieces as tokens arrive; a piece is held back while it ends in an incomplete character."""
-    ids: list[int] = []
-    shown = ""
+    stream = TextStream(codec)
     for tok in tokens:
-        ids.append(int(tok))
-        text = codec.decode(ids)
-        if text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
-            continue
-        if text.startswith(shown):
-            piece, shown = text[len(shown):], text
-            if piece:
-                yield piece
-    text = codec.decode(ids)
-    if text.startswith(shown) and text[len(shown):]:
-        yield text[len(shown):]
+        piece = stream.push(tok)
+        if piece:
+            yield piece
+    piece = stream.finish()
+    if piece:
+        yield piece
+
+
+class TextStream:
+    """Incremental detokenization with stop strings: ``push`` a token, get the text that is safe to show.
+
+    A piece is held back while it ends in an incomplete character or could be the start of a stop
+    string; at the first stop string the text ends before it and ``stopped`` becomes true.
+    """
+
+    def __init__(self, codec: TextCodec, stops: Sequence[str] = ()):
+        self.codec, self.stops = codec, [s for s in stops if s]
+        self.ids: list[int] = []
+        self.text = ""  # the text so far (cut before a stop string once one appears)
+        self.shown = ""  # the part of it already handed out
+        self.stopped = False
+
+    def push(self, tok: int) -> str:
+        """Add one token; the new text that can be shown now (possibly empty)."""
+        if self.stopped:
+            return ""
+        self.ids.append(int(tok))
+        self.text = self.codec.decode(self.ids)
+        cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.stopped = self.text[:cut], True
+            return self._show(len(self.text))
+        if self.text.endswith("\ufffd"):  # a multi-byte character split across tokens: wait for the rest
+            return ""
+        return self._show(len(self.text) - self._held(self.text))
+
+    def finish(self) -> str:
+        """The text still held back once no token will follow."""
+        return self._show(len(self.text))
+
+    def _held(self, text: str) -> int:
+        """Length of the longest end of ``text`` that a stop string starts with."""
+        return max((n for s in self.stops for n in range(min(len(s) - 1, len(text)), 0, -1)
+                    if s.startswith(text[-n:])), default=0)
+
+    def _show(self, end: int) -> str:
+        if not self.text.startswith(self.shown) or end <= len(self.shown):
+            return ""
+        piece, self.shown = self.text[len(self.shown):end], self.text[:end]
+        return piece

@@ -10,7 +10,7 @@ from stemlm.checkpoint import save_model
 from stemlm.cli import main as cli_main
 from stemlm.data.tokenizer import train_bpe
 from stemlm.generate import generate, generate_ids, sample
-from stemlm.text import TextCodec, stream_text
+from stemlm.text import TextCodec, TextStream, stream_text
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +90,19 @@ def test_stream_text_joins_to_the_full_decode(ckpt):
     codec = TextCodec(tok)
     ids = codec.encode("Ünïcödé — ok. The capital")
     assert "".join(stream_text(codec, ids)) == codec.decode(ids)
+
+
+def test_text_stream_cuts_at_a_stop_string_split_across_tokens(ckpt):
+    _, tok = ckpt
+    codec = TextCodec(tok)
+    ids = codec.encode("The capital of France is Paris. Ünïcödé", special=False)
+    stream = TextStream(codec, stops=["is Par", "zzz"])
+    pieces = [stream.push(t) for t in ids]
+    assert stream.stopped and stream.text == "The capital of France "
+    assert "".join(pieces) + stream.finish() == "The capital of France "
+    assert all("is" not in p for p in pieces)  # "is" could start the stop string: held back, then dropped
+    free = TextStream(codec, stops=["zzz"])
+    assert "".join(free.push(t) for t in ids) + free.finish() == codec.decode(ids) and not free.stopped
 
 
 @pytest.mark.parametrize("tables", ["device", "host", "disk"])

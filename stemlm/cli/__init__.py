@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("stemlm.cli.eval", "accuracy on benchmarks (ARC, MMLU, ...), knowledge probes and needle retrieval"),
     "eval-ppl": ("stemlm.cli.eval_ppl", "perplexity of a checkpoint on the validation split"),
     "generate": ("stemlm.cli.generate", "generate text with tables on device, host RAM or disk"),
+    "serve": ("stemlm.cli.serve", "serve a model over an OpenAI-compatible HTTP API with continuous batching"),
     "plan": ("stemlm.cli.plan", "memory and transfer plan for offloaded tables"),
     "edit": ("stemlm.cli.edit", "edit knowledge by swapping/copying STEM rows and report the effect"),
     "edit-eval": ("stemlm.cli.edit_eval", "evaluate knowledge edits over a set of facts"),

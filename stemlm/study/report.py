@@ -63,7 +63,7 @@ def _compare(rows_by_size: dict) -> list[str]:
             lines += _table(["variant", *tasks], [[r["variant"], *(_acc_cell(r["acc_detail"].get(t)) for t in tasks)]
                                                   for r in rows])
             chance = {t: next((r["acc_detail"][t]["chance"] for r in rows if t in r["acc_detail"]), None) for t in tasks}
-            lines = lines[:-1] + [f"| chance | " + " | ".join(_f(chance[t]) for t in tasks) + " |", ""]
+            lines = lines[:-1] + ["| chance | " + " | ".join(_f(chance[t]) for t in tasks) + " |", ""]
     return lines
 
 

@@ -1,0 +1,170 @@
+"""stemlm serve under load: latency, throughput and overhead against direct batched generation.
+
+The model is the tiny preset with STEM in every third layer and random weights, tables on the
+host tier (``_store_bench.bench_checkpoint``; a small BPE tokenizer is trained for the server's
+text side, the prompts are token ids). The server runs in this process (uvicorn on a thread,
+``--max-batch`` 16). For each concurrency C (1, 2, 4, 8, 16), C client threads each send
+``--requests`` non-streaming completions through the ``openai`` client, one after another; each
+request has its own prompt (mixed lengths) and seed (temperature 1.0).
+
+Measured per C: p50/p95 request latency, generated tokens/s over the wall time of the phase,
+requests lost (errors; must be 0) and requests whose token count differs from direct generation
+(same seeds, so 0 expected), and the same
+prompts decoded directly with ``generate_batch`` in batches of C on the same model (while the
+server is idle), side by side in the same round. Overhead = direct tokens/s ÷ served tokens/s − 1
+(median over rounds of the per-round value). Goal: overhead <= 10 %.
+
+    python benchmarks/bench_serve.py              # the real run (lead)
+    python benchmarks/bench_serve.py --quick      # concurrency 1 and 2, a few tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from _store_bench import stem_bench_model
+from _train_bench import paired_ratio, round_ratios, write_result
+
+from stemlm.batch_generate import SamplingParams, generate_batch
+from stemlm.data.tokenizer import train_bpe
+from stemlm.serve.server import ServerThread, load_served
+
+TEXTS = ["The capital of France is Paris. Once upon a time there was a cat that sat on the mat."] * 40
+
+
+def workload(clients: int, per_client: int, lens: list[int], vocab: int, seed: int) -> list[list[tuple]]:
+    """Per client, its requests as ``(prompt ids, seed)``; the same for a given C in every round."""
+    out = []
+    for c in range(clients):
+        reqs = []
+        for k in range(per_client):
+            i = c * per_client + k
+            g = torch.Generator().manual_seed(seed + i)
+            reqs.append((torch.randint(0, vocab, (lens[i % len(lens)],), generator=g).tolist(), seed + i))
+        out.append(reqs)
+    return out
+
+
+def served_phase(client, name: str, work: list[list[tuple]], max_tokens: int) -> dict:
+    """All clients at once; latency of each request and generated tokens per request."""
+    def run_client(reqs):
+        done = []
+        for prompt, seed in reqs:
+            t0 = time.perf_counter()
+            try:
+                r = client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens, temperature=1.0,
+                                              seed=seed)
+                done.append((time.perf_counter() - t0, r.usage.completion_tokens))
+            except Exception as e:  # a lost request is counted, not fatal
+                done.append((time.perf_counter() - t0, None, repr(e)))
+        return done
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(work)) as pool:
+        results = [r for rs in pool.map(run_client, work) for r in rs]
+    wall = time.perf_counter() - t0
+    ok = [r for r in results if r[1] is not None]
+    lat = sorted(r[0] for r in ok)
+    tokens = sum(r[1] for r in ok)
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "per_request_tokens": [r[1] for r in results],
+            "latency_p50_s": statistics.median(lat) if lat else None,
+            "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
+            "errors": [r[2] for r in results if r[1] is None]}
+
+
+def direct_phase(model, work: list[list[tuple]], max_tokens: int, eos_ids) -> dict:
+    """The same requests through ``generate_batch`` in batches of C (request k of every client together)."""
+    tokens, per_request = 0, {}
+    t0 = time.perf_counter()
+    for k in range(len(work[0])):
+        batch = [reqs[k] for reqs in work]
+        params = [SamplingParams(max_tokens, temperature=1.0, seed=seed) for _, seed in batch]
+        out = generate_batch(model, [p for p, _ in batch], params, eos_id=None,
+                             stop=lambda i, toks: toks[-1] in eos_ids)
+        for c, toks in enumerate(out):
+            per_request[(c, k)] = len(toks)
+        tokens += sum(map(len, out))
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "per_request_tokens": [per_request[(c, k)] for c in range(len(work)) for k in range(len(work[0]))]}
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="tiny", help="model shape (default tiny)")
+    ap.add_argument("--stem-layers", default="1/3", help="STEM placement (default 1/3)")
+    ap.add_argument("--concurrency", default="1,2,4,8,16", help="client counts (default 1,2,4,8,16)")
+    ap.add_argument("--requests", type=int, default=8, help="requests per client (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    ap.add_argument("--prompt-lens", default="8,32,16,64,24,48,12,40", help="prompt lengths, cycled (default 8,32,...)")
+    ap.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over the concurrencies (default 3)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling (default 0)")
+    ap.add_argument("--quick", action="store_true", help="concurrency 1,2, 2 requests of 4 tokens, 1 round; "
+                                                         "writes bench_serve.quick.json")
+    args = ap.parse_args()
+    if args.quick:
+        args.concurrency, args.requests, args.max_tokens, args.repeats, args.prompt_lens = "1,2", 2, 4, 1, "3,9"
+    return args
+
+
+def main() -> None:
+    import openai
+
+    args = parse_args()
+    cfg, ckpt, tables = stem_bench_model(args, "serve")
+    tokdir = Path(tempfile.mkdtemp())
+    train_bpe(TEXTS, vocab_size=300).save(str(tokdir / "tokenizer.json"))
+    served = load_served(ckpt, tier="host", max_batch=args.max_batch, model_name="bench", tokenizer=tokdir,
+                         tables_path=tables)
+    model, eos_ids = served.engine.model, served.engine.eos_ids
+    lens = [int(x) for x in args.prompt_lens.split(",")]
+    levels = [int(c) for c in args.concurrency.split(",")]
+    rounds: dict[int, list[tuple[dict, dict]]] = {c: [] for c in levels}
+    with ServerThread(served) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+        served_phase(client, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4)  # warm-up
+        for r in range(args.repeats):
+            for c in levels[r % len(levels):] + levels[:r % len(levels)]:
+                work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
+                s = served_phase(client, "bench", work, args.max_tokens)
+                d = direct_phase(model, work, args.max_tokens, eos_ids)
+                rounds[c].append((s, d))
+                print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 {s['latency_p50_s']:.3f} s, "
+                      f"p95 {s['latency_p95_s']:.3f} s), direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
+        with urllib.request.urlopen(url + "/metrics") as resp:
+            metrics = json.load(resp)
+    served.store.close()
+    results = {}
+    for c, rs in rounds.items():
+        ratio = paired_ratio([d["tokens_per_s"] for _, d in rs], [s["tokens_per_s"] for s, _ in rs])
+        lost = [sum(st is None for st in s["per_request_tokens"]) for s, _ in rs]
+        differ = [sum(st is not None and st != dt for st, dt in zip(s["per_request_tokens"], d["per_request_tokens"]))
+                  for s, d in rs]
+        med = sorted(rs, key=lambda x: x[0]["tokens_per_s"])[len(rs) // 2]
+        results[str(c)] = {"served": {k: v for k, v in med[0].items() if k != "per_request_tokens"},
+                           "direct": {k: v for k, v in med[1].items() if k != "per_request_tokens"},
+                           "overhead": ratio - 1, "overhead_rounds": [x - 1 for x in round_ratios(
+                               [d["tokens_per_s"] for _, d in rs], [s["tokens_per_s"] for s, _ in rs])],
+                           "requests_lost": max(lost), "requests_with_other_token_counts_than_direct": max(differ),
+                           "goal_overhead_10pct": ratio - 1 <= 0.10}
+        print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %), requests lost {max(lost)}")
+    path = write_result("bench_serve", args.quick, {
+        "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tier": "host", "concurrency": args.concurrency,
+                   "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
+                   "max_batch": args.max_batch, "repeats": args.repeats, "sampling": "temperature 1.0, seed per request"},
+        "concurrency": results, "server_metrics": metrics})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

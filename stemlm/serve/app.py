@@ -1,0 +1,266 @@
+"""The FastAPI layer: OpenAI endpoints over the engine, streamed by server-sent events.
+
+Handlers check a request (4xx in OpenAI's error shape), submit one engine ``Request`` per prompt
+and read its events from an ``asyncio.Queue`` that the engine thread fills through
+``loop.call_soon_threadsafe``. A client that disconnects cancels its requests, and the engine
+drops them at its next step. The lifespan starts the engine and, at shutdown (after uvicorn has
+let in-flight requests finish), drains it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..text import TextStream
+from . import api, responses
+from .api import ApiError
+from .chat import ChatTemplate
+from .engine import Engine, EngineClosed, Request
+from .responses import Outcome
+
+DISCONNECT_CHECK_S = 0.25  # how often a non-streaming handler asks whether its client is still there
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
+
+
+@dataclass
+class Served:
+    """What the server serves: the engine (owning the model), its tokenizer, name and chat template."""
+
+    engine: Engine
+    codec: object
+    name: str
+    chat: ChatTemplate | None = None
+    store: object = None
+
+    @property
+    def context(self) -> int:
+        return self.engine.model.cfg.max_seq_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.cfg.vocab_size
+
+
+class _Job:
+    """One prompt in the engine and the queue its events arrive on."""
+
+    def __init__(self, served: Served, prompt: list[int], params, stops: list[str], logprobs=None, prompt_logprobs=None):
+        codec = served.codec
+        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.outcome = Outcome(prompt, TextStream(codec, stops))
+        stop = (lambda toks: any(s in codec.decode(toks) for s in stops)) if stops else None
+        self.req = Request(prompt, params, self._deliver, stop, logprobs, prompt_logprobs)
+
+    def _deliver(self, event) -> None:
+        """Called on the engine thread: hand ``event`` to the handler's event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+        except RuntimeError:  # the event loop is closed (forced exit): nobody listens any more
+            self.req.cancel()
+
+    async def next_piece(self) -> str:
+        """Wait for the next event and record it; the text it makes showable."""
+        return self.outcome.add(await self.queue.get())
+
+    @property
+    def done(self) -> bool:
+        return self.outcome.finished is not None
+
+
+def _submit(served: Served, jobs: list[_Job]) -> list[_Job]:
+    try:
+        for job in jobs:
+            served.engine.submit(job.req)
+    except EngineClosed as e:
+        _cancel(jobs)
+        raise ApiError(503, str(e), type="server_error", code="shutting_down") from None
+    return jobs
+
+
+def _cancel(jobs: list[_Job]) -> None:
+    for job in jobs:
+        if not job.done:
+            job.req.cancel()
+
+
+async def _collect(http: HttpRequest, jobs: list[_Job]) -> None:
+    """Wait until every job has finished; cancel them all if the client goes away."""
+    loop = asyncio.get_running_loop()
+    checked = loop.time()
+    try:
+        for job in jobs:
+            while not job.done:
+                if not job.queue.empty():  # events already here: no timer needed
+                    job.outcome.add(job.queue.get_nowait())
+                else:
+                    try:
+                        await asyncio.wait_for(job.next_piece(), timeout=DISCONNECT_CHECK_S)
+                    except TimeoutError:
+                        pass
+                if loop.time() - checked >= DISCONNECT_CHECK_S:
+                    checked = loop.time()
+                    if await http.is_disconnected():
+                        return
+    finally:
+        _cancel(jobs)
+    failed = next((j.outcome.finished for j in jobs if j.outcome.finished.reason == "error"), None)
+    if failed is not None:
+        raise ApiError(500, f"generation failed: {failed.message}", type="server_error")
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _stream(jobs: list[_Job], first: list[str], chunk, final, usage_chunk, opening: dict | None = None) -> StreamingResponse:
+    """Server-sent events: ``opening``, then per job its ``first`` piece, its text pieces as they come and
+    its finish; the usage chunk (if any) and ``[DONE]``."""
+    async def events():
+        try:
+            if opening is not None:
+                yield _sse(opening)
+            for i, job in enumerate(jobs):
+                if first[i]:
+                    yield _sse(chunk(i, first[i]))
+                while not job.done:
+                    piece = await job.next_piece()
+                    if piece:
+                        yield _sse(chunk(i, piece))
+                if job.outcome.finished.reason == "error":  # the status line is long gone: an error event, then the end
+                    yield _sse(ApiError(500, f"generation failed: {job.outcome.finished.message}", type="server_error").body())
+                    break
+                yield _sse(final(i, job.outcome.finish_reason))
+            if usage_chunk is not None:
+                yield _sse(usage_chunk())
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client disconnects mid-stream
+            _cancel(jobs)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def create_app(served: Served) -> FastAPI:
+    """The FastAPI application serving ``served``."""
+    @asynccontextmanager
+    async def lifespan(app):
+        served.engine.start()
+        yield
+        await asyncio.to_thread(served.engine.shutdown, True)
+
+    app = FastAPI(title="stemlm", lifespan=lifespan)
+    _add_error_handlers(app)
+    codec = served.codec
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "stemlm",
+                                            "max_model_len": served.context}]}
+
+    @app.get("/metrics")
+    async def metrics():
+        counts = served.engine.counts()
+        store = served.store.stats() if served.store is not None else None
+        return {**served.engine.metrics.snapshot(), **counts, "queue_length": counts["requests_queued"],
+                "max_batch": served.engine.max_batch,
+                "table_store": None if store is None else {k: v for k, v in store.items() if k != "per_table"}}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        eos = codec.eos_id
+        return {"eos_token": None if eos is None else responses.token_text(codec, eos), "bos_token": None,
+                "pad_token": None, "model_max_length": served.context,
+                "chat_template": served.chat.source if served.chat else None}
+
+    @app.post("/tokenize")
+    async def tokenize(body: api.TokenizeRequest):
+        ids = codec.encode(body.prompt, special=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": served.context}
+
+    @app.post("/detokenize")
+    async def detokenize(body: api.DetokenizeRequest):
+        api.check_prompt(body.tokens or [0], served.vocab_size, max(served.context, len(body.tokens)), "tokens")
+        return {"prompt": codec.decode(body.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, http: HttpRequest):
+        api.check_common(body, served.name)
+        prompts = api.completion_prompts(body, codec)
+        if not prompts:
+            raise ApiError(400, "the prompt list is empty", "prompt")
+        jobs = []
+        for ids in prompts:
+            api.check_prompt(ids, served.vocab_size, served.context)
+            n = api.max_new_tokens(body.max_tokens, len(ids), served.context, COMPLETIONS_DEFAULT_MAX_TOKENS)
+            jobs.append((ids, api.sampling(body, n)))
+        k = body.logprobs
+        jobs = _submit(served, [_Job(served, ids, sp, body.stops(), k, k if body.echo else None) for ids, sp in jobs])
+        rid = responses.new_id("cmpl")
+        if body.stream:
+            first = [codec.decode(j.outcome.prompt) if body.echo else "" for j in jobs]
+            usage = (lambda: responses.usage_chunk(rid, served.name, "text_completion", [j.outcome for j in jobs])) \
+                if body.stream_options and body.stream_options.include_usage else None
+            return _stream(jobs, first, lambda i, text: responses.completion_chunk(rid, served.name, i, text),
+                           lambda i, reason: responses.completion_chunk(rid, served.name, i, "", reason), usage)
+        await _collect(http, jobs)
+        return responses.completion_body(rid, served.name, codec, [j.outcome for j in jobs], body.echo, k is not None)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatRequest, http: HttpRequest):
+        api.check_common(body, served.name)
+        if served.chat is None:
+            raise ApiError(400, f"model {served.name!r} has no chat template; use /v1/completions, or start the "
+                                "server with --chat-template FILE", "messages", "no_chat_template")
+        text = served.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
+        ids = codec.encode(text)
+        api.check_prompt(ids, served.vocab_size, served.context, "messages")
+        requested, param = (body.max_completion_tokens, "max_completion_tokens") \
+            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
+        n = api.max_new_tokens(requested, len(ids), served.context, None, param)
+        k = (body.top_logprobs or 0) if body.logprobs else None
+        jobs = _submit(served, [_Job(served, ids, api.sampling(body, n), body.stops(), k)])
+        rid = responses.new_id("chatcmpl")
+        if body.stream:
+            usage = (lambda: responses.usage_chunk(rid, served.name, "chat.completion.chunk", [jobs[0].outcome])) \
+                if body.stream_options and body.stream_options.include_usage else None
+            role = responses.chat_chunk(rid, served.name, {"role": "assistant", "content": ""})
+            return _stream(jobs, [""], lambda i, text: responses.chat_chunk(rid, served.name, {"content": text}),
+                           lambda i, reason: responses.chat_chunk(rid, served.name, {}, reason), usage,
+                           opening=role)
+        await _collect(http, jobs)
+        return responses.chat_body(rid, served.name, codec, jobs[0].outcome, k is not None)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error leaves as ``{"error": {...}}``: bad JSON and schema violations as 400."""
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        err = (exc.errors() or [{}])[0]
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        if err.get("type") == "json_invalid":
+            msg, loc = f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}", []
+        else:
+            msg = f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid value')}"
+        return JSONResponse(ApiError(400, msg, ".".join(loc) or None).body(), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, exc: HTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), code=code).body(), status_code=exc.status_code)

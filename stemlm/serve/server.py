@@ -1,0 +1,119 @@
+"""Building what the server serves from a checkpoint, and running it with uvicorn (blocking or in a thread)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+
+from .app import Served, create_app
+from .chat import ChatTemplate, find_chat_template
+from .engine import Engine
+
+
+def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int = 0, device: str = "cpu",
+                max_batch: int = 16, model_name: str | None = None, chat_template: str | os.PathLike | None = None,
+                tokenizer: str | os.PathLike | None = None, tables_path: str | os.PathLike | None = None,
+                verify: bool = True) -> Served:
+    """Load a checkpoint (or a run's newest one) with its tables on ``tier`` into an engine, not yet started.
+
+    The served name defaults to the checkpoint's directory name (the run's, for a run directory);
+    ``tables_path`` is a separate tables file (``store.export_tables``).
+    """
+    from ..checkpoint import resolve_checkpoint
+    from ..store import load_model_with_tables
+    from ..text import load_text_codec
+
+    given = Path(ckpt)
+    ckpt = resolve_checkpoint(ckpt)
+    codec = load_text_codec(ckpt, tokenizer)
+    template = find_chat_template(ckpt, codec, chat_template)
+    chat = None
+    if template is not None:
+        eos = "" if codec.eos_id is None else codec.tokenizer.decode([codec.eos_id], skip_special_tokens=False)
+        chat = ChatTemplate(template, eos_token=eos)
+    # a table dtype (quantized tables) would be chosen here, when the model and its tables are loaded
+    model, store = load_model_with_tables(ckpt, tier=tier, tables_path=tables_path, cache_rows=cache_rows,
+                                          device=device, verify=verify)
+    model.eval()
+    engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store)
+    return Served(engine, codec, model_name or given.resolve().name, chat, store)
+
+
+def _end_ids(ckpt: Path, codec) -> list[int]:
+    """Tokens that end a request: the tokenizer's end of text and a converted model's ``eos_token_id``
+    (e.g. SmolLM2-Instruct's end of turn ``<|im_end|>``, which its tokenizer.json does not mark)."""
+    config = json.loads((ckpt / "config.json").read_text())
+    eos = config.get("eos_token_id")
+    ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    return list(dict.fromkeys(([codec.eos_id] if codec.eos_id is not None else []) + ids))
+
+
+def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """A ``uvicorn.Server`` for the app (``.run()`` blocks, handling SIGINT/SIGTERM by draining)."""
+    import uvicorn
+
+    config = uvicorn.Config(create_app(served), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
+    return uvicorn.Server(config)
+
+
+def serve_forever(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve until SIGINT/SIGTERM (main thread): in-flight requests finish, the engine drains, the table
+    store closes, and the call returns (uvicorn re-raises the signal it caught; a quiet handler takes it)."""
+    caught = []
+    previous = {sig: signal.signal(sig, lambda s, frame: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        uvicorn_server(served, host, port, log_level).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if served.store is not None:
+            served.store.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """The server on a background thread (tests, benchmarks): ``with ServerThread(served) as url: ...``.
+
+    Leaving the block shuts it down as SIGTERM would: in-flight requests finish first."""
+
+    def __init__(self, served: Served, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+        self.host, self.port = host, port or free_port(host)
+        self.server = uvicorn_server(served, host, self.port, log_level)
+        self.thread = threading.Thread(target=self.server.run, name="stemlm-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, timeout: float = 30.0) -> str:
+        """Start serving; the base URL once the server accepts connections."""
+        self.thread.start()
+        deadline = threading.Event()
+        for _ in range(int(timeout / 0.02)):
+            if self.server.started:
+                return self.url
+            if not self.thread.is_alive():
+                break
+            deadline.wait(0.02)
+        raise RuntimeError(f"the server did not start on {self.url}")
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Graceful shutdown: stop accepting, let in-flight requests finish, drain the engine."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
