@@ -4,7 +4,8 @@ Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_p
 ``import stemlm.hf``)::
 
     config.json          {"model_type": "stemlm", "architectures": [...], <ModelConfig fields>}
-    model.safetensors    keys "model.<StemLM parameter name>" (a tied LM head is not stored)
+    model.safetensors    keys "model.<StemLM parameter name>" (a tied LM head is not stored); quantized
+                         tables add "model.tables.<layer>.scale" and name their codec in the metadata
     tokenizer.json ...   optional, copied in by the caller
 
 A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
@@ -33,6 +34,7 @@ from safetensors.torch import safe_open, save_file
 from .config import ConfigError, ModelConfig
 from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
 from .model import StemLM
+from .quant import RowCodec, codec_of, quantized_tables
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
 # Names of the work directories beside a final one: ".<name>.tmp-*" (being written), ".<name>.old-<pid>"
@@ -160,7 +162,8 @@ def write_model_files(model: StemLM, directory: Path, extra_config: dict | None 
     state = model_state_for_save(model)
     check_finite(state.items(), "the model to save", "not saved (the model diverged)")
     (directory / CONFIG_FILE).write_text(json.dumps({**hf_config_dict(model.cfg), **(extra_config or {})}, indent=2))
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    metadata = {"format": "pt", **codec_of(model.tables).metadata()}
+    save_file(state, str(directory / WEIGHTS_FILE), metadata=metadata)
 
 
 def save_model(model: StemLM, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
@@ -229,6 +232,15 @@ def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{file}: {e}") from None
 
 
+def stored_codec(weights_file: str | os.PathLike) -> RowCodec:
+    """How a checkpoint's ``model.safetensors`` stores its tables (``CheckpointError`` if unreadable)."""
+    try:
+        with safe_open(str(weights_file), framework="pt", device="cpu") as f:
+            return RowCodec.from_metadata(f.metadata())
+    except (SafetensorError, OSError, ValueError) as e:
+        raise CheckpointError(f"corrupt weights file {weights_file}: {e}") from None
+
+
 def load_state_into(model: StemLM, weights_file: str | os.PathLike, skip_tables: bool = False) -> None:
     """Load a ``model.safetensors`` into ``model`` with key and shape checks (clear errors)."""
     weights_file = Path(weights_file)
@@ -272,6 +284,10 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
         verify_checkpoint(ckpt)
     cfg = read_config(ckpt)
     model = StemLM(cfg)
+    if cfg.table_layers and not skip_tables and (ckpt / WEIGHTS_FILE).exists():
+        codec = stored_codec(ckpt / WEIGHTS_FILE)
+        if codec.quantized:  # tables stored quantized load as QuantizedTables (stemlm.quant)
+            model.tables = quantized_tables(cfg.vocab_size, cfg.d_ff, cfg.table_layers, codec)
     load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype else model.to(device)

@@ -27,7 +27,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .batch_generate import padding_mask
-from .checkpoint import resolve_checkpoint
+from .checkpoint import WEIGHTS_FILE, resolve_checkpoint, stored_codec
 from .config import ModelConfig
 from .matmul import apply_matmul
 from .model import StemLM, init_module_
@@ -174,7 +174,13 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         checkpoint (``checkpoint.resolve_checkpoint``), so ``from_pretrained("runs/default")`` works."""
         path = Path(str(pretrained_model_name_or_path))
         if path.is_dir() and (path / "checkpoints").is_dir():
-            pretrained_model_name_or_path = str(resolve_checkpoint(path))
+            path = resolve_checkpoint(path)
+            pretrained_model_name_or_path = str(path)
+        weights = path / WEIGHTS_FILE
+        if weights.is_file() and (codec := stored_codec(weights)).quantized:
+            raise ValueError(f"{path} stores its STEM tables as {codec.name}, which transformers cannot load: use "
+                             f"stemlm.load_model, or write fp32 tables with `stemlm convert --ckpt {path} "
+                             "--table-dtype fp32 --out DIR`")
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 
     @torch.no_grad()

@@ -8,13 +8,14 @@ that gathers the rows of all layers in the background; row-sparse training goes 
 """
 
 from ..config import TIERS
-from .backends import DiskRows, HostRows
+from .backends import DiskRows, HostRows, QuantRows
 from .cache import HotRowCache
 from .offload import export_tables, load_model_with_tables, offload_tables, table_key
 from .prefetch import Prefetcher
-from .safetensors_io import TableFileError, read_header, write_safetensors
+from .safetensors_io import TableFileError, read_header, read_metadata, write_safetensors
 from .table import OffloadedTable, TableStore
 
-__all__ = ["TIERS", "DiskRows", "HostRows", "HotRowCache", "OffloadedTable", "Prefetcher", "TableFileError",
-           "TableStore", "export_tables", "load_model_with_tables", "offload_tables", "read_header", "table_key",
+__all__ = ["TIERS", "DiskRows", "HostRows", "HotRowCache", "OffloadedTable", "Prefetcher", "QuantRows", "TableFileError",
+           "TableStore", "export_tables", "load_model_with_tables", "offload_tables", "read_header", "read_metadata",
+           "table_key",
            "write_safetensors"]

@@ -16,6 +16,9 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
   ``mode="r+"`` writes rows through to the file (use a separate tables file, never a checkpoint
   you want to keep unchanged).
 
+* ``QuantRows``: a quantized table (``stemlm.quant.RowCodec``): its codes and scales in two such
+  backends, decoded to fp32 rows on gather and encoded on scatter.
+
 Backends are context managers; ``close()`` releases a disk backend's descriptors and mapping, and
 a backend that is garbage-collected unclosed (its model dropped) closes its descriptors then.
 """
@@ -50,6 +53,15 @@ class HostRows:
     @property
     def dtype(self) -> torch.dtype:
         return self.weight.dtype
+
+    @property
+    def row_bytes(self) -> int:
+        """Stored bytes of one row (what a gather moves per row)."""
+        return self.weight.shape[1] * self.weight.element_size()
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored tensors under their state-dict suffix (the backing tensors, not copies)."""
+        return {"weight": self.weight}
 
     def gather(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``(len(ids), dim)`` at CPU ``ids`` (a fresh tensor)."""
@@ -165,6 +177,76 @@ class DiskRows(HostRows):
 
     def describe(self) -> str:
         return f"disk ({self.path.name}, mode {self.mode})"
+
+
+class QuantRows:
+    """A quantized table: codes and (for int8/int4) scales in two backends, rows decoded on gather.
+
+    ``shape`` and ``dtype`` are those of the decoded rows (``(num_rows, dim)``, fp32), so a table
+    sees no difference; ``row_bytes`` counts the stored bytes a gather moves.
+    """
+
+    def __init__(self, codes, scales, codec, dim: int):
+        self.codes, self.scales, self.codec, self.dim = codes, scales, codec, dim
+        self.reads_ahead = codes.reads_ahead
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.dim)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def writable(self) -> bool:
+        return self.codes.writable
+
+    @property
+    def row_bytes(self) -> int:
+        return self.codec.row_bytes(self.dim)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        out = {"weight": self.codes.weight}
+        if self.scales is not None:
+            out["scale"] = self.scales.weight
+        return out
+
+    def gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """Decoded fp32 rows ``(len(ids), dim)`` at CPU ``ids``."""
+        scales = self.scales.gather(ids) if self.scales is not None else None
+        return self.codec.decode(self.codes.gather(ids), scales, self.dim)
+
+    def scatter(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """Encode ``rows`` and overwrite them at unique CPU ``ids``."""
+        codes, scales = self.codec.encode(rows.to("cpu"))
+        self.codes.scatter(ids, codes)
+        if self.scales is not None:
+            self.scales.scatter(ids, scales)
+
+    def advise(self, ids: torch.Tensor) -> None:
+        self.codes.advise(ids)
+        if self.scales is not None:
+            self.scales.advise(ids)
+
+    def flush(self) -> None:
+        self.codes.flush()
+        if self.scales is not None:
+            self.scales.flush()
+
+    def close(self) -> None:
+        self.codes.close()
+        if self.scales is not None:
+            self.scales.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def describe(self) -> str:
+        return f"{self.codes.describe()} as {self.codec.name}"
 
 
 def _close_descriptors(file, hint_fd: int | None) -> None:

@@ -36,6 +36,8 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "F16": (np.dtype("<f2"), torch.float16),
     "BF16": (np.dtype("<u2"), torch.bfloat16),  # numpy has no bfloat16: map raw uint16, view in torch
     "F64": (np.dtype("<f8"), torch.float64),
+    "I8": (np.dtype("i1"), torch.int8),  # the codes of int8 tables (stemlm.quant)
+    "U8": (np.dtype("u1"), torch.uint8),  # ... of int4 tables, two codes a byte
 }
 TORCH_TO_ST = {t: name for name, (_, t) in DTYPES.items()}
 MAX_HEADER_BYTES = 100 << 20
@@ -54,6 +56,15 @@ class TensorInfo:
 
 def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     """Parse and validate the header of a safetensors file (clear errors for corrupt files)."""
+    return _parse(path)[0]
+
+
+def read_metadata(path: str | os.PathLike) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file (empty if none), after validating its header."""
+    return _parse(path)[1]
+
+
+def _parse(path: str | os.PathLike) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"table file {path} does not exist")
@@ -87,7 +98,10 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raise TableFileError(f"corrupt table file {path}: {key!r} ends at byte {data_start + end} but the file "
                                  f"has {size} bytes (truncated?)")
         out[key] = TensorInfo(key, dtype, shape, data_start + begin, end - begin)
-    return out
+    metadata = header.get("__metadata__") or {}
+    if not isinstance(metadata, dict):
+        raise TableFileError(f"corrupt table file {path}: __metadata__ is not a JSON object")
+    return out, metadata
 
 
 def tensor_info(path: str | os.PathLike, key: str, shape: tuple[int, ...] | None = None) -> TensorInfo:

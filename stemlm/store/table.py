@@ -79,9 +79,9 @@ class OffloadedTable(TableLookup, nn.Module):
         self.backend.advise(uniq)
 
     def _load(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.backend.gather(ids)  # (n, dim) on CPU
+        rows = self.backend.gather(ids)  # (n, dim) on CPU, decoded if the backend is quantized
         self.stats.rows_moved += len(ids)
-        self.stats.bytes_moved += rows.numel() * rows.element_size()
+        self.stats.bytes_moved += len(ids) * self.backend.row_bytes
         if self.device.type == "cuda":  # pinned staging (caching host allocator) -> async copy
             return rows.pin_memory().to(self.device, self.dtype, non_blocking=True)
         return rows.to(self.device, self.dtype)
@@ -125,7 +125,8 @@ class OffloadedTable(TableLookup, nn.Module):
 
     # -- checkpoints -----------------------------------------------------------------------
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        destination[prefix + "weight"] = self.backend.weight  # the backing tensor itself, not a copy
+        for name, tensor in self.backend.state_tensors().items():  # the backing tensors themselves, not copies
+            destination[prefix + name] = tensor
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
@@ -133,15 +134,20 @@ class OffloadedTable(TableLookup, nn.Module):
         if key not in state_dict:
             missing_keys.append(key)
             return
-        src = state_dict[key]
-        if tuple(src.shape) != (self.num_rows, self.dim):
-            error_msgs.append(f"size mismatch for {key}: copying {tuple(src.shape)} into a table of "
-                              f"{(self.num_rows, self.dim)}")
+        src, codec = state_dict[key], getattr(self.backend, "codec", None)
+        expected = self.backend.state_tensors()["weight"].shape
+        if tuple(src.shape) != tuple(expected):
+            error_msgs.append(f"size mismatch for {key}: copying {tuple(src.shape)} into a table of {tuple(expected)}")
             return
-        chunk = max(1, (64 << 20) // max(1, self.dim * src.element_size()))
+        if codec is not None and codec.has_scale and prefix + "scale" not in state_dict:
+            missing_keys.append(prefix + "scale")
+            return
+        scale = state_dict.get(prefix + "scale") if codec is not None else None
+        chunk = max(1, (64 << 20) // max(1, self.dim * 4))
         for a in range(0, self.num_rows, chunk):
             b = min(self.num_rows, a + chunk)
-            self.write_rows(torch.arange(a, b), src[a:b])
+            rows = src[a:b] if codec is None else codec.decode(src[a:b], None if scale is None else scale[a:b], self.dim)
+            self.write_rows(torch.arange(a, b), rows)  # re-encoding decoded rows gives the same codes
 
     def extra_repr(self) -> str:
         cache = f", cache={self.cache.capacity} rows" if self.cache is not None else ""

@@ -31,6 +31,7 @@ from ..devices import resolve_device
 from ..malloc import keep_freed_memory
 from ..matmul import apply_matmul
 from ..model import StemLM
+from ..quant import codec_of
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
 from .config import TrainConfig, config_from_yaml_text, resume_changes
@@ -64,6 +65,9 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
         torch.manual_seed(cfg.run.seed)
         return StemLM(cfg.model.build(vocab_size=vocab_size))
     base = load_model(cfg.run.init_from)
+    if (codec := codec_of(base.tables)).quantized:
+        raise ConfigError(f"run.init_from: {cfg.run.init_from} stores its tables as {codec.name}, which cannot be trained; "
+                          f"write fp32 tables first: stemlm convert --ckpt {cfg.run.init_from} --table-dtype fp32 --out DIR")
     overrides = cfg.model.overrides()
     if not overrides:
         return base

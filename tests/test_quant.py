@@ -1,0 +1,190 @@
+"""Quantized tables (bf16, int8, int4): codec error and exactness, every tier equal, checkpoints, edits, CLI."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from stemlm import StemLM, model_config
+from stemlm.checkpoint import WEIGHTS_FILE, load_model, save_model
+from stemlm.edit import swap
+from stemlm.quant import QuantizedTable, RowCodec, codec_of, quantize_tables
+from stemlm.store import export_tables, load_model_with_tables, offload_tables, read_header
+
+QUANT = ["bf16", "int8", "int4"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    torch.manual_seed(0)
+    cfg = model_config("debug", ffn="stem", stem_layers="1/2")  # tables on layers 1 and 3
+    model = StemLM(cfg).eval()
+    root = tmp_path_factory.mktemp("quant")
+    save_model(model, root / "fp32")
+    ids = torch.randint(0, cfg.vocab_size, (2, 13))
+    return cfg, model, root, ids
+
+
+def _codes(model) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_encode_decode_is_a_fixpoint_and_errors_are_small(name):
+    rows = torch.randn(300, 70) * torch.rand(300, 1) * 5  # 70: not a multiple of the int4 group
+    rows[7] = 0
+    codec = RowCodec(name)
+    codes, scale = codec.encode(rows)
+    back = codec.decode(codes, scale, 70)
+    codes2, scale2 = codec.encode(back)
+    assert torch.equal(codes, codes2) and (scale is None or torch.equal(scale, scale2))
+    assert torch.equal(codec.decode(codes2, scale2, 70), back)
+    assert torch.equal(back[7], torch.zeros(70))
+    rel = ((back - rows).norm() / rows.norm()).item()
+    assert rel < {"bf16": 0.005, "int8": 0.01, "int4": 0.15}[name]
+    per_value = (back - rows).abs().max(dim=1).values / rows.abs().max(dim=1).values.clamp_min(1e-12)
+    if name == "int8":  # absmax: at most half a step of absmax / 127 off
+        assert per_value.max() <= 0.5 / 127 + 1e-6
+    assert codec.row_bytes(70) == {"bf16": 140, "int8": 74, "int4": 96 // 2 + 4 * 3}[name]  # 3 groups of 32, the last one padded
+
+
+def test_bad_codecs_and_rows_are_refused():
+    with pytest.raises(ValueError, match="unknown table dtype 'int3'"):
+        RowCodec("int3")
+    with pytest.raises(ValueError, match="NaN/inf"):
+        RowCodec("int8").encode(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="for inference"):
+        QuantizedTable(4, 3, RowCodec("int8")).sparse_grad = True
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_quantized_model_on_every_tier_equals_device_and_reloads_exactly(setup, name, tmp_path):
+    cfg, model, root, ids = setup
+    fp32 = load_model(root / "fp32")
+    quantize_tables(fp32, name)
+    assert codec_of(fp32.tables).name == name
+    with torch.no_grad():
+        want, ref = fp32(ids), model(ids)
+    assert (want - ref).abs().max() < {"bf16": 1e-3, "int8": 3e-3, "int4": 5e-2}[name]
+    save_model(fp32, tmp_path / name)
+    assert torch.equal(load_model(tmp_path / name)(ids), want)
+    for tier, cache in [("device", 0), ("host", 0), ("host", 5), ("disk", 0), ("disk", 5)]:
+        loaded, store = load_model_with_tables(tmp_path / name, tier, cache_rows=cache)
+        with torch.no_grad():
+            store.prefetch(ids)
+            assert torch.equal(loaded(ids), want), (tier, cache)
+        if tier != "device":  # traffic counts the stored bytes of a row
+            stats = store.stats()
+            assert stats["bytes_moved"] == stats["rows_moved"] * RowCodec(name).row_bytes(cfg.d_ff)
+        store.close()
+    for tier in ("device", "host"):  # re-encoded at load from the fp32 checkpoint: the same model
+        loaded, store = load_model_with_tables(root / "fp32", tier, table_dtype=name)
+        assert torch.equal(loaded(ids), want), tier
+
+
+def test_stored_bytes_shrink_by_the_codec(setup, tmp_path):
+    cfg, model, root, _ = setup
+    table_bytes = {}
+    for name in ["fp32"] + QUANT:
+        path = export_tables(root / "fp32", tmp_path / f"{name}.safetensors", table_dtype=name)
+        table_bytes[name] = sum(i.nbytes for i in read_header(path).values())
+        assert table_bytes[name] == len(cfg.table_layers) * cfg.vocab_size * RowCodec(name).row_bytes(cfg.d_ff)
+    assert table_bytes["fp32"] / table_bytes["bf16"] == 2
+    assert table_bytes["fp32"] / table_bytes["int8"] > 3.5  # d_ff + 4 bytes a row instead of 4 d_ff
+    assert table_bytes["fp32"] / table_bytes["int4"] > 5.5
+
+
+def test_disk_tier_serves_as_stored_and_names_the_conversion(setup, tmp_path):
+    _, _, root, ids = setup
+    with pytest.raises(ValueError, match="stemlm convert --ckpt .* --table-dtype int8"):
+        load_model_with_tables(root / "fp32", "disk", table_dtype="int8")
+    tables = export_tables(root / "fp32", tmp_path / "t.safetensors", table_dtype="int8")
+    served, store = load_model_with_tables(root / "fp32", "disk", tables_path=tables)
+    device, _ = load_model_with_tables(root / "fp32", "device", table_dtype="int8")
+    assert torch.equal(served(ids), device(ids))
+    store.close()
+
+
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_offload_a_model_with_a_table_dtype(setup, tier, tmp_path):
+    _, model, root, ids = setup
+    want = load_model(root / "fp32")
+    quantize_tables(want, "int8")
+    moved = load_model(root / "fp32")
+    store = offload_tables(moved, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None, table_dtype="int8")
+    assert torch.equal(moved(ids), want(ids))
+    store.close()
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+@pytest.mark.parametrize("tier", ["device", "disk"])
+def test_swap_on_quantized_rows_moves_codes_exactly_and_undo_restores_them(setup, name, tier, tmp_path):
+    _, _, root, ids = setup
+    model = load_model(root / "fp32")
+    quantize_tables(model, name)
+    save_model(model, tmp_path / name)
+    weights = (tmp_path / name / WEIGHTS_FILE).read_bytes()
+    model, store = load_model_with_tables(tmp_path / name, tier, writable=True)
+    before, logits = _codes(model), model(ids)
+    record = swap(model, [11], [12])
+    after = _codes(model)
+    for key, codes in before.items():  # rows 11 and 12 exchanged bit for bit, codes and scales alike
+        assert torch.equal(after[key][11], codes[12]) and torch.equal(after[key][12], codes[11])
+        assert torch.equal(torch.cat([after[key][:11], after[key][13:]]), torch.cat([codes[:11], codes[13:]]))
+    record.undo()
+    assert all(torch.equal(_codes(model)[k], v) for k, v in before.items())
+    assert torch.equal(model(ids), logits)
+    store.close()
+    assert (tmp_path / name / WEIGHTS_FILE).read_bytes() == weights  # the checkpoint never changes
+
+
+def test_transformers_and_training_refuse_quantized_tables(setup, tmp_path):
+    _, _, root, _ = setup
+    model = load_model(root / "fp32")
+    quantize_tables(model, "int8")
+    save_model(model, tmp_path / "int8")
+    import stemlm.hf  # noqa: F401
+    from transformers import AutoModelForCausalLM
+
+    with pytest.raises(ValueError, match="stores its STEM tables as int8.*--table-dtype fp32"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "int8")
+    with pytest.raises(ValueError, match="int8 tables are for inference"):
+        for table in model.tables.values():
+            table.sparse_grad = True
+    from stemlm.config import ConfigError
+    from stemlm.train import load_train_config
+    from stemlm.train.loop import build_model
+
+    cfg = load_train_config("debug", None, ["run.stage=midtrain", f"run.init_from={tmp_path / 'int8'}"])
+    with pytest.raises(ConfigError, match="stores its tables as int8, which cannot be trained.*--table-dtype fp32"):
+        build_model(cfg, 512)
+
+
+def _cli(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "stemlm", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_convert_table_dtype_cli_round_trip_and_errors(setup, tmp_path):
+    _, _, root, ids = setup
+    out = _cli("convert", "--ckpt", str(root / "fp32"), "--table-dtype", "int8", "--out", str(tmp_path / "int8"))
+    assert out.returncode == 0, out.stderr
+    assert "tables stored as int8" in out.stdout
+    expect = load_model(root / "fp32")
+    quantize_tables(expect, "int8")
+    assert torch.equal(load_model(tmp_path / "int8")(ids), expect(ids))
+    back = _cli("convert", "--ckpt", str(tmp_path / "int8"), "--table-dtype", "fp32", "--out", str(tmp_path / "back"))
+    assert back.returncode == 0, back.stderr
+    assert codec_of(load_model(tmp_path / "back").tables).name == "fp32"
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "stemlm"
+    for args, message in [
+        (["convert", "--ckpt", str(root / "fp32"), "--out", str(tmp_path / "x")], "--ckpt alone needs --table-dtype"),
+        (["convert", "--ckpt", str(root / "fp32"), "--table-dtype", "int9", "--out", str(tmp_path / "x")],
+         "invalid choice: 'int9'"),
+        (["convert", "--to-hf", "--ckpt", str(root / "fp32"), "--table-dtype", "int8", "--out", str(tmp_path / "x")],
+         "--table-dtype does not apply to --to-hf"),
+    ]:
+        res = _cli(*args)
+        assert res.returncode == 2 and message in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert not (tmp_path / "x").exists()
