@@ -8,6 +8,8 @@
 * ``stem_to_llama``: an all-dense ``StemLM`` -> ``LlamaForCausalLM``.
 * ``convert_from_hf`` / ``convert_to_hf``: the same between directories (or a GGUF file),
   written atomically, with the tokenizer carried along.
+* ``convert_tables``: a stemlm checkpoint -> the same with its tables stored as bf16, int8 or int4
+  (``stemlm.quant``), or back to fp32.
 
 RoPE uses the same rotate-half layout in both models, so q/k weights need no permutation.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -23,9 +26,13 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from .checkpoint import CONFIG_FILE, atomic_directory, load_model, read_config, resolve_checkpoint, write_model_files
+from .checkpoint import (CONFIG_FILE, atomic_directory, copy_tokenizer_files, hf_config_dict, load_model, read_config,
+                         resolve_checkpoint, write_model_files)
 from .config import ModelConfig
+from .data.tokenizer import run_places
+from .integrity import write_manifest
 from .model import StemLM
+from .quant import quantize_tables
 from .tables import init_table_
 
 INITS = ("project", "random")
@@ -259,8 +266,11 @@ def _check_out(out: Path, *inputs: Path) -> None:
 
 def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file: str | None = None, *,
                     ffn: str = "dense", stem_layers: str | list[int] = "1/3", init: str = "project",
-                    table_init: str | None = None, seed: int = 0) -> Path:
-    """Convert a Llama directory (or GGUF file, or ``smollm2``) into a stemlm checkpoint at ``out``."""
+                    table_init: str | None = None, seed: int = 0, table_dtype: str | None = None) -> Path:
+    """Convert a Llama directory (or GGUF file, or ``smollm2``) into a stemlm checkpoint at ``out``.
+
+    ``table_dtype`` (``bf16``, ``int8``, ``int4``) stores the new tables quantized (``stemlm.quant``).
+    """
     directory, gguf = resolve_source(source, gguf_file)
     out = Path(out)
     _check_out(out, directory)
@@ -268,6 +278,9 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
     llama = load_llama(directory, gguf)
     check_vocab(tokenizer, llama.config.vocab_size)
     model = llama_to_stem(llama, ffn=ffn, stem_layers=stem_layers, init=init, table_init=table_init, seed=seed)
+    if table_dtype is not None:
+        _check_has_tables(model.cfg, "the converted model")
+        quantize_tables(model, table_dtype)
     generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
     del llama
     provenance = {"source": str(directory), "gguf_file": gguf, "ffn": ffn,
@@ -276,6 +289,33 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
         write_model_files(model, tmp, extra_config={**generation, "stemlm_conversion": provenance})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+    return out
+
+
+def _check_has_tables(cfg: ModelConfig, what: str) -> None:
+    if not cfg.table_layers:
+        raise ValueError(f"{what} has no STEM tables to store quantized (--table-dtype needs a STEM --ffn)")
+
+
+def convert_tables(ckpt: str | os.PathLike, out: str | os.PathLike, table_dtype: str) -> Path:
+    """Write a copy of a stemlm checkpoint (or a run's newest one) at ``out`` with its tables stored as
+    ``table_dtype`` (``fp32``, ``bf16``, ``int8``, ``int4``); every other weight, the config's extra
+    entries, the tokenizer and the run's ``config.yaml`` are kept."""
+    ckpt = resolve_checkpoint(ckpt)
+    out = Path(out)
+    _check_out(out, ckpt)
+    model = load_model(ckpt)
+    _check_has_tables(model.cfg, str(ckpt))
+    quantize_tables(model, table_dtype)
+    raw = json.loads((ckpt / CONFIG_FILE).read_text())
+    extra = {k: v for k, v in raw.items() if k not in hf_config_dict(model.cfg)}
+    with atomic_directory(out) as tmp:
+        write_model_files(model, tmp, extra_config=extra)
+        for place in reversed(run_places(ckpt)):  # the run's files, then the checkpoint's own over them
+            copy_tokenizer_files(place, tmp)
+            if (place / "config.yaml").exists():
+                shutil.copy2(place / "config.yaml", tmp / "config.yaml")
+        write_manifest(tmp)
     return out
 
 

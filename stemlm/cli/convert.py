@@ -1,11 +1,14 @@
 """Convert a Hugging Face Llama checkpoint (directory or GGUF file) into a stemlm checkpoint, optionally
-turning some layers into STEM layers, or export an all-dense stemlm checkpoint back to a Llama directory.
+turning some layers into STEM layers; export an all-dense stemlm checkpoint back to a Llama directory;
+or store the tables of a stemlm checkpoint as bf16, int8 or int4 (dequantized when rows are gathered).
 
 examples:
   stemlm convert --from-hf smollm2 --out runs/smollm2-dense
   stemlm convert --from-hf smollm2 --out runs/smollm2-stem --ffn stem --stem-layers 1/3 --init project
   stemlm convert --from-hf path/to/llama --out runs/llama-stem --ffn stem_dagger --stem-layers 2,5 --init random
   stemlm convert --to-hf --ckpt runs/smollm2-dense --out exported/llama
+  stemlm convert --ckpt runs/default --table-dtype int8 --out runs/default-int8
+  stemlm convert --from-hf smollm2 --out runs/smollm2-stem-int8 --ffn stem --table-dtype int8
 """
 
 from __future__ import annotations
@@ -13,17 +16,19 @@ from __future__ import annotations
 import argparse
 
 from ..config import FFN_KINDS, TABLE_INITS
+from ..quant import TABLE_DTYPES
 from .options import non_empty, non_negative_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stemlm convert``."""
-    way = parser.add_mutually_exclusive_group(required=True)
+    way = parser.add_mutually_exclusive_group()
     way.add_argument("--from-hf", metavar="DIR", help="Llama model directory to convert, or 'smollm2' for the pinned "
                      "SmolLM2-135M-Instruct GGUF")
     way.add_argument("--to-hf", action="store_true", help="export the all-dense stemlm checkpoint --ckpt as a Llama directory")
     parser.add_argument("--gguf", metavar="FILE", help="with --from-hf DIR: a GGUF file (path, or name inside DIR)")
-    parser.add_argument("--ckpt", metavar="DIR", help="with --to-hf: stemlm checkpoint or training run directory")
+    parser.add_argument("--ckpt", metavar="DIR", help="stemlm checkpoint or training run directory: with --to-hf, the "
+                        "model to export; alone (with --table-dtype), the model whose tables to re-encode")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
     parser.add_argument("--ffn", choices=[k for k in FFN_KINDS if k != "hash_moe"], default="dense",
                         help="FFN kind of the converted layers (default: dense, an exact copy)")
@@ -35,25 +40,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--table-init", choices=TABLE_INITS, help="distribution of --init random tables "
                         "(default: the config default, xavier_normal)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --init random tables (default: 0)")
+    parser.add_argument("--table-dtype", choices=TABLE_DTYPES, default=None,
+                        help="store the STEM tables as fp32, bf16, int8 (per-row absmax scale) or int4 (absmax scale "
+                             "per group of 32); with --from-hf or alone with --ckpt (default: fp32 / as stored)")
 
 
 def run(args: argparse.Namespace) -> int:
     """Convert in the direction asked for and print where the result went."""
     from ..convert import convert_from_hf, convert_to_hf
 
-    if args.to_hf:
-        if args.ckpt is None:
-            raise ValueError("--to-hf needs --ckpt DIR")
+    if args.to_hf or args.from_hf is None:
         if args.gguf or args.stem_layers or args.ffn != "dense":
             raise ValueError("--gguf, --ffn and --stem-layers apply to --from-hf only")
+        if args.ckpt is None:
+            raise ValueError("give --from-hf DIR, --to-hf --ckpt DIR, or --ckpt DIR --table-dtype T")
+    if args.to_hf:
+        if args.table_dtype is not None:
+            raise ValueError("--table-dtype does not apply to --to-hf (a Llama checkpoint has no tables)")
         out = convert_to_hf(args.ckpt, args.out)
         print(f"wrote Llama checkpoint {out}")
         return 0
+    if args.from_hf is None:
+        if args.table_dtype is None:
+            raise ValueError("--ckpt alone needs --table-dtype (or add --to-hf to export a Llama checkpoint)")
+        from ..convert import convert_tables
+
+        out = convert_tables(args.ckpt, args.out, args.table_dtype)
+        print(f"wrote stemlm checkpoint {out} (tables stored as {args.table_dtype})")
+        return 0
     if args.ckpt is not None:
-        raise ValueError("--ckpt applies to --to-hf only")
+        raise ValueError("--ckpt applies to --to-hf or to re-encoding tables, not to --from-hf")
     if args.ffn == "dense" and args.stem_layers:
         raise ValueError("--stem-layers needs a STEM --ffn (stem, stem_dagger or stem_gate)")
     out = convert_from_hf(args.from_hf, args.out, args.gguf, ffn=args.ffn, stem_layers=args.stem_layers or "1/3",
-                          init=args.init, table_init=args.table_init, seed=args.seed)
+                          init=args.init, table_init=args.table_init, seed=args.seed, table_dtype=args.table_dtype)
     print(f"wrote stemlm checkpoint {out}")
     return 0

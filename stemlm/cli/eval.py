@@ -26,11 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..config import TIERS
     from ..matmul import add_matmul_argument
     from ..eval.models import ENGINES
+    from .options import add_table_dtype_argument
 
     parser.add_argument("--model", action="append", required=True, metavar="PATH",
                         help="stemlm run/checkpoint dir, Llama dir, .gguf file or 'smollm2'; repeat to compare")
     parser.add_argument("--gguf", default=None, help="GGUF file name inside --model's directory (default: none)")
     parser.add_argument("--tables", default="device", choices=TIERS, help="where STEM tables live (default: device)")
+    add_table_dtype_argument(parser)
     parser.add_argument("--tasks", required=True, help="comma-separated task or group names (e.g. core,mmlu)")
     parser.add_argument("--shots", type=int, default=0, choices=(0, 5), help="few-shot examples (default: 0)")
     parser.add_argument("--limit", type=int, default=None,
@@ -53,7 +55,7 @@ def run(args) -> int:
     docs, written = evaluate_paths(args.model, args.tasks, args.shots, args.limit, args.seed, args.output,
                                    None if args.no_cache else args.cache_dir, args.batch_size, not args.no_progress,
                                    gguf=args.gguf, tables=args.tables, device=args.device, engine=args.engine,
-                                   matmul=args.matmul)
+                                   matmul=args.matmul, table_dtype=args.table_dtype)
     print(format_table(docs))
     print(f"above: value - 2 stderr > chance; stemlm {docs[0]['stemlm']}")
     for path in written:

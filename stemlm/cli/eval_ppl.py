@@ -16,7 +16,7 @@ import argparse
 import json
 
 from ..matmul import add_matmul_argument
-from .options import positive_int
+from .options import add_table_dtype_argument, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
     add_matmul_argument(parser)
+    add_table_dtype_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
     parser.add_argument("--no-verify", action="store_true",
@@ -40,7 +41,8 @@ def run(args) -> int:
     from ..train.evaluate import evaluate_checkpoint
 
     out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype,
-                              args.matmul, progress=not args.no_progress, verify=not args.no_verify)
+                              args.matmul, progress=not args.no_progress, verify=not args.no_verify,
+                              table_dtype=args.table_dtype)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

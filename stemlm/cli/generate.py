@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..matmul import add_matmul_argument, apply_matmul
-from .options import non_negative_float, non_negative_int, open_fraction, positive_int, probability
+from .options import add_table_dtype_argument, non_negative_float, non_negative_int, open_fraction, positive_int, probability
 
 
 def add_arguments(parser) -> None:
@@ -33,6 +33,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cache-rows", type=non_negative_int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")
     parser.add_argument("--cache-window", type=open_fraction, default=0.0,
                         help="fraction of the cache kept as an LRU admission window (W-TinyLFU; default 0 = plain LFU)")
+    add_table_dtype_argument(parser)
     parser.add_argument("--no-prefetch", action="store_true", help="gather table rows synchronously (no background prefetch)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
@@ -59,7 +60,7 @@ def run(args) -> int:
     codec = load_text_codec(ckpt, args.tokenizer)
     model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
                                           cache_rows=args.cache_rows, cache_window=args.cache_window,
-                                          prefetch=not args.no_prefetch,
+                                          prefetch=not args.no_prefetch, table_dtype=args.table_dtype,
                                           device=device, verify=not args.no_verify)
     apply_matmul(model, args.matmul, device)
     if len(args.prompt) > 1:

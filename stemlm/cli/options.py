@@ -44,3 +44,14 @@ def non_empty(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an empty value is not allowed")
     return text
+
+
+def add_table_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    """``--table-dtype``: how the STEM tables are held while serving (re-encoded at load on host/device)."""
+    from ..quant import TABLE_DTYPES
+
+    parser.add_argument("--table-dtype", choices=TABLE_DTYPES, default=None,
+                        help="hold the STEM tables as fp32, bf16, int8 or int4, dequantized when rows are gathered; "
+                             "re-encoded at load for the device and host tiers (the disk tier serves the file as "
+                             "stored: convert it first with `stemlm convert --ckpt C --table-dtype T`); "
+                             "default: as stored")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .options import positive_int, non_negative_int
+from .options import add_table_dtype_argument, non_negative_int, positive_int
 
 DEFAULT_RUN = "runs/default"
 
@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tier", choices=("device", "host", "disk"), default="device",
                         help="where the STEM tables live: model memory, host RAM, or the checkpoint file on disk")
     parser.add_argument("--cache-rows", type=non_negative_int, default=0, help="hot-row cache size per table (host/disk tiers)")
-    # --table-dtype (quantized tables) belongs here, passed on to load_served
+    add_table_dtype_argument(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=positive_int, default=8000, help="TCP port to listen on")
     parser.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together at most")
@@ -60,7 +60,7 @@ def run(args) -> int:
         model = DEFAULT_RUN
     served = load_served(model, tier=args.tier, cache_rows=args.cache_rows, device=str(resolve_device(args.device)),
                          max_batch=args.max_batch, model_name=args.model_name, chat_template=args.chat_template,
-                         tokenizer=args.tokenizer, verify=not args.no_verify)
+                         tokenizer=args.tokenizer, verify=not args.no_verify, table_dtype=args.table_dtype)
     print(_banner(served.name, args.host, args.port, served.chat is not None), flush=True)
     serve_forever(served, args.host, args.port, args.log_level)
     print("stemlm serve: stopped after finishing the requests in flight", file=sys.stderr)

@@ -29,6 +29,7 @@ import torch
 from ..checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
 from ..config import check_tier
 from ..matmul import apply_matmul
+from ..quant import codec_of
 from .api import ReferenceLM
 
 ENGINES = ("fast", "reference")
@@ -208,8 +209,10 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
         raise ValueError(f"the tokenizer has {tokens.vocab_size} tokens but the model's vocabulary has {vocab} rows: "
                          "it is not this model's tokenizer; evaluate the model with the tokenizer it was trained with")
     max_length = max_length or model.cfg.max_seq_len
+    codec = codec_of(model.tables)  # quantized tables score differently: keyed apart in the result cache
     identity = model_identity(files, known, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
-                              eot=tokens.eot_id, max_length=max_length, matmul=backend)
+                              eot=tokens.eot_id, max_length=max_length, matmul=backend,
+                              **({"table_dtype": codec.metadata()} if codec.quantized else {}))
     if engine == "reference":
         return ReferenceLM(model.eval(), tokens, vocab, max_length, identity=identity)
     from .engine import Engine

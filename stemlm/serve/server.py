@@ -17,11 +17,12 @@ from .engine import Engine
 def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int = 0, device: str = "cpu",
                 max_batch: int = 16, model_name: str | None = None, chat_template: str | os.PathLike | None = None,
                 tokenizer: str | os.PathLike | None = None, tables_path: str | os.PathLike | None = None,
-                verify: bool = True) -> Served:
+                verify: bool = True, table_dtype: str | None = None) -> Served:
     """Load a checkpoint (or a run's newest one) with its tables on ``tier`` into an engine, not yet started.
 
     The served name defaults to the checkpoint's directory name (the run's, for a run directory);
-    ``tables_path`` is a separate tables file (``store.export_tables``).
+    ``tables_path`` is a separate tables file (``store.export_tables``); ``table_dtype`` re-encodes
+    the tables (``stemlm.quant``; default: as stored).
     """
     from ..checkpoint import resolve_checkpoint
     from ..store import load_model_with_tables
@@ -35,9 +36,8 @@ def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int =
     if template is not None:
         eos = "" if codec.eos_id is None else codec.tokenizer.decode([codec.eos_id], skip_special_tokens=False)
         chat = ChatTemplate(template, eos_token=eos)
-    # a table dtype (quantized tables) would be chosen here, when the model and its tables are loaded
     model, store = load_model_with_tables(ckpt, tier=tier, tables_path=tables_path, cache_rows=cache_rows,
-                                          device=device, verify=verify)
+                                          device=device, verify=verify, table_dtype=table_dtype)
     model.eval()
     engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store)
     return Served(engine, codec, model_name or given.resolve().name, chat, store)

@@ -18,6 +18,7 @@ from ..checkpoint import load_model, read_config, resolve_checkpoint
 from ..data import TokenDataset, count_eval_batches, iter_eval_batches
 from ..devices import resolve_device
 from ..matmul import apply_matmul
+from ..quant import codec_of
 
 
 def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
@@ -68,11 +69,12 @@ DEFAULT_EVAL_BATCHES = 50
 def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int | None = None,
                         batch_size: int | None = None, seq_len: int | None = None,
                         device: str = "cpu", dtype: str = "float32", matmul: str = "auto",
-                        progress: bool = False, verify: bool = True) -> dict:
+                        progress: bool = False, verify: bool = True, table_dtype: str | None = None) -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
 
     ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``);
-    ``verify`` checks the checkpoint's checksums first (``stemlm.integrity``).
+    ``verify`` checks the checkpoint's checksums first (``stemlm.integrity``); ``table_dtype``
+    re-encodes the STEM tables (``stemlm.quant``; default: as stored).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
@@ -97,14 +99,19 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     elif batches > available:
         raise ValueError(f"batches {batches}: the validation split of {data_dir} holds only {available} batches of "
                          f"{batch_size} x {seq_len} tokens; ask for {available} or fewer")
-    model = load_model(path, device=device, verify=verify)
+    if table_dtype is None:
+        model = load_model(path, device=device, verify=verify)
+    else:
+        from ..store import load_model_with_tables
+
+        model, _ = load_model_with_tables(path, "device", device=device, verify=verify, table_dtype=table_dtype)
     apply_matmul(model, matmul, device, dtype)
     if ds.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")
     doc_masking = bool(run_cfg.get("data", {}).get("doc_masking", False))
     out = evaluate(model, ds, batch_size, seq_len, batches, dtype, doc_masking, progress=progress)
     return {**out, "checkpoint": str(path), "data": str(data_dir), "batches": batches, "batches_available": available,
-            "batch_size": batch_size, "seq_len": seq_len}
+            "batch_size": batch_size, "seq_len": seq_len, "table_dtype": codec_of(model.tables).name}
 
 
 def _stored_run_config(ckpt: Path) -> dict:
