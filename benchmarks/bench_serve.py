@@ -3,9 +3,11 @@
 The model is the tiny preset with STEM in every third layer and random weights, tables on the
 host tier (``_store_bench.bench_checkpoint``; a small BPE tokenizer is trained for the server's
 text side, the prompts are token ids). The server runs in this process (uvicorn on a thread,
-``--max-batch`` 16). For each concurrency C (1, 2, 4, 8, 16), C client threads each send
-``--requests`` non-streaming completions through the ``openai`` client, one after another; each
-request has its own prompt (mixed lengths) and seed (temperature 1.0).
+``--max-batch`` 16). The load comes from a separate process, as a server's clients would (in this
+process the clients' Python would compete with the engine for the interpreter lock): for each
+concurrency C (1, 2, 4, 8, 16), C client threads there each send ``--requests`` non-streaming
+completions through the ``openai`` client, one after another; each request has its own prompt
+(mixed lengths) and seed (temperature 1.0).
 
 Measured per C: p50/p95 request latency, generated tokens/s over the wall time of the phase,
 requests lost (errors; must be 0) and requests whose token count differs from direct generation
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import statistics
 import tempfile
 import time
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -53,8 +56,13 @@ def workload(clients: int, per_client: int, lens: list[int], vocab: int, seed: i
     return out
 
 
-def served_phase(client, name: str, work: list[list[tuple]], max_tokens: int) -> dict:
-    """All clients at once; latency of each request and generated tokens per request."""
+def served_phase(url: str, name: str, work: list[list[tuple]], max_tokens: int) -> dict:
+    """All clients at once against the server at ``url``; latency of each request and generated tokens per
+    request. Runs in the load-generating process."""
+    import openai
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
+
     def run_client(reqs):
         done = []
         for prompt, seed in reqs:
@@ -118,8 +126,6 @@ def parse_args():
 
 
 def main() -> None:
-    import openai
-
     args = parse_args()
     cfg, ckpt, tables = stem_bench_model(args, "serve")
     tokdir = Path(tempfile.mkdtemp())
@@ -130,13 +136,13 @@ def main() -> None:
     lens = [int(x) for x in args.prompt_lens.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
     rounds: dict[int, list[tuple[dict, dict]]] = {c: [] for c in levels}
-    with ServerThread(served) as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=600)
-        served_phase(client, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4)  # warm-up
+    load = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    with ServerThread(served) as url, load:
+        load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()  # warm-up
         for r in range(args.repeats):
             for c in levels[r % len(levels):] + levels[:r % len(levels)]:
                 work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
-                s = served_phase(client, "bench", work, args.max_tokens)
+                s = load.submit(served_phase, url, "bench", work, args.max_tokens).result()
                 d = direct_phase(model, work, args.max_tokens, eos_ids)
                 rounds[c].append((s, d))
                 print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 {s['latency_p50_s']:.3f} s, "
@@ -161,7 +167,8 @@ def main() -> None:
     path = write_result("bench_serve", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tier": "host", "concurrency": args.concurrency,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
-                   "max_batch": args.max_batch, "repeats": args.repeats, "sampling": "temperature 1.0, seed per request"},
+                   "max_batch": args.max_batch, "repeats": args.repeats, "sampling": "temperature 1.0, seed per request",
+                   "clients": "openai client threads in a separate process"},
         "concurrency": results, "server_metrics": metrics})
     print(f"wrote {path}")
 
