@@ -28,7 +28,7 @@ def stem_bench_model(args, name: str):
     """``(cfg, ckpt_dir, tables_file)`` of ``args.preset`` with STEM at ``args.stem_layers`` (cached under
     ``bench/<name>``), after applying ``args.threads`` (0 = torch's choice)."""
     from stemlm import model_config
-    from stemlm.artifacts import cache_dir
+    from stemlm.runtime.artifacts import cache_dir
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -44,8 +44,8 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
     """
     from tqdm import tqdm
 
-    from stemlm.checkpoint import atomic_directory, write_model_files
-    from stemlm.model import StemLM
+    from stemlm.interop.checkpoint import atomic_directory, write_model_files
+    from stemlm.model.decoder import StemLM
     from stemlm.store import table_key, write_safetensors
 
     tag = hashlib.sha256(json.dumps({**cfg.to_dict(), "seed": seed}, sort_keys=True).encode()).hexdigest()[:12]
@@ -78,7 +78,7 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
 def use_matmul(model, name: str):
     """``model`` with its linears on the GEMM backend ``name`` (auto | aten | onednn), as
     ``stemlm generate --matmul`` does; returns the model."""
-    from stemlm.matmul import apply_matmul
+    from stemlm.runtime.matmul import apply_matmul
 
     apply_matmul(model, name)
     return model
@@ -97,7 +97,7 @@ def drop_page_cache(path: Path) -> None:
 
 def timed_decode(model, prompt: torch.Tensor, new_tokens: int, seed: int = 0, temperature: float = 1.0):
     """``(tokens, seconds_prefill, seconds_decode)`` of one generation (sampled, seeded)."""
-    from stemlm.generate import generate
+    from stemlm.inference.generate import generate
 
     t0 = time.perf_counter()
     it = generate(model, prompt, new_tokens, temperature=temperature, seed=seed)

@@ -28,8 +28,8 @@ import torch
 from _store_bench import stem_bench_model, use_matmul
 from _train_bench import paired_ratio, round_ratios, write_result
 
-from stemlm.batch_generate import SamplingParams, decode_batch
-from stemlm.matmul import add_matmul_argument
+from stemlm.inference.batch_generate import SamplingParams, decode_batch
+from stemlm.runtime.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
 
 

@@ -67,7 +67,7 @@ def _documents(split: str, max_docs: int) -> list[list[int]]:
 
 def smollm2_stream(split: str, max_docs: int = 0):
     """The same documents re-tokenized with the SmolLM2 tokenizer (EOS between documents)."""
-    from stemlm.convert import load_tokenizer, resolve_source
+    from stemlm.interop.convert import load_tokenizer, resolve_source
     from stemlm.data import load_tokenizer as load_bpe
 
     bpe = load_bpe(corpus_dir())

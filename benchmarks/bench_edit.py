@@ -126,8 +126,8 @@ def const_embed_init(name: str, spec: dict) -> Path:
     """A fresh model of the run's shape (seed 0) whose input-embedding rows all equal row 0, saved
     as the run's ``run.init_from``: with ``optim.embed_lr=0`` the embedding then carries no token
     identity and every token-specific signal enters through the STEM tables."""
-    from stemlm.checkpoint import save_model
-    from stemlm.model import StemLM
+    from stemlm.interop.checkpoint import save_model
+    from stemlm.model.decoder import StemLM
     from stemlm.train import load_train_config
 
     out = RUN_DIR / f"{name}_init"

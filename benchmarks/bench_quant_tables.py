@@ -34,10 +34,10 @@ import torch
 from _store_bench import timed_decode
 from _train_bench import paired_ratio, round_ratios, write_result
 
-from stemlm.artifacts import cache_dir
-from stemlm.checkpoint import resolve_checkpoint
+from stemlm.runtime.artifacts import cache_dir
+from stemlm.interop.checkpoint import resolve_checkpoint
 from stemlm.data import TokenDataset, count_eval_batches
-from stemlm.quant import TABLE_DTYPES, RowCodec
+from stemlm.model.quant import TABLE_DTYPES, RowCodec
 from stemlm.store import export_tables, load_model_with_tables
 from stemlm.train.evaluate import evaluate
 

@@ -36,7 +36,7 @@ import torch
 from _store_bench import stem_bench_model
 from _train_bench import paired_ratio, round_ratios, write_result
 
-from stemlm.batch_generate import SamplingParams, generate_batch
+from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
 from stemlm.serve.server import ServerThread, load_served
 

@@ -29,7 +29,7 @@ import time
 import torch
 from _train_bench import write_result, zipf_tokens
 
-from stemlm.tables import StemTable
+from stemlm.model.tables import StemTable
 from stemlm.train.sparse_adam import SparseRowAdamW
 
 

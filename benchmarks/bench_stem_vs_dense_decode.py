@@ -29,8 +29,8 @@ from _train_bench import paired_ratio, round_ratios, write_result, zipf_tokens
 
 from stemlm import StemLM, model_config
 from stemlm.accounting import decode_param_bytes
-from stemlm.artifacts import cache_dir
-from stemlm.matmul import add_matmul_argument
+from stemlm.runtime.artifacts import cache_dir
+from stemlm.runtime.matmul import add_matmul_argument
 from stemlm.store import load_model_with_tables
 
 

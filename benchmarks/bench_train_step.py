@@ -35,12 +35,12 @@ import torch
 from _train_bench import RESULTS, make_trainer, paired_ratio, preset_run_args, time_interleaved, write_result
 
 from stemlm.accounting import train_flops_per_token
-from stemlm.matmul import mm_nn, mm_nt
+from stemlm.runtime.matmul import mm_nn, mm_nt
 
 
 def up_projection_matmuls(cfg, tokens: int, n_layers: int, backend: str):
     """A function running the up-projection matmuls (forward + 2 backward) of ``n_layers`` dense layers,
-    on the GEMM ``backend`` the training step uses (``stemlm.matmul``: forward and input gradient)."""
+    on the GEMM ``backend`` the training step uses (``stemlm.runtime.matmul``: forward and input gradient)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, cfg.d_model, generator=gen)  # (N, d)
     w = torch.randn(cfg.d_ff, cfg.d_model, generator=gen)  # (d_ff, d)

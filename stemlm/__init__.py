@@ -1,11 +1,11 @@
 """stemlm: STEM (Scaling Transformers with Embedding Modules) in plain PyTorch.
 
-Importing stemlm changes no global state. ``import stemlm.hf`` registers ``StemConfig`` and
+Importing stemlm changes no global state. ``import stemlm.interop.hf`` registers ``StemConfig`` and
 ``StemForCausalLM`` with Hugging Face's Auto classes (docs/hf_interop.md).
 """
 
 from .config import FFN_KINDS, ConfigError, ModelConfig, resolve_stem_layers
-from .model import StemLM
+from .model.decoder import StemLM
 from .presets import PRESETS, model_config
 
 __version__ = "0.1.0"

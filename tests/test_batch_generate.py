@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.batch_generate import SamplingParams, decode_batch, generate_batch
-from stemlm.generate import generate
+from stemlm.inference.batch_generate import SamplingParams, decode_batch, generate_batch
+from stemlm.inference.generate import generate
 from stemlm.store.offload import offload_tables
 
 

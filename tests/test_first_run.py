@@ -12,7 +12,7 @@ import torch
 from train_helpers import one_thread  # noqa: F401
 
 import stemlm
-from stemlm.checkpoint import load_model
+from stemlm.interop.checkpoint import load_model
 from stemlm.cli import COMMANDS, ArgumentParser, main
 from stemlm.data import prepare_facts_corpus
 
@@ -58,7 +58,7 @@ def test_a_run_directory_loads_with_transformers(run, capsys):
     if not (out / "checkpoints").exists():
         assert main(args) == 0
     pytest.importorskip("transformers")
-    import stemlm.hf  # noqa: F401  (registers the Auto classes)
+    import stemlm.interop.hf  # noqa: F401  (registers the Auto classes)
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()

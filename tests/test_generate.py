@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint import save_model
+from stemlm.interop.checkpoint import save_model
 from stemlm.cli import main as cli_main
 from stemlm.data.tokenizer import train_bpe
-from stemlm.generate import generate, generate_ids, sample
-from stemlm.text import TextCodec, TextStream, stream_text
+from stemlm.inference.generate import generate, generate_ids, sample
+from stemlm.inference.text import TextCodec, TextStream, stream_text
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +153,8 @@ def test_cli_errors_are_clear(ckpt, tmp_path, capsys, model):
 
 
 def test_onednn_generation_matches_aten_logits_and_tokens(ckpt, capsys):
-    from stemlm.checkpoint import load_model
-    from stemlm.matmul import onednn_available, use_matmul_backend
+    from stemlm.interop.checkpoint import load_model
+    from stemlm.runtime.matmul import onednn_available, use_matmul_backend
 
     if not onednn_available():
         pytest.skip("this PyTorch build has no oneDNN")

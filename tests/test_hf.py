@@ -11,10 +11,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import stemlm  # noqa: F401  (registers the Auto classes)
 from stemlm import ModelConfig, StemLM, model_config
-from stemlm.checkpoint import CheckpointError, load_model, save_model
+from stemlm.interop.checkpoint import CheckpointError, load_model, save_model
 from stemlm.cli import main
-from stemlm.convert import convert_from_hf, convert_to_hf, llama_name, llama_to_stem, stem_to_llama
-from stemlm.hf import StemConfig, StemForCausalLM
+from stemlm.interop.convert import convert_from_hf, convert_to_hf, llama_name, llama_to_stem, stem_to_llama
+from stemlm.interop.hf import StemConfig, StemForCausalLM
 
 V = 128
 SENTENCES = ["the cat sat on the mat", "a dog ran in the park", "the capital of france is paris",
@@ -324,7 +324,7 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, capsys):
 
 
 def test_auto_model_computes_with_onednn_and_switches_back(tmp_path):
-    from stemlm.matmul import OneDNNLinear, onednn_available, use_matmul_backend
+    from stemlm.runtime.matmul import OneDNNLinear, onednn_available, use_matmul_backend
 
     model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2")).eval()
     save_model(model, tmp_path / "c")

@@ -1,4 +1,4 @@
-"""``import stemlm`` changes no global state; ``import stemlm.hf`` registers with the Auto classes."""
+"""``import stemlm`` changes no global state; ``import stemlm.interop.hf`` registers with the Auto classes."""
 
 import subprocess
 import sys
@@ -36,8 +36,8 @@ assert not heavy, heavy
 
 
 @pytest.mark.parametrize("code", [
-    "import stemlm.hf; " + CHECK,
-    "import transformers; import stemlm.hf; " + CHECK,
+    "import stemlm.interop.hf; " + CHECK,
+    "import transformers; import stemlm.interop.hf; " + CHECK,
 ])
 def test_import_stemlm_hf_registers_the_auto_classes(code):
     _run(code)

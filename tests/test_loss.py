@@ -5,8 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from stemlm.config import ModelConfig
-from stemlm.loss import linear_cross_entropy, reference_cross_entropy
-from stemlm.model import StemLM
+from stemlm.model.loss import linear_cross_entropy, reference_cross_entropy
+from stemlm.model.decoder import StemLM
 
 
 def _loss_and_grads(fn, hidden, weight, targets, upstream=3.0, **kw):
@@ -50,7 +50,7 @@ def test_no_grad_and_all_ignored():
 
 def test_no_grad_forms_no_gradient_products(monkeypatch):
     """Under torch.no_grad only the logits product runs (validation, eval-ppl, eval pay no backward)."""
-    import stemlm.loss as loss_mod
+    import stemlm.model.loss as loss_mod
 
     calls = {"nt": 0, "nn": 0}
     real_nt, real_nn = loss_mod.mm_nt, loss_mod.mm_nn

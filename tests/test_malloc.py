@@ -8,7 +8,7 @@ import pytest
 
 SCRIPT = """
 import resource, sys, torch
-from stemlm.malloc import keep_freed_memory
+from stemlm.runtime.malloc import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 def step():  # 4 x 40 MiB alive at once and then freed, like a step's activations

@@ -7,12 +7,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
 
-from stemlm import matmul
+from stemlm.runtime import matmul
 from stemlm.config import ConfigError, ModelConfig
-from stemlm.loss import linear_cross_entropy
-from stemlm.matmul import (OneDNNLinear, mm_nn, mm_nt, onednn_available, onednn_linear, resolve_matmul_backend,
+from stemlm.model.loss import linear_cross_entropy
+from stemlm.runtime.matmul import (OneDNNLinear, mm_nn, mm_nt, onednn_available, onednn_linear, resolve_matmul_backend,
                            use_matmul_backend)
-from stemlm.model import StemLM
+from stemlm.model.decoder import StemLM
 from stemlm.train import Trainer, train
 from stemlm.train.evaluate import evaluate_checkpoint
 

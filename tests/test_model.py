@@ -5,10 +5,10 @@ import torch
 import torch.nn.functional as F
 
 from stemlm import ConfigError, StemLM, model_config
-from stemlm.checkpoint import CheckpointError, load_model, save_model
+from stemlm.interop.checkpoint import CheckpointError, load_model, save_model
 from stemlm.config import matched_expert_count
-from stemlm.ffn import token_expert_hash
-from stemlm.kv_cache import KVCache
+from stemlm.model.ffn import token_expert_hash
+from stemlm.inference.kv_cache import KVCache
 
 KINDS = ["dense", "stem", "stem_dagger", "stem_gate", "hash_moe"]
 
@@ -166,7 +166,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, debug_cfg, monkeypatch)
     model = StemLM(debug_cfg)
     save_model(model, tmp_path / "c")
     before = (tmp_path / "c" / "model.safetensors").read_bytes()
-    import stemlm.checkpoint as ck
+    import stemlm.interop.checkpoint as ck
     monkeypatch.setattr(ck, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         save_model(model, tmp_path / "c")

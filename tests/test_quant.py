@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint import WEIGHTS_FILE, load_model, save_model
+from stemlm.interop.checkpoint import WEIGHTS_FILE, load_model, save_model
 from stemlm.edit import swap
-from stemlm.quant import QuantizedTable, RowCodec, codec_of, quantize_tables
+from stemlm.model.quant import QuantizedTable, RowCodec, codec_of, quantize_tables
 from stemlm.store import export_tables, load_model_with_tables, offload_tables, read_header
 
 QUANT = ["bf16", "int8", "int4"]
@@ -145,7 +145,7 @@ def test_transformers_and_training_refuse_quantized_tables(setup, tmp_path):
     model = load_model(root / "fp32")
     quantize_tables(model, "int8")
     save_model(model, tmp_path / "int8")
-    import stemlm.hf  # noqa: F401
+    import stemlm.interop.hf  # noqa: F401
     from transformers import AutoModelForCausalLM
 
     with pytest.raises(ValueError, match="stores its STEM tables as int8.*--table-dtype fp32"):

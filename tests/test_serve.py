@@ -12,8 +12,8 @@ import torch
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from stemlm.batch_generate import SamplingParams  # noqa: E402
-from stemlm.checkpoint import load_model  # noqa: E402
+from stemlm.inference.batch_generate import SamplingParams  # noqa: E402
+from stemlm.interop.checkpoint import load_model  # noqa: E402
 from stemlm.serve.responses import token_text  # noqa: E402
 from stemlm.serve.server import ServerThread, load_served  # noqa: E402
 

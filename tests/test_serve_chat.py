@@ -8,7 +8,7 @@ pytest.importorskip("fastapi")
 
 from stemlm.serve.api import ApiError  # noqa: E402
 from stemlm.serve.chat import ChatTemplate, find_chat_template  # noqa: E402
-from stemlm.text import load_text_codec  # noqa: E402
+from stemlm.inference.text import load_text_codec  # noqa: E402
 
 from serve_helpers import CHAT_TEMPLATE, tiny_checkpoint  # noqa: E402
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.batch_generate import SamplingParams
+from stemlm.inference.batch_generate import SamplingParams
 from stemlm.serve.batch import RunningBatch
 from stemlm.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
 from stemlm.store.offload import offload_tables

@@ -9,10 +9,10 @@ import time
 import pytest
 import torch
 
-from stemlm.checkpoint import load_model
+from stemlm.interop.checkpoint import load_model
 from stemlm.cli import main
-from stemlm.convert import llama_name, llama_to_stem, load_llama, load_tokenizer, resolve_source
-from stemlm.kv_cache import KVCache
+from stemlm.interop.convert import llama_name, llama_to_stem, load_llama, load_tokenizer, resolve_source
+from stemlm.inference.kv_cache import KVCache
 
 pytestmark = pytest.mark.slow
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint import load_model, save_model
-from stemlm.generate import generate_ids
+from stemlm.interop.checkpoint import load_model, save_model
+from stemlm.inference.generate import generate_ids
 from stemlm.store import OffloadedTable, TableFileError, export_tables, load_model_with_tables, offload_tables
 
 CACHES = [0, 3, 10_000]  # none, tiny (constant evictions), everything fits

@@ -176,7 +176,7 @@ def test_parameter_matching_by_accounting():
 
 def test_loss_by_position_averages_to_the_eval_loss(data_dir):
     torch.manual_seed(0)
-    from stemlm.model import StemLM
+    from stemlm.model.decoder import StemLM
     model = StemLM(model_config("debug", ffn="stem"))
     ds = TokenDataset.open(data_dir, "val")
     by_pos = loss_by_position(model, ds, 2, 32, 3)

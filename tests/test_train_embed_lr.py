@@ -4,9 +4,9 @@ import pytest
 import torch
 from train_helpers import debug_config, make_token_data, one_thread  # noqa: F401
 
-from stemlm.checkpoint import load_model
+from stemlm.interop.checkpoint import load_model
 from stemlm.config import ConfigError
-from stemlm.model import StemLM
+from stemlm.model.decoder import StemLM
 from stemlm.presets import model_config
 from stemlm.train import Trainer, load_train_config
 from stemlm.train.optim import build_optimizers

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.tables import StemTable
+from stemlm.model.tables import StemTable
 from stemlm.train.config import OptimSection
 from stemlm.train.optim import build_optimizers, check_coverage, clip_grad_norm
 from stemlm.train.sparse_adam import SparseRowAdamW

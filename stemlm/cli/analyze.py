@@ -53,7 +53,7 @@ def _stream(args, ckpt_dir: Path):
 
 
 def run(args) -> int:
-    from ..checkpoint import load_model, read_config, resolve_checkpoint
+    from ..interop.checkpoint import load_model, read_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.ckpt)
     out = Path(args.out)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import FFN_KINDS, TABLE_INITS
-from ..quant import TABLE_DTYPES
+from ..model.quant import TABLE_DTYPES
 from .options import non_empty, non_negative_int
 
 
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Convert in the direction asked for and print where the result went."""
-    from ..convert import convert_from_hf, convert_to_hf
+    from ..interop.convert import convert_from_hf, convert_to_hf
 
     if args.to_hf or args.from_hf is None:
         if args.gguf or args.stem_layers or args.ffn != "dense":
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.from_hf is None:
         if args.table_dtype is None:
             raise ValueError("--ckpt alone needs --table-dtype (or add --to-hf to export a Llama checkpoint)")
-        from ..convert import convert_tables
+        from ..interop.convert import convert_tables
 
         out = convert_tables(args.ckpt, args.out, args.table_dtype)
         print(f"wrote stemlm checkpoint {out} (tables stored as {args.table_dtype})")

@@ -22,9 +22,9 @@ from pathlib import Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..artifacts import cache_dir
+    from ..runtime.artifacts import cache_dir
     from ..config import TIERS
-    from ..matmul import add_matmul_argument
+    from ..runtime.matmul import add_matmul_argument
     from ..eval.models import ENGINES
     from .options import add_table_dtype_argument
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..matmul import add_matmul_argument
+from ..runtime.matmul import add_matmul_argument
 from .options import add_table_dtype_argument, positive_int
 
 

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 
-from ..matmul import add_matmul_argument, apply_matmul
+from ..runtime.matmul import add_matmul_argument, apply_matmul
 from .options import add_table_dtype_argument, non_negative_float, non_negative_int, open_fraction, positive_int, probability
 
 
@@ -48,11 +48,11 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..checkpoint import resolve_checkpoint
-    from ..devices import resolve_device
-    from ..generate import check_sampling, generate
+    from ..interop.checkpoint import resolve_checkpoint
+    from ..runtime.devices import resolve_device
+    from ..inference.generate import check_sampling, generate
     from ..store import load_model_with_tables
-    from ..text import encode_prompt, load_text_codec, stream_text
+    from ..inference.text import encode_prompt, load_text_codec, stream_text
 
     device = str(resolve_device(args.device))
     check_sampling(args.temperature, args.top_k, args.top_p)
@@ -90,8 +90,8 @@ def run(args) -> int:
 
 def _run_batch(args, model, store, codec, ckpt) -> int:
     """All prompts as one batch (``batch_generate``); each prompt and its continuation on a line."""
-    from ..batch_generate import SamplingParams, generate_batch
-    from ..text import encode_prompt
+    from ..inference.batch_generate import SamplingParams, generate_batch
+    from ..inference.text import encode_prompt
 
     prompts = [encode_prompt(codec, p, model.cfg.vocab_size)[0].tolist() for p in args.prompt]
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)

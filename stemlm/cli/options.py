@@ -48,7 +48,7 @@ def non_empty(text: str) -> str:
 
 def add_table_dtype_argument(parser: argparse.ArgumentParser) -> None:
     """``--table-dtype``: how the STEM tables are held while serving (re-encoded at load on host/device)."""
-    from ..quant import TABLE_DTYPES
+    from ..model.quant import TABLE_DTYPES
 
     parser.add_argument("--table-dtype", choices=TABLE_DTYPES, default=None,
                         help="hold the STEM tables as fp32, bf16, int8 or int4, dequantized when rows are gathered; "

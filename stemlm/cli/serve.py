@@ -49,7 +49,7 @@ def run(args) -> int:
     except ImportError:
         print("stemlm serve: error: the server needs FastAPI and uvicorn: pip install 'stemlm[serve]'", file=sys.stderr)
         return 2
-    from ..devices import resolve_device
+    from ..runtime.devices import resolve_device
     from ..serve.server import load_served, serve_forever
 
     model = args.model

@@ -67,7 +67,7 @@ def _flag_overrides(args) -> list[str]:
 def run(args) -> int:
     from ..train import TrainingDiverged, load_train_config, train
     from ..train.loop import resolve_data_dir
-    from ..devices import resolve_device
+    from ..runtime.devices import resolve_device
     from ..train.report import next_steps_lines, summary_lines, unigram_entropy
 
     default_run = not _given(args)

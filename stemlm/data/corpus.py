@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import artifacts
-from ..checkpoint import atomic_directory
+from ..runtime import artifacts
+from ..interop.checkpoint import atomic_directory
 from . import facts as facts_mod
 from .tokenizer import encode_batch, eos_id_of, load_tokenizer, single_token_words, train_bpe
 from .tokens import read_meta, update_meta, write_token_split

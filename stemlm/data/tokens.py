@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..artifacts import sha256_of
+from ..runtime.artifacts import sha256_of
 
 META = "meta.json"
 FORMAT_VERSION = 1

@@ -27,12 +27,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..checkpoint import WEIGHTS_FILE, load_state_into
-from ..checkpoint import CheckpointError
+from ..interop.checkpoint import WEIGHTS_FILE, load_state_into
+from ..interop.checkpoint import CheckpointError
 from ..config import ConfigError
 from ..data import get_batch
-from ..integrity import non_finite
-from ..model import StemLM
+from ..interop.integrity import non_finite
+from ..model.decoder import StemLM
 from ..train import state as ckpt_io
 from ..train.loop import Trainer
 from .sharded_table import ShardedTable, gather_interleaved

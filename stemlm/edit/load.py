@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..checkpoint import load_model, resolve_checkpoint
+from ..interop.checkpoint import load_model, resolve_checkpoint
 from ..config import check_tier
 from .tokens import load_tokenizer
 

@@ -31,7 +31,7 @@ def decode_token(tokenizer, token_id: int) -> str:
 def load_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None):
     """The tokenizer of a checkpoint or run (in the checkpoint, else in the run around it), else of
     the prepared ``data_dir``; see ``data.tokenizer.find_tokenizer``."""
-    from ..checkpoint import resolve_checkpoint
+    from ..interop.checkpoint import resolve_checkpoint
     from ..data.tokenizer import find_tokenizer, run_places
 
     found = find_tokenizer(*run_places(resolve_checkpoint(ckpt)), data_dir,

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import torch
 
-from ..batch_generate import SamplingParams, generate_batch
+from ..inference.batch_generate import SamplingParams, generate_batch
 from .api import (GenerateRequest, Loglikelihood, LoglikelihoodRequest, Tokens, check_request_ids, cut_at_stop,
                   encode_pair, generation_prompt, rolling_prefix, rolling_windows, sum_loglikelihoods)
 

@@ -26,10 +26,10 @@ from typing import Sequence
 
 import torch
 
-from ..checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
+from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
 from ..config import check_tier
-from ..matmul import apply_matmul
-from ..quant import codec_of
+from ..runtime.matmul import apply_matmul
+from ..model.quant import codec_of
 from .api import ReferenceLM
 
 ENGINES = ("fast", "reference")
@@ -94,7 +94,7 @@ def _read_digest_cache() -> dict:
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes (``integrity.file_digest``), remembered per (real path, size, mtime)
     in ``DIGEST_CACHE``."""
-    from ..integrity import file_digest as sha256_of_file
+    from ..interop.integrity import file_digest as sha256_of_file
 
     path = Path(path).resolve()
     st = path.stat()
@@ -136,7 +136,7 @@ def _is_llama_dir(path: Path) -> bool:
 
 def _load_llama_source(path: str, gguf: str | None):
     """``(dense StemLM, HFTokens, files)`` from a Llama directory, a GGUF file or a pinned name."""
-    from ..convert import check_vocab, llama_to_stem, load_llama, resolve_source
+    from ..interop.convert import check_vocab, llama_to_stem, load_llama, resolve_source
     from ..data.tokenizer import find_tokenizer
 
     directory, gguf_name = resolve_source(path, gguf)
@@ -154,7 +154,7 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
     """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables on
     ``tables``; the digests are those of the checksum manifest the load verified (none unverified)."""
     from ..data.tokenizer import find_tokenizer, run_places
-    from ..integrity import manifest_files
+    from ..interop.integrity import manifest_files
 
     ckpt = resolve_checkpoint(path)
     places = [tokenizer] if tokenizer is not None else run_places(ckpt)
@@ -182,7 +182,7 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
     checkpoints; ``table_kw`` such as ``cache_rows``, ``tables_path`` or ``prefetch`` go to
     ``store.load_model_with_tables``). ``max_length`` defaults to the model's ``max_seq_len``.
     ``engine``: ``fast`` (batched, shared contexts) or ``reference`` (one forward per request).
-    ``matmul``: GEMM kernels (``stemlm.matmul``). The default ``aten`` sums as the harness's ``hf``
+    ``matmul``: GEMM kernels (``stemlm.runtime.matmul``). The default ``aten`` sums as the harness's ``hf``
     backend does (per-request log-likelihoods within 1e-4 of it); ``auto`` (oneDNN for fp32 on CPU)
     is faster and differs in the last digits. The resolved backend is part of ``identity``.
     """

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..batch_generate import SamplingParams
+from ..inference.batch_generate import SamplingParams
 
 MAX_LOGPROBS = 20
 

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..text import TextStream
+from ..inference.text import TextStream
 from . import api, responses
 from .api import ApiError
 from .chat import ChatTemplate

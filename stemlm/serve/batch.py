@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from ..batch_generate import left_pad, padding_mask
-from ..generate import decode_one_token
-from ..kv_cache import KVCache
+from ..inference.batch_generate import left_pad, padding_mask
+from ..inference.generate import decode_one_token
+from ..inference.kv_cache import KVCache
 
 
 class RunningBatch:

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..batch_generate import SamplingParams, sample_rows
-from ..generate import _generator
+from ..inference.batch_generate import SamplingParams, sample_rows
+from ..inference.generate import _generator
 from .batch import RunningBatch
 from .metrics import Metrics
 

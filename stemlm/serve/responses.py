@@ -6,7 +6,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..text import TextStream
+from ..inference.text import TextStream
 from .engine import Finished, PromptLogprobs, Token
 
 

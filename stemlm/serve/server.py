@@ -22,11 +22,11 @@ def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int =
 
     The served name defaults to the checkpoint's directory name (the run's, for a run directory);
     ``tables_path`` is a separate tables file (``store.export_tables``); ``table_dtype`` re-encodes
-    the tables (``stemlm.quant``; default: as stored).
+    the tables (``stemlm.model.quant``; default: as stored).
     """
-    from ..checkpoint import resolve_checkpoint
+    from ..interop.checkpoint import resolve_checkpoint
     from ..store import load_model_with_tables
-    from ..text import load_text_codec
+    from ..inference.text import load_text_codec
 
     given = Path(ckpt)
     ckpt = resolve_checkpoint(ckpt)

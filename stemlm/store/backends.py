@@ -16,7 +16,7 @@ A backend is a ``(num_rows, dim)`` CPU tensor plus ``gather``/``scatter``; the t
   ``mode="r+"`` writes rows through to the file (use a separate tables file, never a checkpoint
   you want to keep unchanged).
 
-* ``QuantRows``: a quantized table (``stemlm.quant.RowCodec``): its codes and scales in two such
+* ``QuantRows``: a quantized table (``stemlm.model.quant.RowCodec``): its codes and scales in two such
   backends, decoded to fp32 rows on gather and encoded on scatter.
 
 Backends are context managers; ``close()`` releases a disk backend's descriptors and mapping, and

@@ -13,7 +13,7 @@ or edit *on disk*, give a separate tables file: ``offload_tables(model, "disk", 
 tables there and maps it shared (``r+``), and ``load_model_with_tables(ckpt, "disk",
 tables_path=P, writable=True)`` writes through to ``P`` (create it with ``export_tables``).
 
-Quantized tables (``table_dtype`` bf16 / int8 / int4, ``stemlm.quant``): a checkpoint or tables
+Quantized tables (``table_dtype`` bf16 / int8 / int4, ``stemlm.model.quant``): a checkpoint or tables
 file names its codec in its safetensors metadata; every tier serves what is stored, and
 ``table_dtype=`` re-encodes the rows for the host and device tiers (the disk tier serves a file as
 it is: write a re-encoded one with ``export_tables(..., table_dtype=...)`` first).
@@ -28,13 +28,13 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..checkpoint import (KEY_PREFIX, WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint,
+from ..interop.checkpoint import (KEY_PREFIX, WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint,
                           stored_codec)
 from ..config import check_tier
-from ..integrity import check_finite, verify_checkpoint
-from ..model import StemLM
-from ..quant import QuantizedTable, RowCodec, codec_of, encode_chunks, parse_codec
-from ..tables import StemTable, Tables
+from ..interop.integrity import check_finite, verify_checkpoint
+from ..model.decoder import StemLM
+from ..model.quant import QuantizedTable, RowCodec, codec_of, encode_chunks, parse_codec
+from ..model.tables import StemTable, Tables
 from .backends import DiskRows, HostRows, QuantRows
 from .cache import HotRowCache
 from .safetensors_io import read_metadata, write_safetensors
@@ -198,7 +198,7 @@ def offload_tables(model: StemLM, tier: str, path: str | os.PathLike | None = No
     ``path``: the tables file of the ``disk`` tier (written here, then mapped read-write).
     ``device``/``dtype``: where and as what rows are served (default: those of the model's
     parameters). ``table_dtype``: how rows are stored, ``fp32`` | ``bf16`` | ``int8`` | ``int4``
-    (default: unchanged; ``stemlm.quant``).
+    (default: unchanged; ``stemlm.model.quant``).
     ``cache_rows`` / ``cache_bytes``: per-table LFU cache on ``device`` (host/disk tiers);
     ``cache_window``: the fraction of it kept as an LRU admission window (``HotRowCache``).
     ``warm_counts``: token counts (array or ``.npy`` path) to warm-start the caches.

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..tables import check_ids, unique_ids
+from ..model.tables import check_ids, unique_ids
 
 READ_AHEAD_LAYERS = 3  # layers hinted beyond the one being gathered
 

@@ -36,7 +36,7 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "F16": (np.dtype("<f2"), torch.float16),
     "BF16": (np.dtype("<u2"), torch.bfloat16),  # numpy has no bfloat16: map raw uint16, view in torch
     "F64": (np.dtype("<f8"), torch.float64),
-    "I8": (np.dtype("i1"), torch.int8),  # the codes of int8 tables (stemlm.quant)
+    "I8": (np.dtype("i1"), torch.int8),  # the codes of int8 tables (stemlm.model.quant)
     "U8": (np.dtype("u1"), torch.uint8),  # ... of int4 tables, two codes a byte
 }
 TORCH_TO_ST = {t: name for name, (_, t) in DTYPES.items()}

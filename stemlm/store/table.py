@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..tables import LayerRows, TableLookup, Tables, TableStats, check_ids
+from ..model.tables import LayerRows, TableLookup, Tables, TableStats, check_ids
 from .cache import HotRowCache
 from .prefetch import Prefetcher
 

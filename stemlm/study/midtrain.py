@@ -18,7 +18,7 @@ from .spec import slug
 
 def converted_model(convert: dict, root: Path, log: Callable[[str], None] = print) -> Path:
     """``convert_from_hf`` of ``convert`` into ``root`` (once: a complete output dir is reused)."""
-    from ..convert import convert_from_hf
+    from ..interop.convert import convert_from_hf
 
     key = hashlib.sha256(json.dumps(convert, sort_keys=True).encode()).hexdigest()[:8]
     out = Path(root) / f"{slug(Path(convert['source']).name)}-{convert['ffn']}-{key}"

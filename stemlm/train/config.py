@@ -22,7 +22,7 @@ import yaml
 from ..args import dataclass_to_dict, resolve_config, yaml_mapping
 from ..config import ConfigError, ModelConfig
 from ..fields import field_types
-from ..matmul import BACKENDS as MATMUL_BACKENDS
+from ..runtime.matmul import BACKENDS as MATMUL_BACKENDS
 from ..presets import PRESETS, model_config
 
 STAGES = ("pretrain", "midtrain", "context_extend")

@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 
 from ..args import yaml_mapping
-from ..checkpoint import load_model, read_config, resolve_checkpoint
+from ..interop.checkpoint import load_model, read_config, resolve_checkpoint
 from ..data import TokenDataset, count_eval_batches, iter_eval_batches
-from ..devices import resolve_device
-from ..matmul import apply_matmul
-from ..quant import codec_of
+from ..runtime.devices import resolve_device
+from ..runtime.matmul import apply_matmul
+from ..model.quant import codec_of
 
 
 def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
@@ -72,9 +72,9 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
                         progress: bool = False, verify: bool = True, table_dtype: str | None = None) -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
 
-    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.matmul``);
-    ``verify`` checks the checkpoint's checksums first (``stemlm.integrity``); ``table_dtype``
-    re-encodes the STEM tables (``stemlm.quant``; default: as stored).
+    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.runtime.matmul``);
+    ``verify`` checks the checkpoint's checksums first (``stemlm.interop.integrity``); ``table_dtype``
+    re-encodes the STEM tables (``stemlm.model.quant``; default: as stored).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.

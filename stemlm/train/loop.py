@@ -24,14 +24,14 @@ import torch
 from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
-from ..checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
+from ..interop.checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
-from ..devices import resolve_device
-from ..malloc import keep_freed_memory
-from ..matmul import apply_matmul
-from ..model import StemLM
-from ..quant import codec_of
+from ..runtime.devices import resolve_device
+from ..runtime.malloc import keep_freed_memory
+from ..runtime.matmul import apply_matmul
+from ..model.decoder import StemLM
+from ..model.quant import codec_of
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
 from .config import TrainConfig, config_from_yaml_text, resume_changes
@@ -121,7 +121,7 @@ class Trainer:
             clean_interrupted_saves(self.run_dir / "checkpoints", ("step_*",))
         self.device = resolve_device(cfg.run.device, "run.device")
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
-            keep_freed_memory()  # process-wide, see stemlm/malloc.py
+            keep_freed_memory()  # process-wide, see stemlm/runtime/malloc.py
         self.config_changes: list[dict] = []  # every change allowed on resume so far: {step, field, old, new}
         self._new_changes: list[dict] = []  # those of this resume, until the first metrics record carries them
         resume_from = self._check_resume(resume, allow_changes)
@@ -178,7 +178,7 @@ class Trainer:
             raise ConfigError(f"data.seq_len={data.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
 
     def _restore(self, ckpt: Path) -> None:
-        from ..checkpoint import WEIGHTS_FILE, load_state_into
+        from ..interop.checkpoint import WEIGHTS_FILE, load_state_into
         load_state_into(self.model, ckpt / WEIGHTS_FILE)
         ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt)
         self.restore_trainer_state(ckpt)

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import atomic_write_text
-from ..matmul import mm_nn, onednn_available
+from ..interop.checkpoint import atomic_write_text
+from ..runtime.matmul import mm_nn, onednn_available
 
 PEAK_FILE = "peak_flops.json"
 
@@ -85,7 +85,7 @@ def read_metrics(path: Path) -> list[dict]:
 def measure_peak_flops(device: torch.device | str = "cpu", n: int = 1024, seconds: float = 0.5) -> float:
     """Achieved fp32 matmul FLOP/s of ``n × n`` products for about ``seconds`` (best of the runs).
 
-    On CPU the probe alternates ATen's ``mm`` and oneDNN's kernel (``stemlm.matmul``) and keeps the
+    On CPU the probe alternates ATen's ``mm`` and oneDNN's kernel (``stemlm.runtime.matmul``) and keeps the
     best of both, so MFU is measured against the fastest GEMM this machine offers.
     """
     a = torch.randn(n, n, device=device)

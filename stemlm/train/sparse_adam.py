@@ -1,9 +1,9 @@
 """Row-sparse AdamW for STEM tables: only the rows touched in a step are read, updated and written.
 
-A table object (``stemlm.tables.StemTable`` or any off-device tier) follows this protocol:
+A table object (``stemlm.model.tables.StemTable`` or any off-device tier) follows this protocol:
 
 * ``sparse_grad`` (set True here): gathers under autograd record ``(unique_ids, rows_leaf)``
-  (``stemlm.tables.TableLookup.record``; one forward shares its ``unique_ids`` across layers);
+  (``stemlm.model.tables.TableLookup.record``; one forward shares its ``unique_ids`` across layers);
 * ``pop_touched() -> [(unique_ids (U,), rows_leaf (U, dim) with .grad)]``;
 * ``read_rows(ids) -> (len(ids), dim)`` and ``write_rows(ids, rows)``;
 * ``num_rows``, ``dim``.
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..tables import WeightRows
+from ..model.tables import WeightRows
 
 
 def table_device(table) -> torch.device:

@@ -7,7 +7,7 @@
 * ``trainer_state.json``: step (= data position), tokens/FLOPs seen, spike counter, RNG states,
   the hash of the resume-checked config sections;
 * ``config.yaml`` (the run's ``TrainConfig``) and the tokenizer files of the data dir;
-* ``manifest.json``: size and sha256 of every other file (``stemlm.integrity``), written last.
+* ``manifest.json``: size and sha256 of every other file (``stemlm.interop.integrity``), written last.
 
 Everything loads without executing code (safetensors and json). NaN/inf weights or optimizer
 state are never written; ``resume_checkpoint`` picks the newest checkpoint whose files match their
@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..checkpoint import (CheckpointError, atomic_directory, copy_tokenizer_files, remove_directory, save_pause,
+from ..interop.checkpoint import (CheckpointError, atomic_directory, copy_tokenizer_files, remove_directory, save_pause,
                           write_model_files)
-from ..integrity import check_finite, verify_checkpoint, write_manifest
+from ..interop.integrity import check_finite, verify_checkpoint, write_manifest
 from .sparse_adam import SparseRowAdamW
 
 OPT_TENSORS, OPT_META, TRAINER_STATE, RUN_CONFIG = "optimizer.safetensors", "optimizer.json", "trainer_state.json", "config.yaml"

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from ... import artifacts
+from ...runtime import artifacts
 from ..api import LanguageModel
 
 T = TypeVar("T")

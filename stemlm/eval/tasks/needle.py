@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ... import artifacts
+from ...runtime import artifacts
 from ..api import LanguageModel, LoglikelihoodRequest
 from ..metrics import mean_stderr
 from .base import Task

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import TABLE_KINDS, ModelConfig
+from ..config import TABLE_KINDS, ModelConfig
 from .ffn import FFN_CLASSES, HashMoEFFN, token_expert_hash
 from .loss import linear_cross_entropy
 from .tables import StemTable, Tables, check_ids, init_table_
@@ -214,7 +214,7 @@ class StemLM(nn.Module):
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
         if targets is not None:
-            backend = getattr(self.lm_head, "matmul_backend", "aten")  # set by stemlm.matmul.use_matmul_backend
+            backend = getattr(self.lm_head, "matmul_backend", "aten")  # set by stemlm.runtime.matmul.use_matmul_backend
             return linear_cross_entropy(h, self.lm_head.weight, targets, backend=backend)
         return h if return_hidden else self.lm_head(h)
 

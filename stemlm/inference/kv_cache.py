@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 class KVCache:

@@ -1,6 +1,6 @@
 """Hugging Face interop: ``StemConfig`` and ``StemForCausalLM``, registered with the Auto classes.
 
-After ``import stemlm.hf`` (which calls ``register()``), a stemlm checkpoint directory
+After ``import stemlm.interop.hf`` (which calls ``register()``), a stemlm checkpoint directory
 (``checkpoint.save_model``) loads with ``AutoModelForCausalLM.from_pretrained(dir)``, no
 ``trust_remote_code``: its ``config.json`` has
 ``model_type: "stemlm"`` and its weights are named ``model.<StemLM parameter>``, which is exactly
@@ -26,11 +26,11 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .batch_generate import padding_mask
+from ..inference.batch_generate import padding_mask
 from .checkpoint import WEIGHTS_FILE, resolve_checkpoint, stored_codec
-from .config import ModelConfig
-from .matmul import apply_matmul
-from .model import StemLM, init_module_
+from ..config import ModelConfig
+from ..runtime.matmul import apply_matmul
+from ..model.decoder import StemLM, init_module_
 
 def _mirrored_fields() -> dict:
     """Class namespace holding every ``ModelConfig`` constructor field with its default.
@@ -152,7 +152,7 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
 
     Like ``stemlm generate``, its linears compute fp32 CPU products with oneDNN where available
     (``run.matmul=auto``; other devices and dtypes fall back to ATen per call, and the state dict
-    is unchanged). ``stemlm.matmul.use_matmul_backend(model, "aten")`` switches back.
+    is unchanged). ``stemlm.runtime.matmul.use_matmul_backend(model, "aten")`` switches back.
     """
 
     config_class = StemConfig
@@ -249,7 +249,7 @@ def _check_cache_position(cache_position, start_pos: int, q_len: int) -> None:
 
 def register() -> None:
     """Register ``StemConfig``/``StemForCausalLM`` with ``AutoConfig``/``AutoModelForCausalLM``
-    (idempotent). Importing this module calls it: ``import stemlm.hf`` is how a user opts in."""
+    (idempotent). Importing this module calls it: ``import stemlm.interop.hf`` is how a user opts in."""
     AutoConfig.register(StemConfig.model_type, StemConfig, exist_ok=True)
     AutoModelForCausalLM.register(StemConfig, StemForCausalLM, exist_ok=True)
 

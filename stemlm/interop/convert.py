@@ -9,7 +9,7 @@
 * ``convert_from_hf`` / ``convert_to_hf``: the same between directories (or a GGUF file),
   written atomically, with the tokenizer carried along.
 * ``convert_tables``: a stemlm checkpoint -> the same with its tables stored as bf16, int8 or int4
-  (``stemlm.quant``), or back to fp32.
+  (``stemlm.model.quant``), or back to fp32.
 
 RoPE uses the same rotate-half layout in both models, so q/k weights need no permutation.
 """
@@ -28,12 +28,12 @@ from tqdm import tqdm
 
 from .checkpoint import (CONFIG_FILE, atomic_directory, copy_tokenizer_files, hf_config_dict, load_model, read_config,
                          resolve_checkpoint, write_model_files)
-from .config import ModelConfig
-from .data.tokenizer import run_places
+from ..config import ModelConfig
+from ..data.tokenizer import run_places
 from .integrity import write_manifest
-from .model import StemLM
-from .quant import quantize_tables
-from .tables import init_table_
+from ..model.decoder import StemLM
+from ..model.quant import quantize_tables
+from ..model.tables import init_table_
 
 INITS = ("project", "random")
 # `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)
@@ -211,7 +211,7 @@ def stem_to_llama(model: StemLM, **generation):
 def resolve_source(source: str | os.PathLike, gguf_file: str | None = None) -> tuple[Path, str | None]:
     """``(directory, gguf file name or None)`` for ``--from-hf``/``--gguf`` (``smollm2``: the pinned GGUF)."""
     if str(source) in PINNED_SOURCES:
-        from . import artifacts
+        from ..runtime import artifacts
 
         path = artifacts.extract(*PINNED_SOURCES[str(source)])
         return path.parent, path.name
@@ -232,7 +232,7 @@ def resolve_source(source: str | os.PathLike, gguf_file: str | None = None) -> t
 
 def load_tokenizer(directory: Path, gguf_file: str | None = None):
     """The transformers tokenizer stored in ``directory`` (or in its GGUF file), or None if there is none."""
-    from .data.tokenizer import find_tokenizer
+    from ..data.tokenizer import find_tokenizer
 
     try:
         return find_tokenizer(directory, prefer="transformers", gguf_file=gguf_file).tokenizer
@@ -269,7 +269,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
                     table_init: str | None = None, seed: int = 0, table_dtype: str | None = None) -> Path:
     """Convert a Llama directory (or GGUF file, or ``smollm2``) into a stemlm checkpoint at ``out``.
 
-    ``table_dtype`` (``bf16``, ``int8``, ``int4``) stores the new tables quantized (``stemlm.quant``).
+    ``table_dtype`` (``bf16``, ``int8``, ``int4``) stores the new tables quantized (``stemlm.model.quant``).
     """
     directory, gguf = resolve_source(source, gguf_file)
     out = Path(out)

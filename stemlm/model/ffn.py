@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from ..config import ModelConfig
 
 
 def _linear(d_in: int, d_out: int) -> nn.Linear:

@@ -29,7 +29,7 @@ import torch
 
 from .generate import _generator, check_sampling, decode_one_token, prefill, sample
 from .kv_cache import KVCache
-from .tables import check_ids
+from ..model.tables import check_ids
 
 
 @dataclass(frozen=True)

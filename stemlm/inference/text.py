@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from .data.tokenizer import eos_id_of, find_tokenizer, run_places
+from ..data.tokenizer import eos_id_of, find_tokenizer, run_places
 
 
 class TextCodec:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .matmul import mm_nn, mm_nt, onednn_applies
+from ..runtime.matmul import mm_nn, mm_nt, onednn_applies
 
 IGNORE_INDEX = -100
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk (16 MB in fp32): chunk = CHUNK_ELEMENTS // V tokens
@@ -82,7 +82,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     ``hidden (..., d)``, ``weight (V, d)`` (the LM head), ``targets (...)`` with ``-100`` = ignore.
     ``chunk`` tokens are processed at a time (default: ``CHUNK_ELEMENTS // V``). Under autocast the
     head matmuls run in the autocast dtype; the softmax and the loss are always fp32. ``backend``
-    (``aten`` | ``onednn``, see ``stemlm.matmul``) computes the logits and the hidden-state gradient.
+    (``aten`` | ``onednn``, see ``stemlm.runtime.matmul``) computes the logits and the hidden-state gradient.
     """
     hidden = hidden.reshape(-1, hidden.shape[-1])  # (N, d)
     targets = targets.reshape(-1)  # (N,)

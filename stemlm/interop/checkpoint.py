@@ -1,7 +1,7 @@
 """Model checkpoints: a Hugging Face-style directory written atomically, loaded without executing code.
 
 Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_pretrained`` after
-``import stemlm.hf``)::
+``import stemlm.interop.hf``)::
 
     config.json          {"model_type": "stemlm", "architectures": [...], <ModelConfig fields>}
     model.safetensors    keys "model.<StemLM parameter name>" (a tied LM head is not stored); quantized
@@ -11,7 +11,7 @@ Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_p
 A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
 newest complete one, so every command taking ``--ckpt`` accepts a run or a checkpoint.
 
-Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.integrity``),
+Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.interop.integrity``),
 refuses to write NaN/inf weights, and ``load_model`` verifies the checksums (``verify=False`` skips
 that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
 """
@@ -31,10 +31,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open, save_file
 
-from .config import ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
 from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
-from .model import StemLM
-from .quant import RowCodec, codec_of, quantized_tables
+from ..model.decoder import StemLM
+from ..model.quant import RowCodec, codec_of, quantized_tables
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
 # Names of the work directories beside a final one: ".<name>.tmp-*" (being written), ".<name>.old-<pid>"
@@ -277,7 +277,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
     ``skip_tables`` leaves the tables uninitialised, for callers that serve them from another
     tier (host, disk) straight from the checkpoint file. ``verify`` first checks the files against
-    the checkpoint's checksum manifest (``stemlm.integrity``).
+    the checkpoint's checksum manifest (``stemlm.interop.integrity``).
     """
     ckpt = resolve_checkpoint(path)
     if verify:
@@ -286,7 +286,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     model = StemLM(cfg)
     if cfg.table_layers and not skip_tables and (ckpt / WEIGHTS_FILE).exists():
         codec = stored_codec(ckpt / WEIGHTS_FILE)
-        if codec.quantized:  # tables stored quantized load as QuantizedTables (stemlm.quant)
+        if codec.quantized:  # tables stored quantized load as QuantizedTables (stemlm.model.quant)
             model.tables = quantized_tables(cfg.vocab_size, cfg.d_ff, cfg.table_layers, codec)
     load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)
     model.eval()

@@ -1,0 +1,1 @@
+"""Inference: the KV cache, single and batched generation, and text in / text out."""

@@ -1,0 +1,7 @@
+"""The model: the decoder (``decoder.StemLM``, architecture only), its FFN kinds (``ffn``), the
+token-indexed tables (``tables``) and their quantized codecs (``quant``), and the loss (``loss``).
+"""
+
+from .decoder import StemLM
+
+__all__ = ["StemLM"]

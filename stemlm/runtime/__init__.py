@@ -1,0 +1,1 @@
+"""The machine: compute devices, GEMM backends, the allocator, pinned offline artifacts."""
