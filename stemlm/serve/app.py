@@ -1,9 +1,11 @@
 """The FastAPI layer: OpenAI endpoints over the engine, streamed by server-sent events.
 
-Handlers check a request (4xx in OpenAI's error shape), submit one engine ``Request`` per prompt
-and read its events from an ``asyncio.Queue`` that the engine thread fills through
-``loop.call_soon_threadsafe``. A client that disconnects cancels its requests, and the engine
-drops them at its next step. The lifespan starts the engine and, at shutdown (after uvicorn has
+Handlers check a request (4xx in OpenAI's error shape) and submit one engine ``Request`` per prompt.
+A streaming handler reads its events from an ``asyncio.Queue`` that the engine thread fills through
+``loop.call_soon_threadsafe``; a non-streaming one is woken once, when its request ends (the engine
+thread appends the events to a deque and sets an ``asyncio.Event`` at the end), so a token costs
+the event loop nothing. A client that disconnects cancels its requests, and the engine drops them
+at its next step. The lifespan starts the engine and, at shutdown (after uvicorn has
 let in-flight requests finish), drains it.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -23,7 +26,7 @@ from ..inference.text import TextStream
 from . import api, responses
 from .api import ApiError
 from .chat import ChatTemplate
-from .engine import Engine, EngineClosed, Request
+from .engine import Engine, EngineClosed, Finished, Request
 from .responses import Outcome
 
 DISCONNECT_CHECK_S = 0.25  # how often a non-streaming handler asks whether its client is still there
@@ -50,21 +53,34 @@ class Served:
 
 
 class _Job:
-    """One prompt in the engine and the queue its events arrive on."""
+    """One prompt in the engine and how its events reach the handler: each one through an
+    ``asyncio.Queue`` (``stream``), or all at once when the request ends."""
 
-    def __init__(self, served: Served, prompt: list[int], params, stops: list[str], logprobs=None, prompt_logprobs=None):
+    def __init__(self, served: Served, prompt: list[int], params, stops: list[str], logprobs=None, prompt_logprobs=None,
+                 stream: bool = False):
         codec = served.codec
-        self.loop, self.queue = asyncio.get_running_loop(), asyncio.Queue()
+        self.loop, self.stream = asyncio.get_running_loop(), stream
+        self.queue, self.events, self.ended = asyncio.Queue(), deque(), asyncio.Event()
         self.outcome = Outcome(prompt, TextStream(codec, stops))
         stop = (lambda toks: any(s in codec.decode(toks) for s in stops)) if stops else None
         self.req = Request(prompt, params, self._deliver, stop, logprobs, prompt_logprobs)
 
     def _deliver(self, event) -> None:
-        """Called on the engine thread: hand ``event`` to the handler's event loop."""
+        """Called on the engine thread: hand ``event`` to the handler's event loop (at the end, unless streaming)."""
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+            if self.stream:
+                self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+                return
+            self.events.append(event)
+            if isinstance(event, Finished):
+                self.loop.call_soon_threadsafe(self.ended.set)
         except RuntimeError:  # the event loop is closed (forced exit): nobody listens any more
             self.req.cancel()
+
+    def take_events(self) -> None:
+        """Record the events a non-streaming job has received so far."""
+        while self.events:
+            self.outcome.add(self.events.popleft())
 
     async def next_piece(self) -> str:
         """Wait for the next event and record it; the text it makes showable."""
@@ -92,23 +108,17 @@ def _cancel(jobs: list[_Job]) -> None:
 
 
 async def _collect(http: HttpRequest, jobs: list[_Job]) -> None:
-    """Wait until every job has finished; cancel them all if the client goes away."""
-    loop = asyncio.get_running_loop()
-    checked = loop.time()
+    """Wait until every (non-streaming) job has finished, asking every ``DISCONNECT_CHECK_S`` whether the
+    client is still there; cancel them all if it went away."""
     try:
         for job in jobs:
-            while not job.done:
-                if not job.queue.empty():  # events already here: no timer needed
-                    job.outcome.add(job.queue.get_nowait())
-                else:
-                    try:
-                        await asyncio.wait_for(job.next_piece(), timeout=DISCONNECT_CHECK_S)
-                    except TimeoutError:
-                        pass
-                if loop.time() - checked >= DISCONNECT_CHECK_S:
-                    checked = loop.time()
+            while not job.ended.is_set():
+                try:
+                    await asyncio.wait_for(job.ended.wait(), timeout=DISCONNECT_CHECK_S)
+                except TimeoutError:
                     if await http.is_disconnected():
                         return
+            job.take_events()
     finally:
         _cancel(jobs)
     failed = next((j.outcome.finished for j in jobs if j.outcome.finished.reason == "error"), None)
@@ -205,7 +215,8 @@ def create_app(served: Served) -> FastAPI:
             n = api.max_new_tokens(body.max_tokens, len(ids), served.context, COMPLETIONS_DEFAULT_MAX_TOKENS)
             jobs.append((ids, api.sampling(body, n)))
         k = body.logprobs
-        jobs = _submit(served, [_Job(served, ids, sp, body.stops(), k, k if body.echo else None) for ids, sp in jobs])
+        jobs = _submit(served, [_Job(served, ids, sp, body.stops(), k, k if body.echo else None, bool(body.stream))
+                                for ids, sp in jobs])
         rid = responses.new_id("cmpl")
         if body.stream:
             first = [codec.decode(j.outcome.prompt) if body.echo else "" for j in jobs]
@@ -229,7 +240,7 @@ def create_app(served: Served) -> FastAPI:
             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
         n = api.max_new_tokens(requested, len(ids), served.context, None, param)
         k = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = _submit(served, [_Job(served, ids, api.sampling(body, n), body.stops(), k)])
+        jobs = _submit(served, [_Job(served, ids, api.sampling(body, n), body.stops(), k, stream=bool(body.stream))])
         rid = responses.new_id("chatcmpl")
         if body.stream:
             usage = (lambda: responses.usage_chunk(rid, served.name, "chat.completion.chunk", [jobs[0].outcome])) \
