@@ -39,6 +39,7 @@ def write_spec(path: Path, data_dir: Path, **changes) -> Path:
             "compare": {"sizes": ["d64"], "seeds": [0], "variants": ["dense", "stem-1/3"], "lr": 3e-2},
             "stability": {"size": "d64", "variants": ["stem-1/3"], "lrs": ["1e-3", 1.0e6], "steps": 4},
             "context": {"size": "d64", "variants": ["stem-1/3"], "seq_len": 64, "steps": 2, "position_batches": 2},
+            "timing": {"rounds": 2, "warmup": 1, "steps": 2},
             "eval": {"tasks": ["country_facts", "arc_easy"], "niah_tasks": ["needle"], "limit": 5,
                      "command": [sys.executable, str(FIXTURES / "fake_eval.py")]}}
     spec.update(changes)
@@ -77,17 +78,22 @@ def test_study_end_to_end_resumes_and_reports_from_json(data_dir, tmp_path, caps
     assert evals == ["compare-d64-dense-seed0.final.json", "compare-d64-stem-1_3-seed0.final.json",
                      "context-d64-stem-1_3-L64.final.json"]
     assert set(json.loads((res / "eval" / evals[2]).read_text())["result"]["tasks"]) == {"needle"}
+    timing = json.loads((res / "timing.json").read_text())  # step times measured side by side
+    steps = timing["sizes"]["d64"]
+    assert set(steps) == {"dense", "stem-1/3"} and all(v["step_seconds"] > 0 and len(v["rounds"]) == 2 for v in steps.values())
+    assert steps["dense"]["vs_dense"] == 1.0 and timing["git_commit"]
+    assert not (tmp_path / "scratch" / "timing").exists()  # its throw-away runs are gone
     report = (res / "report.md").read_text()
     for text in ("Matched-budget comparison", "| stem-1/3 |", "Stability", "| diverged |", "Context extension",
-                 "arc_easy", "Definitions"):
+                 "arc_easy", "Definitions", "step s (× dense)", "measured side by side"):
         assert text in report, text
     for png in ("loss_vs_flops_and_wall_d64.png", "spikes_vs_lr.png", "loss_by_position.png", "niah.png", "roi.png"):
         assert (res / png).stat().st_size > 1000, png
 
-    mtimes = {p: p.stat().st_mtime_ns for p in (res / "runs").glob("*.json")}
-    assert _run(spec, tmp_path) == 0  # everything finished: nothing retrains, nothing re-evaluates
+    mtimes = {p: p.stat().st_mtime_ns for p in [*(res / "runs").glob("*.json"), res / "timing.json"]}
+    assert _run(spec, tmp_path) == 0  # everything finished: nothing retrains, re-evaluates or re-times
     assert "0 runs trained (0 diverged), 5 skipped" in capsys.readouterr().out
-    assert {p: p.stat().st_mtime_ns for p in (res / "runs").glob("*.json")} == mtimes
+    assert {p: p.stat().st_mtime_ns for p in [*(res / "runs").glob("*.json"), res / "timing.json"]} == mtimes
 
     shutil.rmtree(tmp_path / "scratch")  # the report needs the JSON only
     for p in [res / "report.md", *res.glob("*.png")]:

@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--scratch", default=None, help="run dirs and checkpoints (default: runs/study/<spec name>)")
         if name == "run":
             p.add_argument("--stages", default=None,
-                           help="comma-separated subset of compare,stability,context,midtrain,eval (default: all)")
+                           help="comma-separated subset of compare,stability,context,midtrain,timing,eval (default: "
+                                "all; timing measures each comparison variant's step time side by side)")
             p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` subprocesses)")
             p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p = sub.add_parser("report", help="write report.md and PNGs from a results dir",

@@ -8,7 +8,7 @@ from typing import Callable
 
 from .spec import STAGES
 
-ALL_STAGES = (*STAGES, "eval")
+ALL_STAGES = (*STAGES, "timing", "eval")
 
 
 def default_dirs(spec: dict) -> tuple[Path, Path]:
@@ -36,10 +36,13 @@ def run_study(spec: dict, results_dir: str | Path, scratch_dir: str | Path, stag
     from .evalstage import run_evals
     from .report import write_report
     from .runner import Study
+    from .timing import run_timing
 
     t0 = time.perf_counter()
     study = Study(spec, results_dir, scratch_dir, log)
     counts = study.run(tuple(s for s in stages if s in STAGES))
+    if "timing" in stages:
+        run_timing(study, log)
     evals = None
     if "eval" in stages and not skip_eval:
         evals = run_evals(study)

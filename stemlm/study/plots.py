@@ -8,8 +8,9 @@ from ..analyze.figures import pyplot, save
 from .tables import bucket, mean_curve
 
 
-def loss_curves(groups: dict, out_dir: Path) -> list[Path]:
-    """Per size: mean validation loss over seeds vs training FLOPs and vs training wall time."""
+def loss_curves(groups: dict, out_dir: Path, timed: bool = False) -> list[Path]:
+    """Per size: mean validation loss over seeds vs training FLOPs and vs training wall time (``timed``:
+    steps × the step time measured side by side; else each run's own sum of step times)."""
     plt, written = pyplot(), []
     for size, variants in groups.items():
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -19,7 +20,8 @@ def loss_curves(groups: dict, out_dir: Path) -> list[Path]:
             for ax, key in zip(axes, ("flops", "wall")):
                 xs, ys = mean_curve(curves, key)
                 ax.plot(xs, ys, "o-", ms=3, color=f"C{i % 10}", label=f"{variant} (n={len(curves)})")
-        for ax, label in zip(axes, ("training FLOPs", "training wall time (s, sum of step times)")):
+        wall = "steps × step time measured side by side" if timed else "sum of the run's step times"
+        for ax, label in zip(axes, ("training FLOPs", f"training wall time (s, {wall})")):
             ax.set_xlabel(label)
             ax.set_ylabel("validation loss (nats/token)")
             ax.grid(alpha=0.3)

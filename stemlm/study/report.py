@@ -8,6 +8,7 @@ from pathlib import Path
 from . import plots
 from .tables import (bucket, compare_rows, context_rows, curve_groups, load_results, midtrain_rows,
                      stability_rows)
+from .timing import load_timing
 from ..accounting import human
 from .measures import __doc__ as MEASURES_DOC
 
@@ -24,8 +25,17 @@ def _img(path: Path | None, alt: str) -> list[str]:
     return [f"![{alt}]({path.name})", ""] if path else []
 
 
+def _step_cell(r: dict) -> str:
+    return f"{_f(r['step_seconds'])} ({_f(r['step_vs_dense'], '.2f')})" if r["step_seconds"] is not None else "–"
+
+
 def _compare(rows_by_size: dict) -> list[str]:
-    lines = ["## 1. Matched-budget comparison", "",
+    timed = any(r["step_seconds"] is not None for rows in rows_by_size.values() for r in rows)
+    timing_note = ("Step s: median training step time measured side by side (`timing` stage: every variant in "
+                   "turn, rounds rotating), and its median ratio to dense; the wall-time curves are step × that time."
+                   if timed else "Train s: each run's own training time (runs train one after another; a busy "
+                   "machine moves them: run the `timing` stage for a side-by-side measurement).")
+    lines = ["## 1. Matched-budget comparison", "", timing_note, "",
              "Same tokens, data order and seeds for every variant. Val loss: mean ± half-range over seeds. "
              "Loss ROI = ((H − L)/F) / ((H − L_dense)/F_dense), H = unigram entropy of the corpus, F = training "
              "FLOPs per token; accuracy ROI = (acc/F) / (acc_dense/F_dense) with the mean eval accuracy (Table 3).", ""]
@@ -33,12 +43,12 @@ def _compare(rows_by_size: dict) -> list[str]:
         lines += [f"### size {size} (unigram entropy {rows[0]['unigram_entropy']:.3f} nats/token)", ""]
         lines += _table(
             ["variant", "total params", "active params", "train FLOPs/token", "decode bytes (bf16)", "val loss",
-             "Δ vs dense", "loss ROI", "acc ROI", "mean acc", "spikes", "train s"],
+             "Δ vs dense", "loss ROI", "acc ROI", "mean acc", "spikes", "step s (× dense)" if timed else "train s"],
             [[r["variant"], human(r["total_params"]), human(r["active_params"]), human(r["train_flops_per_token"]),
               human(r["decode_bytes"], "B"),
               f"{_f(r['val_loss'])} ± {_f(r['val_loss_spread'])} (n={r['n']})" + (f", {r['diverged']} diverged" if r["diverged"] else ""),
               _f(r["delta_vs_dense"], "+.3f"), _f(r["loss_roi"]), _f(r["paper_roi"]), _f(r["mean_acc"]),
-              str(r["spikes"]), _f(r["train_seconds"], ".0f")] for r in rows])
+              str(r["spikes"]), _step_cell(r) if timed else _f(r["train_seconds"], ".0f")] for r in rows])
         matched = [r for r in rows if r["match"]]
         if matched:
             lines += ["Parameter matching (total parameters, `stemlm.accounting`):", ""]
@@ -136,7 +146,8 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
         raise FileNotFoundError(f"{results_dir}/runs holds no run results")
     meta_file = results_dir / "study.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
-    compare = compare_rows(runs, evals)
+    timing = load_timing(results_dir)
+    compare = compare_rows(runs, evals, timing)
     stab, ctx, mid = stability_rows(runs), context_rows(runs, evals), midtrain_rows(runs, evals)
     commits = sorted({r.get("git_commit") or "unknown" for r in runs})
     lines = [f"# Study {meta.get('name', results_dir.name)}", "",
@@ -144,7 +155,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
              f"(git commit{'s' if len(commits) > 1 else ''} {', '.join(c[:10] for c in commits)}). "
              f"Runs by status: {_status_counts(runs)}.", ""]
     lines += _compare(compare)
-    for path in plots.loss_curves(curve_groups(runs), out):
+    for path in plots.loss_curves(curve_groups(runs, timing=timing), out, timed=timing is not None):
         lines += _img(path, path.stem)
     lines += _img(plots.roi_bars(compare, out), "ROI")
     lines += _stability(stab) + _img(plots.spikes_vs_lr(stab, out), "spikes vs lr")

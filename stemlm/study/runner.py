@@ -126,10 +126,10 @@ class Study:
             return str(corpus_for_tokenizer(Path(init), self.scratch / "data", run.convert["source"], self.log))
         return run.data.get("dir")
 
-    def train_config(self, run: RunSpec, init: str | None, data_dir: str | None):
+    def train_config(self, run: RunSpec, init: str | None, data_dir: str | None, out_dir: Path | None = None):
         from ..train import load_train_config
 
-        extra = [f"run.out={self.run_dir(run)}", "run.progress=false", "run.plots=false"]
+        extra = [f"run.out={out_dir or self.run_dir(run)}", "run.progress=false", "run.plots=false"]
         extra += [f"data.dir={data_dir}"] if data_dir else []
         extra += [f"run.init_from={init}"] if init else []
         preset = next((o.split("=", 1)[1] for o in run.overrides if o.startswith("model.preset=")), None)

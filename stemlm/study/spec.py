@@ -25,7 +25,7 @@ from ..config import ConfigError
 
 STUDY_VERSION = 1
 STAGES = ("compare", "stability", "context", "midtrain")
-SPEC_KEYS = {"name", "description", "skipped", "data_dir", "train", "sizes", "budget", "eval", *STAGES}
+SPEC_KEYS = {"name", "description", "skipped", "data_dir", "train", "sizes", "budget", "eval", "timing", *STAGES}
 STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
 
 

@@ -10,8 +10,9 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from .measures import loss_roi
 from .. import accounting as acc
+from .measures import loss_roi
+from .timing import wall_from_timing
 
 
 def load_results(results_dir: str | Path) -> tuple[list[dict], dict[tuple[str, str], dict]]:
@@ -72,8 +73,9 @@ def _mean_acc(scores: dict[str, float], tasks: list[str] | None = None) -> float
     return sum(vals) / len(vals) if vals else None
 
 
-def compare_rows(runs: list[dict], evals: dict) -> dict[str, list[dict]]:
-    """Per size, one row per variant: accounting, val loss over seeds, loss ROI and paper ROI."""
+def compare_rows(runs: list[dict], evals: dict, timing: dict | None = None) -> dict[str, list[dict]]:
+    """Per size, one row per variant: accounting, val loss over seeds, loss ROI and paper ROI, and the
+    step time measured side by side (``timing``, if measured)."""
     groups: dict[tuple[str, str], list[dict]] = defaultdict(list)
     order: list[str] = []
     for r in runs:
@@ -94,6 +96,8 @@ def compare_rows(runs: list[dict], evals: dict) -> dict[str, list[dict]]:
             "decode_bytes": a["decode_param_bytes_bf16"], "spikes": sum(r["metrics"]["loss_spikes"] for r in rs),
             "diverged": sum(r["status"] == "diverged" for r in rs),
             "train_seconds": mean_spread([r["metrics"]["train_seconds"] for r in rs])[0],
+            "step_seconds": wall_from_timing(timing, size, variant),
+            "step_vs_dense": (((timing or {}).get("sizes", {}).get(size) or {}).get(variant) or {}).get("vs_dense"),
             "unigram_entropy": rs[0]["data"]["unigram_entropy"],
             "acc": {t: mean_spread([s.get(t) for s in scores])[0] for t in tasks},
             "acc_detail": combine_seeds([eval_details(evals, r["name"]) for r in rs]),
@@ -116,12 +120,16 @@ def compare_rows(runs: list[dict], evals: dict) -> dict[str, list[dict]]:
     return dict(out)
 
 
-def curve_groups(runs: list[dict], stage: str = "compare") -> dict[str, dict[str, list[list[dict]]]]:
-    """``{size: {variant: [val curve of each seed]}}`` (curves: dicts with flops, wall, val_loss)."""
+def curve_groups(runs: list[dict], stage: str = "compare", timing: dict | None = None) -> dict[str, dict[str, list[list[dict]]]]:
+    """``{size: {variant: [val curve of each seed]}}`` (curves: dicts with flops, wall, val_loss). With
+    ``timing``, a point's wall time is its step × the variant's step time measured side by side."""
     out: dict = defaultdict(lambda: defaultdict(list))
     for r in runs:
         if r["stage"] == stage:
-            out[r["labels"]["size"]][r["labels"]["variant"]].append(r["metrics"]["val"])
+            size, variant = r["labels"]["size"], r["labels"]["variant"]
+            step_s = wall_from_timing(timing, size, variant)
+            curve = r["metrics"]["val"] if step_s is None else [{**p, "wall": p["step"] * step_s} for p in r["metrics"]["val"]]
+            out[size][variant].append(curve)
     return out
 
 
