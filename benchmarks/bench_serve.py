@@ -16,6 +16,11 @@ prompts decoded directly with ``generate_batch`` in batches of C on the same mod
 server is idle), side by side in the same round. Overhead = direct tokens/s ÷ served tokens/s − 1
 (median over rounds of the per-round value). Goal: overhead <= 10 %.
 
+To say where an overhead comes from, each round also runs the same closed-loop workload on the
+server's engine without HTTP (C threads of this process submitting engine requests one after another):
+direct ÷ engine is the cost of continuous batching itself (requests joining and leaving a running
+batch), engine ÷ served the cost of the HTTP layer.
+
     python benchmarks/bench_serve.py              # the real run (lead)
     python benchmarks/bench_serve.py --quick      # concurrency 1 and 2, a few tokens
 """
@@ -27,6 +32,7 @@ import json
 import multiprocessing
 import statistics
 import tempfile
+import threading
 import time
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -38,6 +44,7 @@ from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
+from stemlm.serve.engine import Finished, Request
 from stemlm.serve.server import ServerThread, load_served
 
 TEXTS = ["The capital of France is Paris. Once upon a time there was a cat that sat on the mat."] * 40
@@ -105,6 +112,26 @@ def direct_phase(model, work: list[list[tuple]], max_tokens: int, eos_ids) -> di
             "per_request_tokens": [per_request[(c, k)] for c in range(len(work)) for k in range(len(work[0]))]}
 
 
+def engine_phase(engine, work: list[list[tuple]], max_tokens: int) -> dict:
+    """The same closed-loop clients as ``served_phase``, as threads submitting to the engine directly."""
+    def run_client(reqs):
+        tokens = []
+        for prompt, seed in reqs:
+            done, got = threading.Event(), []
+            sink = lambda ev, got=got, done=done: (done.set() if isinstance(ev, Finished) else got.append(ev))  # noqa: E731
+            engine.submit(Request(prompt, SamplingParams(max_tokens, temperature=1.0, seed=seed), sink))
+            done.wait()
+            tokens.append(len(got))
+        return tokens
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(work)) as pool:
+        per_request = [n for ns in pool.map(run_client, work) for n in ns]
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "tokens": sum(per_request), "tokens_per_s": sum(per_request) / wall,
+            "per_request_tokens": per_request}
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="model shape (default tiny)")
@@ -143,27 +170,33 @@ def main() -> None:
             for c in levels[r % len(levels):] + levels[:r % len(levels)]:
                 work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
                 s = load.submit(served_phase, url, "bench", work, args.max_tokens).result()
+                e = engine_phase(served.engine, work, args.max_tokens)
                 d = direct_phase(model, work, args.max_tokens, eos_ids)
-                rounds[c].append((s, d))
+                rounds[c].append((s, d, e))
                 print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 {s['latency_p50_s']:.3f} s, "
-                      f"p95 {s['latency_p95_s']:.3f} s), direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
+                      f"p95 {s['latency_p95_s']:.3f} s), engine without HTTP {e['tokens_per_s']:8.1f} tok/s, "
+                      f"direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
         with urllib.request.urlopen(url + "/metrics") as resp:
             metrics = json.load(resp)
     served.store.close()
     results = {}
     for c, rs in rounds.items():
-        ratio = paired_ratio([d["tokens_per_s"] for _, d in rs], [s["tokens_per_s"] for s, _ in rs])
-        lost = [sum(st is None for st in s["per_request_tokens"]) for s, _ in rs]
+        speeds = {k: [x[i]["tokens_per_s"] for x in rs] for i, k in enumerate(("served", "direct", "engine"))}
+        ratio = paired_ratio(speeds["direct"], speeds["served"])
+        batching, http = paired_ratio(speeds["direct"], speeds["engine"]), paired_ratio(speeds["engine"], speeds["served"])
+        lost = [sum(st is None for st in s["per_request_tokens"]) for s, _, _ in rs]
         differ = [sum(st is not None and st != dt for st, dt in zip(s["per_request_tokens"], d["per_request_tokens"]))
-                  for s, d in rs]
+                  for s, d, _ in rs]
         med = sorted(rs, key=lambda x: x[0]["tokens_per_s"])[len(rs) // 2]
-        results[str(c)] = {"served": {k: v for k, v in med[0].items() if k != "per_request_tokens"},
-                           "direct": {k: v for k, v in med[1].items() if k != "per_request_tokens"},
-                           "overhead": ratio - 1, "overhead_rounds": [x - 1 for x in round_ratios(
-                               [d["tokens_per_s"] for _, d in rs], [s["tokens_per_s"] for s, _ in rs])],
+        results[str(c)] = {**{k: {f: v for f, v in x.items() if f != "per_request_tokens"}
+                              for k, x in zip(("served", "direct", "engine"), med)},
+                           "overhead": ratio - 1, "overhead_rounds": [x - 1 for x in round_ratios(speeds["direct"],
+                                                                                               speeds["served"])],
+                           "overhead_of_continuous_batching": batching - 1, "overhead_of_http": http - 1,
                            "requests_lost": max(lost), "requests_with_other_token_counts_than_direct": max(differ),
                            "goal_overhead_10pct": ratio - 1 <= 0.10}
-        print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %), requests lost {max(lost)}")
+        print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %; continuous batching "
+              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %), requests lost {max(lost)}")
     path = write_result("bench_serve", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tier": "host", "concurrency": args.concurrency,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
