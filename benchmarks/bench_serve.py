@@ -19,7 +19,8 @@ server is idle), side by side in the same round. Overhead = direct tokens/s ÷ s
 To say where an overhead comes from, each round also runs the same closed-loop workload on the
 server's engine without HTTP (C threads of this process submitting engine requests one after another):
 direct ÷ engine is the cost of continuous batching itself (requests joining and leaving a running
-batch), engine ÷ served the cost of the HTTP layer.
+batch), engine ÷ served the cost of the HTTP layer, including the CPU the load-generating clients take
+from the same machine (reported as ``client_cpu_share``: their CPU seconds ÷ wall time × cores).
 
     python benchmarks/bench_serve.py              # the real run (lead)
     python benchmarks/bench_serve.py --quick      # concurrency 1 and 2, a few tokens
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import os
 import statistics
 import tempfile
 import threading
@@ -82,14 +84,15 @@ def served_phase(url: str, name: str, work: list[list[tuple]], max_tokens: int) 
                 done.append((time.perf_counter() - t0, None, repr(e)))
         return done
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(len(work)) as pool:
         results = [r for rs in pool.map(run_client, work) for r in rs]
-    wall = time.perf_counter() - t0
+    wall, client_cpu = time.perf_counter() - t0, time.process_time() - cpu0
     ok = [r for r in results if r[1] is not None]
     lat = sorted(r[0] for r in ok)
     tokens = sum(r[1] for r in ok)
     return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "per_request_tokens": [r[1] for r in results],
+            "client_cpu_s": client_cpu, "client_cpu_share": client_cpu / (wall * os.cpu_count()),
             "latency_p50_s": statistics.median(lat) if lat else None,
             "latency_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))] if lat else None,
             "errors": [r[2] for r in results if r[1] is None]}

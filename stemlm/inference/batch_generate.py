@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .generate import _generator, check_sampling, decode_one_token, prefill, sample
+from .generate import _generator, check_sampling, decode_one_token, draw, prefill, sampling_probs
 from .kv_cache import KVCache
 from ..model.tables import check_ids
 
@@ -167,11 +167,24 @@ def _decode_batch(model, prompts, params, eos_id, stop, pad_id, store) -> Iterat
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
-    """One token per row of ``logits (B, V)``, each row with its own settings and generator."""
+    """One token per row of ``logits (B, V)``, each row with its own settings and generator: the token
+    ``sample`` gives that row alone. Rows with the same settings get their probabilities in one call;
+    each row then draws from its own generator."""
     if all(sp.temperature == 0 for sp in params):
         return logits.argmax(-1).tolist()
-    return [int(sample(logits[j:j + 1], sp.temperature, sp.top_k, sp.top_p, g)[0])
-            for j, (sp, g) in enumerate(zip(params, generators))]
+    out = [0] * len(params)
+    groups: dict[tuple, list[int]] = {}
+    for j, sp in enumerate(params):
+        groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(j)
+    for (temperature, top_k, top_p), rows in groups.items():
+        if temperature == 0:
+            for j, tok in zip(rows, logits[rows].argmax(-1).tolist()):
+                out[j] = tok
+            continue
+        probs = sampling_probs(logits[rows], temperature, top_k, top_p)  # (n, V)
+        for j, tok in zip(rows, draw(probs, [generators[j] for j in rows]).tolist()):
+            out[j] = tok
+    return out
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

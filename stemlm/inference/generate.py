@@ -26,6 +26,26 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
     check_sampling(temperature, top_k, top_p)
     if temperature == 0:
         return logits.argmax(dim=-1)
+    return draw(sampling_probs(logits, temperature, top_k, top_p), [generator] * logits.shape[0])
+
+
+def draw(probs: torch.Tensor, generators: list) -> torch.Tensor:
+    """One token id per row of ``probs (n, V)`` by inverse CDF, with one uniform number from each row's
+    generator (``None``: the global one). A token of probability 0 is never drawn.
+
+    One number per row instead of ``torch.multinomial``'s V exponential draws: 6-16x faster on CPU
+    for V = 4K-49K (docs/generation.md).
+    """
+    cdf = probs.double().cumsum(dim=-1)  # (n, V)
+    u = torch.stack([torch.rand((), dtype=torch.float64, generator=g, device=probs.device) for g in generators])
+    ids = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)  # (n, 1): first index with cdf > u
+    return ids.clamp_(max=probs.shape[-1] - 1)[:, 0]
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None = None,
+                   top_p: float | None = None) -> torch.Tensor:
+    """The distribution ``sample`` draws from: probabilities ``(B, V)`` after temperature, top-k and top-p
+    (each row on its own, so a row's result does not depend on the other rows)."""
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # (B, 1)
@@ -38,8 +58,7 @@ def sample(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = N
         drop_sorted[..., 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return logits.softmax(dim=-1)
 
 
 def check_sampling(temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None) -> None:
