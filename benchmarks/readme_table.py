@@ -37,7 +37,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from _results_table import RES, ROOT, ms, pct, render, replace_table, row, sci, span, yes
+from _results_table import (CLAIMS_BEGIN, CLAIMS_END, RES, ROOT, ms, pct, render, render_claims, replace_table, row,
+                            sci, span, yes)
 
 
 # ---------------------------------------------------------------- the rows
@@ -256,9 +257,46 @@ def batch_decode(r: dict) -> tuple[str, str]:
                                for t, v in tiers.items())
 
 
-# Not rows yet, their JSON schema being unsettled: bench_table_dtype.py (bench_table_dtype.json),
-# bench_serve.py (bench_serve.json) and the study (results/study/full/study.json, whose measurements
-# are in runs/*.json and eval/*.json next to it). Add each with @row as above once its JSON exists.
+SERVE_GOAL = 0.10
+
+
+@row(f"`stemlm serve`: throughput within {pct(SERVE_GOAL, 0)} of direct batched generation at 1–16 concurrent "
+     "clients, no request lost", "bench_serve.py", RES + "bench_serve.json")
+def serve(r: dict) -> tuple[str, str]:
+    cfg, levels = r["config"], r["concurrency"]
+    cells = ", ".join(f"C={c} **{100 * v['overhead']:+.0f} %**" for c, v in levels.items())
+    split = ", ".join(f"C={c} {100 * v['overhead_of_continuous_batching']:+.0f} / {100 * v['overhead_of_http']:+.0f} %"
+                      for c, v in levels.items())
+    top = levels[max(levels, key=int)]
+    lost = sum(v["requests_lost"] for v in levels.values())
+    measured = (f"{cfg['preset']} STEM-{cfg['stem_layers']}, {cfg['tier']} tables, C closed-loop clients × "
+                f"{cfg['requests_per_client']} requests × {cfg['max_tokens']} tokens, median of {cfg['repeats']} paired "
+                f"rounds: overhead {cells}; of which continuous batching / HTTP: {split}; at C={max(levels, key=int)} "
+                f"{top['served']['tokens_per_s']:.0f} tok/s, latency p50 {top['served']['latency_p50_s']:.2f} s, p95 "
+                f"{top['served']['latency_p95_s']:.2f} s; requests lost {lost} "
+                "([docs](docs/serving.md#load-benchmark))")
+    ok = [c for c, v in levels.items() if v["overhead"] <= SERVE_GOAL]
+    met = "yes" if len(ok) == len(levels) and not lost else (f"at C={', '.join(ok)} yes; elsewhere no" if ok else "no")
+    return measured, met
+
+
+QUANT_GOAL = 0.5  # % perplexity
+
+
+@row(f"quantized tables: int8 validation perplexity within +{QUANT_GOAL} % of fp32, table bytes ÷2 (bf16) / ÷4 (int8); "
+     "decode with int8 tables on disk vs fp32 in RAM", "bench_quant_tables.py", RES + "quant_tables.json")
+def quant_tables(r: dict) -> tuple[str, str]:
+    parts, verdicts = [], []
+    for name, m in r["models"].items():
+        by = m["by_dtype"]
+        parts.append(f"{name}: " + ", ".join(f"{k} {by[k]['ppl_change_pct']:+.2f} % (÷{by[k]['bytes_ratio_vs_fp32']:.2f})"
+                                            for k in by if k != "fp32"))
+        verdicts.append(f"{name}: {yes(by['int8']['ppl_change_pct'] <= QUANT_GOAL)}")
+    measured = "perplexity vs fp32 (table bytes ÷): " + "; ".join(parts)
+    if (d := r.get("decode")):
+        measured += (f"; decode int8 on disk ÷ fp32 in RAM **{d['ratio_disk_int8_vs_ram_fp32']:.2f}×** (median of "
+                     f"{d['repeats']} paired rounds, {span(d['round_ratios'])})")
+    return measured + " ([docs](docs/quantization.md#measurements))", "; ".join(verdicts)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     old = args.readme.read_text()
     try:
         new = replace_table(old, table)
+        if (claims := render_claims()) is not None:
+            new = replace_table(new, claims, CLAIMS_BEGIN, CLAIMS_END)
     except ValueError as e:
         print(f"error: {args.readme}: {e}", file=sys.stderr)
         return 2

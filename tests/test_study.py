@@ -85,7 +85,7 @@ def test_study_end_to_end_resumes_and_reports_from_json(data_dir, tmp_path, caps
     assert not (tmp_path / "scratch" / "timing").exists()  # its throw-away runs are gone
     report = (res / "report.md").read_text()
     for text in ("Matched-budget comparison", "| stem-1/3 |", "Stability", "| diverged |", "Context extension",
-                 "arc_easy", "Definitions", "step s (× dense)", "measured side by side"):
+                 "arc_easy", "Definitions", "step s (× dense)", "measured side by side", "## The paper's claims"):
         assert text in report, text
     for png in ("loss_vs_flops_and_wall_d64.png", "spikes_vs_lr.png", "loss_by_position.png", "niah.png", "roi.png"):
         assert (res / png).stat().st_size > 1000, png
@@ -261,3 +261,27 @@ def test_spec_with_unknown_eval_task_is_refused(tmp_path):
     path.write_text(yaml.safe_dump(spec))
     with pytest.raises(ConfigError, match=r"unknown eval.niah_tasks \['niah'\]"):
         load_spec(path)
+
+
+def test_claim_verdicts_follow_their_rules():
+    from stemlm.study.claims import _all_or_some, _knowledge, _stability
+
+    def row(variant, lr, spikes, status="finished"):
+        return {"variant": variant, "lr": lr, "spikes": spikes, "status": status}
+
+    calm = [row("stem-1/3", 0.1, 0), row("hash_moe-1/3", 0.1, 3), row("stem-1/3", 0.3, 1), row("hash_moe-1/3", 0.3, 0, "diverged")]
+    assert _stability(calm)["verdict"] == "holds"
+    assert _stability([row("stem-1/3", 0.1, 2), row("hash_moe-1/3", 0.1, 2)])["verdict"] == "does not hold"
+    assert "1 of 2 lrs diverged" in _stability(calm)["measured"]
+
+    def variant(name, acc, se=0.02, above=True):
+        return {"variant": name, "acc_detail": {"country_facts": {"acc": acc, "stderr": se, "above": above}}}
+
+    rising = {"d": [variant("dense", 0.2), variant("stem-1/3", 0.3), variant("stem-1/2", 0.35), variant("stem-full", 0.4)]}
+    assert _knowledge(rising)["verdict"] == "holds"
+    falling = {"d": [variant("dense", 0.4), variant("stem-1/3", 0.3), variant("stem-full", 0.2)]}
+    assert _knowledge(falling)["verdict"] == "does not hold"
+    chance = {"d": [variant(n, 0.1, above=False) for n in ("dense", "stem-1/3")]}
+    assert _knowledge(chance)["verdict"] == "not measurable"
+    assert (_all_or_some([True, True]), _all_or_some([True, False]), _all_or_some([False])) == \
+        ("holds", "mixed", "does not hold")
