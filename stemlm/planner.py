@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from . import accounting as acc
 from .args import parse_overrides
 from .config import ConfigError, ModelConfig, check_tier
+from .model.quant import RowCodec
 from .presets import PRESETS, model_config
 
 # Shapes used only for planning (too large to build on CPU); combine with any ffn / placement.
@@ -106,17 +107,19 @@ def _decode_rows_hidden(cfg: ModelConfig, seq_len: int, step_s: float, per_layer
 
 
 def step_plan(cfg: ModelConfig, n_tokens: int, seq_len: int, *, tier: str, cache_rows: int, dtype_bytes: int,
-              zipf_s: float, hw: Hardware, train: bool, optimizer_bytes: int, decode: bool) -> dict:
-    """Rows, bytes and times of one step that processes ``n_tokens`` tokens."""
+              zipf_s: float, hw: Hardware, train: bool, optimizer_bytes: int, decode: bool,
+              row_bytes: int | None = None) -> dict:
+    """Rows, bytes and times of one step that processes ``n_tokens`` tokens (``row_bytes``: a stored
+    table row, default ``d_ff × dtype_bytes``; less for quantized tables)."""
     n_layers_t = len(cfg.table_layers)
     unique = acc.unique_rows_estimate(n_tokens, cfg.vocab_size, zipf_s)
     misses = acc.unique_rows_estimate(n_tokens, cfg.vocab_size, zipf_s, skip_top=cache_rows) if tier != "device" else 0.0
-    row_bytes = cfg.d_ff * dtype_bytes
+    row_bytes = row_bytes or cfg.d_ff * dtype_bytes
     bytes_in = n_layers_t * misses * row_bytes
     bytes_out = bytes_in if train else 0.0  # gradients of the missed rows go back to their tier
     disk_bytes = 0.0
     if tier == "disk":  # rows (and, when training, their optimizer state) read, then written back
-        per_row = cfg.d_ff * (dtype_bytes + (optimizer_bytes if train else 0))
+        per_row = row_bytes + (cfg.d_ff * optimizer_bytes if train else 0)
         disk_bytes = n_layers_t * misses * per_row * (2 if train else 1)
     transfer_s = bytes_in / (hw.link_gbps * GB) + disk_bytes / (hw.disk_gbps * GB)
     flops = n_tokens * (acc.forward_flops_per_token(cfg, seq_len, causal=not decode))
@@ -142,10 +145,12 @@ def step_plan(cfg: ModelConfig, n_tokens: int, seq_len: int, *, tier: str, cache
 
 def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, batch: int = 1,
          seq_len: int | None = None, dtype_bytes: int = 2, train: bool = False, zipf_s: float = 1.0,
-         optimizer_bytes: int = 8, hardware: Hardware = Hardware()) -> dict:
+         optimizer_bytes: int = 8, hardware: Hardware = Hardware(), table_dtype: str | None = None) -> dict:
     """Memory per tier and per-step transfers for decode and for prefill (or training).
 
     ``optimizer_bytes`` is optimizer state per trained value (8: Adam's two fp32 moments).
+    ``table_dtype`` (``bf16``, ``int8``, ``int4``; inference only) stores the tables quantized
+    (``stemlm.model.quant``): fewer bytes stored and moved per row; the row cache holds decoded rows.
     Activations are not modelled.
     """
     seq_len = seq_len or cfg.max_seq_len
@@ -154,6 +159,9 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
         raise ValueError(f"cache_frac must be in [0, 1], got {cache_frac}")
     if batch <= 0 or seq_len <= 0 or dtype_bytes <= 0 or optimizer_bytes < 0:
         raise ValueError("batch, seq_len and dtype_bytes must be positive, optimizer_bytes >= 0")
+    if table_dtype is not None and RowCodec(table_dtype).quantized and train:
+        raise ValueError(f"{table_dtype} tables are for inference; plan training with plain rows (--dtype-bytes)")
+    row_bytes = RowCodec(table_dtype).row_bytes(cfg.d_ff) if table_dtype else cfg.d_ff * dtype_bytes
     parts = acc.param_breakdown(cfg)
     cache_rows = round(cache_frac * cfg.vocab_size) if tables != "device" else cfg.vocab_size
     n_layers_t = len(cfg.table_layers)
@@ -165,9 +173,12 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
         accel["backbone_grads_and_optimizer"] = backbone * (dtype_bytes + optimizer_bytes)
     else:
         accel["kv_cache"] = acc.kv_cache_bytes(cfg, batch, seq_len, dtype_bytes)
-    off = {"tables": parts["tables"] * table_value_bytes if tables != "device" else 0}
+    stored = n_layers_t * cfg.vocab_size * row_bytes + (parts["tables"] * optimizer_bytes if train else 0)
+    if tables == "device" and table_dtype:  # quantized tables resident on the accelerator, decoded on gather
+        accel["row_cache"] = n_layers_t * cfg.vocab_size * row_bytes
+    off = {"tables": stored if tables != "device" else 0}
     common = dict(tier=tables, cache_rows=cache_rows, dtype_bytes=dtype_bytes, zipf_s=zipf_s, hw=hardware,
-                  train=train, optimizer_bytes=optimizer_bytes)
+                  train=train, optimizer_bytes=optimizer_bytes, row_bytes=row_bytes)
     steps = {"train" if train else "prefill": step_plan(cfg, batch * seq_len, seq_len, decode=False, **common)}
     if not train:
         steps["decode"] = step_plan(cfg, batch, seq_len, decode=True, **common)
@@ -175,7 +186,7 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
         "config": cfg.to_dict(), "tables": tables, "cache_frac": cache_frac, "cache_rows": cache_rows,
         "batch": batch, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "train": train, "zipf_s": zipf_s,
         "optimizer_bytes": optimizer_bytes, "hardware": dataclasses.asdict(hardware),
-        "table_layers": list(cfg.table_layers), "row_bytes": cfg.d_ff * dtype_bytes,
+        "table_layers": list(cfg.table_layers), "row_bytes": row_bytes, "table_dtype": table_dtype,
         "accelerator_bytes": {**accel, "total": sum(accel.values())},
         "host_bytes": {"tables_and_state": off["tables"] if tables == "host" else 0},
         "disk_bytes": {"tables_and_state": off["tables"] if tables == "disk" else 0},

@@ -104,3 +104,17 @@ def test_config_resolution_and_errors():
         Hardware(link_gbps=0)
     assert expected_experts_touched(8, 1) == pytest.approx(1)
     assert expected_experts_touched(8, 10**6) == pytest.approx(8)
+
+
+def test_quantized_tables_store_and_move_fewer_bytes():
+    from stemlm.model.quant import RowCodec
+
+    cfg = model_config("tiny", ffn="stem", stem_layers="1/3")
+    plain = plan(cfg, tables="disk", dtype_bytes=4)
+    for name in ("bf16", "int8", "int4"):
+        q = plan(cfg, tables="disk", dtype_bytes=4, table_dtype=name)
+        row = RowCodec(name).row_bytes(cfg.d_ff)
+        assert q["row_bytes"] == row and q["disk_bytes"]["tables_and_state"] == len(cfg.table_layers) * cfg.vocab_size * row
+        assert q["steps"]["decode"]["bytes_to_move"] == pytest.approx(plain["steps"]["decode"]["bytes_to_move"] * row / (4 * cfg.d_ff))
+    with pytest.raises(ValueError, match="int8 tables are for inference"):
+        plan(cfg, train=True, table_dtype="int8")

@@ -19,6 +19,7 @@ import json
 from ..accounting import human
 from ..config import FFN_KINDS, TIERS
 from ..planner import Hardware, plan, preset_names, resolve_model_config
+from ..model.quant import TABLE_DTYPES
 from .options import fraction, non_empty, non_negative_int, positive_float, positive_int
 
 
@@ -33,6 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=positive_int, default=None, help="sequence length / decode context (default: max_seq_len)")
     parser.add_argument("--train", action="store_true", help="plan a training step (gradients back, optimizer state)")
     parser.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per value of weights, rows and KV (default: 2)")
+    parser.add_argument("--table-dtype", choices=TABLE_DTYPES, default=None,
+                        help="store the tables as fp32, bf16, int8 or int4 (inference; default: --dtype-bytes per value)")
     parser.add_argument("--optimizer-bytes", type=non_negative_int, default=8, help="optimizer state bytes per trained value (default: 8, Adam fp32 moments)")
     parser.add_argument("--zipf-s", type=positive_float, default=1.0, help="exponent of the Zipf law of token frequencies (default: 1.0)")
     parser.add_argument("--link-gbps", type=positive_float, default=hw.link_gbps, help=f"host-accelerator bandwidth in GB/s (gigabytes; default {hw.link_gbps}: PCIe 4.0 x16 effective)")
@@ -48,7 +51,7 @@ def run(args) -> int:
     hw = Hardware(link_gbps=args.link_gbps, disk_gbps=args.disk_gbps, flops=args.flops, mem_gbps=args.mem_gbps)
     result = plan(cfg, tables=args.tables, cache_frac=args.cache_frac, batch=args.batch, seq_len=args.seq,
                   dtype_bytes=args.dtype_bytes, train=args.train, zipf_s=args.zipf_s,
-                  optimizer_bytes=args.optimizer_bytes, hardware=hw)
+                  optimizer_bytes=args.optimizer_bytes, hardware=hw, table_dtype=args.table_dtype)
     result = {"preset": args.preset, **result}
     print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
@@ -66,7 +69,8 @@ def format_plan(p: dict) -> str:
     lines = [
         f"preset {p['preset']}: ffn {c['ffn']}, {len(p['table_layers'])} table layers {p['table_layers']}, {where}, "
         f"batch {p['batch']} x {p['seq_len']}, {'training' if p['train'] else 'inference'}",
-        f"row = {c['d_ff']} values = {human(p['row_bytes'], 'B')}; tokens ~ Zipf(s={p['zipf_s']}) over {c['vocab_size']} ids",
+        f"row = {c['d_ff']} values = {human(p['row_bytes'], 'B')}"
+        + (f" stored as {p['table_dtype']}" if p.get("table_dtype") else "") + f"; tokens ~ Zipf(s={p['zipf_s']}) over {c['vocab_size']} ids",
         "",
         "accelerator memory: " + ", ".join(f"{k} {human(v, 'B')}" for k, v in p["accelerator_bytes"].items()),
         f"host memory: tables{' + optimizer state' if p['train'] else ''} {human(p['host_bytes']['tables_and_state'], 'B')}",
