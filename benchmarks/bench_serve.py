@@ -135,6 +135,16 @@ def engine_phase(engine, work: list[list[tuple]], max_tokens: int) -> dict:
             "per_request_tokens": per_request}
 
 
+def _stack(choice: str) -> str:
+    """The event loop and HTTP parser uvicorn runs with."""
+    if choice == "asyncio":
+        return "asyncio + h11"
+    import importlib.util
+
+    found = [m for m in ("uvloop", "httptools") if importlib.util.find_spec(m)]
+    return " + ".join(found) if found else "asyncio + h11"
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="model shape (default tiny)")
@@ -147,6 +157,8 @@ def parse_args():
     ap.add_argument("--repeats", type=int, default=3, help="rounds over the concurrencies (default 3)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling (default 0)")
+    ap.add_argument("--stack", default="auto", choices=("auto", "asyncio"),
+                    help="uvicorn's loop and HTTP parser: auto (uvloop + httptools when installed) or asyncio + h11")
     ap.add_argument("--quick", action="store_true", help="concurrency 1,2, 2 requests of 4 tokens, 1 round; "
                                                          "writes bench_serve.quick.json")
     args = ap.parse_args()
@@ -167,7 +179,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     rounds: dict[int, list[tuple[dict, dict]]] = {c: [] for c in levels}
     load = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-    with ServerThread(served) as url, load:
+    stack = {} if args.stack == "auto" else {"loop": "asyncio", "http": "h11"}
+    with ServerThread(served, **stack) as url, load:
         load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()  # warm-up
         for r in range(args.repeats):
             for c in levels[r % len(levels):] + levels[:r % len(levels)]:
@@ -204,7 +217,7 @@ def main() -> None:
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tier": "host", "concurrency": args.concurrency,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
                    "max_batch": args.max_batch, "repeats": args.repeats, "sampling": "temperature 1.0, seed per request",
-                   "clients": "openai client threads in a separate process"},
+                   "clients": "openai client threads in a separate process", "uvicorn": _stack(args.stack)},
         "concurrency": results, "server_metrics": metrics})
     print(f"wrote {path}")
 

@@ -52,11 +52,16 @@ def _end_ids(ckpt: Path, codec) -> list[int]:
     return list(dict.fromkeys(([codec.eos_id] if codec.eos_id is not None else []) + ids))
 
 
-def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
-    """A ``uvicorn.Server`` for the app (``.run()`` blocks, handling SIGINT/SIGTERM by draining)."""
+def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+                   loop: str = "auto", http: str = "auto"):
+    """A ``uvicorn.Server`` for the app (``.run()`` blocks, handling SIGINT/SIGTERM by draining).
+
+    ``loop``/``http``: uvicorn's event loop and HTTP parser; ``auto`` takes uvloop and httptools when
+    they are installed (the ``serve`` extra pins them), else asyncio and h11."""
     import uvicorn
 
-    config = uvicorn.Config(create_app(served), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None)
+    config = uvicorn.Config(create_app(served), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
+                            loop=loop, http=http)
     return uvicorn.Server(config)
 
 
@@ -86,9 +91,10 @@ class ServerThread:
 
     Leaving the block shuts it down as SIGTERM would: in-flight requests finish first."""
 
-    def __init__(self, served: Served, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning"):
+    def __init__(self, served: Served, host: str = "127.0.0.1", port: int | None = None, log_level: str = "warning",
+                 **uvicorn_kw):
         self.host, self.port = host, port or free_port(host)
-        self.server = uvicorn_server(served, host, self.port, log_level)
+        self.server = uvicorn_server(served, host, self.port, log_level, **uvicorn_kw)
         self.thread = threading.Thread(target=self.server.run, name="stemlm-http", daemon=True)
 
     @property
