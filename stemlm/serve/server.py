@@ -57,7 +57,7 @@ def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, lo
     """A ``uvicorn.Server`` for the app (``.run()`` blocks, handling SIGINT/SIGTERM by draining).
 
     ``loop``/``http``: uvicorn's event loop and HTTP parser; ``auto`` takes uvloop and httptools when
-    they are installed (the ``serve`` extra pins them), else asyncio and h11."""
+    they are installed (not by stemlm: no gain measured, docs/serving.md), else asyncio and h11."""
     import uvicorn
 
     config = uvicorn.Config(create_app(served), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=None,
