@@ -16,6 +16,10 @@ Goal: batch 8 >= 4x the decode tokens/s of batch 1.
 
     python benchmarks/bench_batch_decode.py              # the real run (lead)
     python benchmarks/bench_batch_decode.py --quick      # batches 1 and 8, a few tokens
+
+With ``--ckpt`` a trained checkpoint replaces the random model and the prompts are windows of its
+validation text, so requests share tokens as real text does and the rows fetched per step fall below
+the sum of each request's own (results in ``batch_decode_trained.json``).
 """
 
 from __future__ import annotations
@@ -24,17 +28,25 @@ import argparse
 import statistics
 import time
 
+from pathlib import Path
+
 import torch
 from _store_bench import stem_bench_model, use_matmul
 from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.inference.batch_generate import SamplingParams, decode_batch
 from stemlm.runtime.matmul import add_matmul_argument
+from stemlm.interop.checkpoint import read_config
 from stemlm.store import load_model_with_tables
 
 
-def prompts_for(batch: int, lens: list[int], vocab: int, seed: int) -> list[list[int]]:
-    """``batch`` prompts; prompt ``i`` has length ``lens[i % len(lens)]`` and the same ids in every batch."""
+def prompts_for(batch: int, lens: list[int], vocab: int, seed: int, text=None) -> list[list[int]]:
+    """``batch`` prompts; prompt ``i`` has length ``lens[i % len(lens)]`` and the same ids in every batch:
+    random ids, or a window of ``text`` (token ids) at an offset fixed by ``seed + i``."""
+    if text is not None:
+        starts = [int(torch.randint(0, len(text) - 100, (), generator=torch.Generator().manual_seed(seed + i)))
+                  for i in range(batch)]
+        return [[int(t) for t in text[a:a + lens[i % len(lens)]]] for i, a in enumerate(starts)]
     return [torch.randint(0, vocab, (lens[i % len(lens)],), generator=torch.Generator().manual_seed(seed + i)).tolist()
             for i in range(batch)]
 
@@ -68,18 +80,18 @@ def timed_batch(model, store, prompts: list[list[int]], new_tokens: int, seed: i
             "rows_fetched": sum(fetched), "request_rows": sum(own)}
 
 
-def run_tier(args, ckpt, tables, tier: str) -> dict:
+def run_tier(args, ckpt, tables, tier: str, text=None) -> dict:
     """Every batch size on ``tier``, interleaved over rounds; the median round of each and the ratios."""
     model, store = load_model_with_tables(ckpt, tier, tables_path=tables, cache_rows=args.cache_rows)
     use_matmul(model, args.matmul)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
-    timed_batch(model, store, prompts_for(2, lens, model.cfg.vocab_size, args.seed), 4, args.seed)  # warm-up
+    timed_batch(model, store, prompts_for(2, lens, model.cfg.vocab_size, args.seed, text), 4, args.seed)  # warm-up
     rounds: dict[int, list[dict]] = {b: [] for b in batches}
     for r in range(args.repeats):
         for b in batches[r % len(batches):] + batches[:r % len(batches)]:
-            res = timed_batch(model, store, prompts_for(b, lens, model.cfg.vocab_size, args.seed), args.new_tokens,
-                              args.seed)
+            res = timed_batch(model, store, prompts_for(b, lens, model.cfg.vocab_size, args.seed, text),
+                              args.new_tokens, args.seed)
             rounds[b].append(res)
             print(f"{tier} round {r + 1} batch {b:>2}: {res['decode_tokens_per_s']:8.1f} tok/s, rows/step "
                   f"{res['rows_per_step']:.1f} vs {res['request_rows_per_step']:.1f} per request", flush=True)
@@ -100,9 +112,24 @@ def run_tier(args, ckpt, tables, tier: str) -> dict:
     return {"batches": results, "summary": summary}
 
 
+def trained(args):
+    """``(checkpoint, tables file or None, validation token ids)`` of ``args.ckpt``."""
+    from stemlm.data import TokenDataset, default_data_dir
+    from stemlm.interop.checkpoint import resolve_checkpoint
+    from stemlm.train.evaluate import _stored_run_config
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    ckpt = resolve_checkpoint(args.ckpt)
+    data = (_stored_run_config(ckpt).get("data") or {}).get("dir") or default_data_dir()
+    return ckpt, None, TokenDataset.open(Path(data), "val").tokens
+
+
 def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="model shape (default tiny)")
+    ap.add_argument("--ckpt", default=None, help="a trained STEM checkpoint or run instead of the random model; "
+                                                 "prompts from its validation text (writes batch_decode_trained.json)")
     ap.add_argument("--stem-layers", default="1/3", help="STEM placement (default 1/3)")
     ap.add_argument("--tiers", default="host,disk", help="comma list of table tiers (default host,disk)")
     ap.add_argument("--batches", default="1,4,8,16", help="batch sizes (default 1,4,8,16)")
@@ -124,10 +151,16 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
-    cfg, ckpt, tables = stem_bench_model(args, "batch")
-    tiers = {tier: run_tier(args, ckpt, tables, tier) for tier in args.tiers.split(",")}
-    path = write_result("batch_decode", args.quick, {
+    text = None
+    if args.ckpt:
+        ckpt, tables, text = trained(args)
+        cfg = read_config(ckpt)
+    else:
+        cfg, ckpt, tables = stem_bench_model(args, "batch")
+    tiers = {tier: run_tier(args, ckpt, tables, tier, text) for tier in args.tiers.split(",")}
+    path = write_result("batch_decode_trained" if args.ckpt else "batch_decode", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tables": len(cfg.table_layers),
+                   "checkpoint": str(ckpt) if args.ckpt else None, "prompts": "validation text" if args.ckpt else "random ids",
                    "batches": args.batches, "prompt_lens": args.prompt_lens, "new_tokens": args.new_tokens,
                    "cache_rows": args.cache_rows, "repeats": args.repeats, "matmul": args.matmul,
                    "sampling": "temperature 1.0, seed + request index"},
