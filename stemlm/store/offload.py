@@ -290,18 +290,15 @@ def load_model_with_tables(ckpt: str | os.PathLike, tier: str = "device", tables
     for i in cfg.table_layers:
         with disk_backend(src, i, shape, stored, mode="r") as reader:  # pread: checked rows never stay resident
             _check_finite_rows(reader, table_key(i), src)
-        if tier == "disk":
-            backends[str(i)] = disk_backend(src, i, shape, stored, mode=mode)
-            continue
-        with disk_backend(src, i, shape, stored, mode="r") as disk:
             if tier == "host" and codec == stored:  # the stored tensors, copied as they are
-                tensors = disk.state_tensors()
-                copy = {name: HostRows(t.clone(), pin=pin) for name, t in tensors.items()}
+                copy = {name: HostRows(t.clone(), pin=pin) for name, t in reader.state_tensors().items()}
                 backends[str(i)] = QuantRows(copy["weight"], copy.get("scale"), codec, cfg.d_ff) if codec.quantized \
                     else copy["weight"]
-                continue
-            rows_fn = lambda a, b, d=disk: d.gather(torch.arange(a, b))  # noqa: E731  (decoded fp32 rows)
-            backends[str(i)] = device_table(rows_fn, shape, codec, device, dtype) if tier == "device" \
-                else host_backend(rows_fn, shape, codec, pin)
+            elif tier != "disk":
+                rows_fn = lambda a, b, d=reader: d.gather(torch.arange(a, b))  # noqa: E731  (decoded fp32 rows)
+                backends[str(i)] = device_table(rows_fn, shape, codec, device, dtype) if tier == "device" \
+                    else host_backend(rows_fn, shape, codec, pin)
+        if tier == "disk":
+            backends[str(i)] = disk_backend(src, i, shape, stored, mode=mode)
     return model, _install(model, tier, backends, device, dtype, cache_rows, cache_bytes, prefetch, warm_counts,
                            decay_every, src if tier == "disk" else None, cache_window)
