@@ -194,7 +194,9 @@ def test_bad_specs_are_one_line_errors(data_dir, tmp_path, capsys):
     bad = {"variants": write_spec(tmp_path / "a.yaml", data_dir, compare={"sizes": ["d64"], "seeds": [0], "variants": ["stem"]}),
            "unknown keys": write_spec(tmp_path / "b.yaml", data_dir, colour="red"),
            "compare does not train": write_spec(tmp_path / "c.yaml", data_dir,
-                                                context={"size": "d64", "variants": ["dense"], "seed": 3, "seq_len": 64})}
+                                                context={"size": "d64", "variants": ["dense"], "seed": 3, "seq_len": 64}),
+           "no seeds for size": write_spec(tmp_path / "d.yaml", data_dir,
+                                           compare={"sizes": ["d64"], "seeds": {"d32": [0]}, "variants": ["dense"]})}
     for needle, spec in bad.items():
         assert main(["study", "plan", "--spec", str(spec)]) == 2
         err = capsys.readouterr().err
@@ -204,11 +206,12 @@ def test_bad_specs_are_one_line_errors(data_dir, tmp_path, capsys):
 
 
 def test_repo_specs_plan():
-    """The committed specs expand: quick and full both hold every stage; full has 2 sizes x 2 seeds."""
+    """The committed specs expand: quick and full both hold every stage; full has 2 sizes, 2 seeds at the smaller."""
     full, quick = plan(load_spec("full")), plan(load_spec("quick"))
     assert {r.stage for r in full} == {"compare", "stability", "context", "midtrain"}
     compare = [r for r in full if r.stage == "compare"]
     assert len({r.labels["size"] for r in compare}) >= 2 and len({r.labels["seed"] for r in compare}) >= 2
+    assert {r.labels["seed"] for r in compare if r.labels["size"] == "d128"} == {0, 1}
     assert {"dense", "stem-1/3", "stem-1/2", "stem-full", "stem_dagger-1/3", "stem_gate-1/3", "hash_moe-1/3",
             "dense-wide"} <= {r.labels["variant"] for r in compare}
     assert {r.stage for r in quick} >= {"compare", "stability", "context"}

@@ -120,7 +120,7 @@ def plan(spec: dict) -> list[RunSpec]:
     if (c := spec.get("compare")):
         lr = c.get("lr")
         for size in c["sizes"]:
-            for seed in c["seeds"]:
+            for seed in _compare_seeds(c, size):
                 for variant in c["variants"]:
                     ov = _base(spec, c, size, seed) + variant_overrides(spec, size, variant) + ([f"optim.lr={lr}"] if lr else [])
                     match = parameter_match(size_config(spec, size), variant)
@@ -147,6 +147,18 @@ def plan(spec: dict) -> list[RunSpec]:
         parent_hash = by_name[r.parent].spec_hash if r.parent else None
         r.spec_hash = hashlib.sha256(json.dumps(r.hash_input(parent_hash), sort_keys=True).encode()).hexdigest()[:16]
     return runs
+
+
+def _compare_seeds(c: dict, size: str) -> list[int]:
+    """``compare.seeds`` is one list for every size, or a mapping size -> list (fewer seeds where runs cost more)."""
+    seeds = c["seeds"]
+    if isinstance(seeds, dict):
+        if size not in seeds:
+            raise ConfigError(f"study spec: compare.seeds gives no seeds for size {size!r} (it lists {sorted(seeds)})")
+        seeds = seeds[size]
+    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+        raise ConfigError(f"study spec: compare.seeds must be a non-empty list of integers (or size -> list), got {seeds!r}")
+    return seeds
 
 
 def _context_runs(spec: dict, x: dict, runs: list[RunSpec]) -> list[RunSpec]:
