@@ -288,3 +288,18 @@ def test_claim_verdicts_follow_their_rules():
     assert _knowledge(chance)["verdict"] == "not measurable"
     assert (_all_or_some([True, True]), _all_or_some([True, False]), _all_or_some([False])) == \
         ("holds", "mixed", "does not hold")
+
+
+def test_single_seed_size_borrows_the_measured_seed_noise():
+    """A size trained with one seed has no half-range of its own: the largest measured one stands in."""
+    from stemlm.study.claims import _ablation
+
+    def row(variant, loss, spread, n):
+        return {"variant": variant, "val_loss": loss, "val_loss_spread": spread, "n": n}
+
+    two_seeds = [row("stem-1/3", 4.70, 0.03, 2), row("stem_gate-1/3", 4.80, 0.02, 2)]
+    assert _ablation({"d128": two_seeds})["verdict"] == "holds"
+    close = [row("stem-1/3", 4.50, 0.0, 1), row("stem_gate-1/3", 4.55, 0.0, 1)]  # 0.05 apart < 2 x 0.03
+    assert _ablation({"d128": two_seeds, "d256": close})["verdict"] == "mixed"
+    far = [row("stem-1/3", 4.50, 0.0, 1), row("stem_gate-1/3", 4.60, 0.0, 1)]
+    assert _ablation({"d128": two_seeds, "d256": far})["verdict"] == "holds"

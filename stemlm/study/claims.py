@@ -40,13 +40,23 @@ def _by_variant(rows: list[dict]) -> dict[str, dict]:
     return {r["variant"]: r for r in rows}
 
 
-def _beats(a: dict, b: dict) -> bool:
-    """``a``'s val loss is below ``b``'s by more than their seed half-ranges together."""
-    return a["val_loss"] + (a["val_loss_spread"] or 0) < b["val_loss"] - (b["val_loss_spread"] or 0)
+def _spread(row: dict, noise: float) -> float:
+    """The row's seed half-range; a single-seed row borrows ``noise`` (the largest half-range measured)."""
+    return (row["val_loss_spread"] or 0) if row.get("n", 1) >= 2 else noise
+
+
+def _noise(compare: dict) -> float:
+    """The largest seed half-range over every multi-seed row of the comparison (0 when none has 2 seeds)."""
+    return max((r["val_loss_spread"] or 0 for rows in compare.values() for r in rows if r.get("n", 1) >= 2), default=0.0)
+
+
+def _beats(a: dict, b: dict, noise: float = 0.0) -> bool:
+    """``a``'s val loss is below ``b``'s by more than their seed half-ranges together (``noise`` for one seed)."""
+    return a["val_loss"] + _spread(a, noise) < b["val_loss"] - _spread(b, noise)
 
 
 def _roi(compare: dict) -> dict | None:
-    parts, ok = [], []
+    parts, ok, noise = [], [], _noise(compare)
     for size, rows in compare.items():
         v = _by_variant(rows)
         if "dense" not in v or not any(p in v for p in PLACEMENTS):
@@ -55,15 +65,15 @@ def _roi(compare: dict) -> dict | None:
         for p in PLACEMENTS:
             if p in v and v[p]["loss_roi"] is not None:
                 cells.append(f"{p.split('-')[1]} {v[p]['loss_roi']:.2f}")
-                ok.append(v[p]["loss_roi"] > 1 and _beats(v[p], v["dense"]))
+                ok.append(v[p]["loss_roi"] > 1 and _beats(v[p], v["dense"], noise))
         acc = [f"{p.split('-')[1]} {v[p]['paper_roi']:.2f}" for p in PLACEMENTS if p in v and v[p]["paper_roi"]]
         parts.append(f"{size}: loss ROI " + ", ".join(cells) + (f"; accuracy ROI " + ", ".join(acc) if acc else ""))
     if not ok:
         return None
     return {"claim": "(a) STEM beats dense at lower per-token FLOPs (ROI > 1 at 1/3, 1/2, full)", "paper": PAPER["roi"],
             "measured": "; ".join(parts), "verdict": _all_or_some(ok),
-            "rule": "loss ROI > 1 and the val-loss gain over dense larger than the seeds' half-ranges, every placement "
-                    "and size"}
+            "rule": "loss ROI > 1 and the val-loss gain over dense larger than the seeds' half-ranges (a single-seed "
+                    "size takes the largest half-range measured), every placement and size"}
 
 
 def _knowledge(compare: dict) -> dict | None:
@@ -149,7 +159,7 @@ def _midtrain(rows: list[dict]) -> dict | None:
 
 
 def _ablation(compare: dict) -> dict | None:
-    parts, ok = [], []
+    parts, ok, noise = [], [], _noise(compare)
     for size, rows in compare.items():
         v = _by_variant(rows)
         if "stem-1/3" not in v:
@@ -158,12 +168,13 @@ def _ablation(compare: dict) -> dict | None:
         parts.append(f"{size}: val loss stem-1/3 {v['stem-1/3']['val_loss']:.3f}, " +
                      ", ".join(f"{k} {v[k]['val_loss']:.3f}" for k in others))
         if "stem_gate-1/3" in v:
-            ok.append(_beats(v["stem-1/3"], v["stem_gate-1/3"]))
+            ok.append(_beats(v["stem-1/3"], v["stem_gate-1/3"], noise))
     if not parts:
         return None
     return {"claim": "ablations: the table replaces the up-projection, not the gate", "paper": PAPER["ablation"],
             "measured": "; ".join(parts), "verdict": _all_or_some(ok) if ok else "not measurable",
-            "rule": "STEM-1/3's val loss below the gate ablation's by more than the seeds' half-ranges, every size"}
+            "rule": "STEM-1/3's val loss below the gate ablation's by more than the seeds' half-ranges (a single-seed "
+                    "size takes the largest half-range measured), every size"}
 
 
 def _all_or_some(flags: list[bool]) -> str:

@@ -47,7 +47,8 @@ def _compare(rows_by_size: dict) -> list[str]:
              "Δ vs dense", "loss ROI", "acc ROI", "mean acc", "spikes", "step s (× dense)" if timed else "train s"],
             [[r["variant"], human(r["total_params"]), human(r["active_params"]), human(r["train_flops_per_token"]),
               human(r["decode_bytes"], "B"),
-              f"{_f(r['val_loss'])} ± {_f(r['val_loss_spread'])} (n={r['n']})" + (f", {r['diverged']} diverged" if r["diverged"] else ""),
+              (f"{_f(r['val_loss'])} ± {_f(r['val_loss_spread'])} (n={r['n']})" if r["n"] > 1
+               else f"{_f(r['val_loss'])} (n=1)") + (f", {r['diverged']} diverged" if r["diverged"] else ""),
               _f(r["delta_vs_dense"], "+.3f"), _f(r["loss_roi"]), _f(r["paper_roi"]), _f(r["mean_acc"]),
               str(r["spikes"]), _step_cell(r) if timed else _f(r["train_seconds"], ".0f")] for r in rows])
         matched = [r for r in rows if r["match"]]
