@@ -303,3 +303,17 @@ def test_single_seed_size_borrows_the_measured_seed_noise():
     assert _ablation({"d128": two_seeds, "d256": close})["verdict"] == "mixed"
     far = [row("stem-1/3", 4.50, 0.0, 1), row("stem_gate-1/3", 4.60, 0.0, 1)]
     assert _ablation({"d128": two_seeds, "d256": far})["verdict"] == "holds"
+
+
+def test_checkpoints_are_found_in_the_scratch_dir_given_now(data_dir, tmp_path):
+    """A result written from another working directory records a path relative to it: the run's
+    checkpoint is looked up in the scratch dir of this study first, then at the recorded path."""
+    study = Study(load_spec(write_spec(tmp_path / "s.yaml", data_dir)), tmp_path / "res", tmp_path / "scratch",
+                  log=lambda m: None)
+    run = study.by_name["compare-d64-stem-1_3-seed0"]
+    recorded = {"checkpoint": "elsewhere/runs/x/checkpoints/step_00000008"}
+    assert study.checkpoint(run, recorded) == recorded["checkpoint"]
+    here = study.run_dir(run) / "checkpoints" / "step_00000008"
+    here.mkdir(parents=True)
+    assert study.checkpoint(run, recorded) == str(here)
+    assert study.checkpoint(run, {"checkpoint": None}) is None

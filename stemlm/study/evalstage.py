@@ -46,7 +46,7 @@ def eval_targets(study: Study) -> list[tuple[str, str, str, list[str]]]:
             continue
         if run.eval_init and res.get("init_from"):
             out.append((run.name, "init", res["init_from"], run.eval_tasks))
-        out.append((run.name, "final", res["checkpoint"], run.eval_tasks))
+        out.append((run.name, "final", study.checkpoint(run, res), run.eval_tasks))
     return out
 
 

@@ -73,6 +73,16 @@ class Study:
         data = read_json(self.result_path(run))
         return data if data and data.get("spec_hash") == run.spec_hash else None
 
+    def checkpoint(self, run: RunSpec, result: dict) -> str | None:
+        """Where ``run``'s final checkpoint is: in this study's scratch dir when it is there (a result
+        written from another working directory records a path relative to that one), else the
+        path the result records."""
+        stored = result.get("checkpoint")
+        if not stored:
+            return None
+        here = self.run_dir(run) / "checkpoints" / Path(stored).name
+        return str(here) if here.exists() else stored
+
     # -- the study --------------------------------------------------------------------------
     def run(self, stages: tuple[str, ...] = STAGES) -> dict:
         """Train every run of the selected stages (and the runs they continue); returns counts."""
@@ -114,7 +124,7 @@ class Study:
             parent = self.result(self.by_name[run.parent])
             if parent is None or not parent.get("checkpoint"):
                 raise ValueError(f"{run.name} continues {run.parent}, which has no checkpoint (did it diverge?)")
-            return parent["checkpoint"]
+            return self.checkpoint(self.by_name[run.parent], parent)
         if run.convert:
             from .midtrain import converted_model
             return str(converted_model(run.convert, self.scratch / "convert", self.log))
