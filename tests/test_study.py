@@ -276,6 +276,7 @@ def test_claim_verdicts_follow_their_rules():
     assert _stability(calm)["verdict"] == "holds"
     assert _stability([row("stem-1/3", 0.1, 2), row("hash_moe-1/3", 0.1, 2)])["verdict"] == "does not hold"
     assert "1 of 2 lrs diverged" in _stability(calm)["measured"]
+    assert _stability([row("stem-1/3", 0.1, 0), row("hash_moe-1/3", 0.1, 0)])["verdict"] == "not measurable"
 
     def variant(name, acc, se=0.02, above=True):
         return {"variant": name, "acc_detail": {"country_facts": {"acc": acc, "stderr": se, "above": above}}}

@@ -115,13 +115,14 @@ def _stability(rows: list[dict]) -> dict | None:
     lrs = sorted({r["lr"] for r in rows})
     measured = f"peak lr {', '.join(f'{x:g}' for x in lrs)}: " + measured
     stem, moe = tally.get("stem-1/3"), tally.get("hash_moe-1/3")
-    if stem is None or moe is None:
-        verdict = "not measurable"
+    if stem is None or moe is None or (moe[1], moe[0]) == (0, 0):
+        verdict = "not measurable"  # Hash-MoE never spiked nor diverged: the sweep found no contrast to test
     else:
         verdict = "holds" if (stem[1], stem[0]) < (moe[1], moe[0]) else "does not hold"
     return {"claim": "(c) STEM trains stably where Hash-layer MoE spikes", "paper": PAPER["stability"],
             "measured": measured, "verdict": verdict,
-            "rule": "STEM-1/3 has fewer diverged runs, or as many and fewer loss spikes, than Hash-MoE-1/3 over the sweep"}
+            "rule": "STEM-1/3 has fewer diverged runs, or as many and fewer loss spikes, than Hash-MoE-1/3 over the sweep; "
+                    "not measurable when Hash-MoE-1/3 neither spikes nor diverges"}
 
 
 def _long_context(rows: list[dict]) -> dict | None:
