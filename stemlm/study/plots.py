@@ -11,6 +11,8 @@ from .tables import bucket, mean_curve
 def loss_curves(groups: dict, out_dir: Path, timed: bool = False) -> list[Path]:
     """Per size: mean validation loss over seeds vs training FLOPs and vs training wall time (``timed``:
     steps × the step time measured side by side; else each run's own sum of step times)."""
+    from matplotlib.ticker import NullFormatter
+
     plt, written = pyplot(), []
     for size, variants in groups.items():
         fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -26,6 +28,7 @@ def loss_curves(groups: dict, out_dir: Path, timed: bool = False) -> list[Path]:
             ax.set_ylabel("validation loss (nats/token)")
             ax.grid(alpha=0.3)
         axes[0].set_xscale("log")
+        axes[0].xaxis.set_minor_formatter(NullFormatter())  # labels at decades only: minor ones overlap
         if axes[1].get_legend_handles_labels()[0]:
             axes[1].legend(fontsize=7)
         fig.suptitle(f"size {size}: same tokens for every variant")
