@@ -4,7 +4,9 @@ or store the tables of a stemlm checkpoint as bf16, int8 or int4 (dequantized wh
 
 examples:
   stemlm convert --from-hf smollm2 --out runs/smollm2-dense
-  stemlm convert --from-hf smollm2 --out runs/smollm2-stem --ffn stem --stem-layers 1/3 --init project
+  stemlm convert --from-hf smollm2 --out runs/smollm2-stem --ffn stem --stem-layers 1/3 --init calibrate
+  stemlm convert --from-hf smollm2 --out runs/smollm2-stem-ft --ffn stem --init calibrate --calib-data my_text.txt
+  stemlm convert --from-hf smollm2 --out runs/smollm2-dagger --ffn stem_dagger --init zero   # exactly the dense model
   stemlm convert --from-hf path/to/llama --out runs/llama-stem --ffn stem_dagger --stem-layers 2,5 --init random
   stemlm convert --to-hf --ckpt runs/smollm2-dense --out exported/llama
   stemlm convert --ckpt runs/default --table-dtype int8 --out runs/default-int8
@@ -16,8 +18,11 @@ from __future__ import annotations
 import argparse
 
 from ..config import FFN_KINDS, TABLE_INITS
+from ..insert.calibrate import CalibrationConfig
+from ..insert.fit import METHODS, UNSEEN
+from ..interop.convert import INITS
 from ..model.quant import TABLE_DTYPES
-from .options import non_empty, non_negative_int
+from .options import non_empty, non_negative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,9 +39,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="FFN kind of the converted layers (default: dense, an exact copy)")
     parser.add_argument("--stem-layers", type=non_empty, metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
                         "(default with a STEM --ffn: 1/3)")
-    parser.add_argument("--init", choices=["project", "random"], default="project",
-                        help="table init: 'project' = embedding through the layer's up- (or gate-) projection, "
+    parser.add_argument("--init", choices=list(INITS), default="project",
+                        help="table init: 'calibrate' = rows fitted to the dense model's activations over calibration "
+                        "text (one streamed pass; see docs/insertion.md), 'project' = embedding through the layer's "
+                        "up- (or gate-) projection, 'zero' (with stem_dagger: exactly the dense model), "
                         "'random' = --table-init (default: project)")
+    calib = parser.add_argument_group("calibration (--init calibrate)")
+    calib.add_argument("--calib-data", metavar="DIR|FILE", help="calibration text: a prepared data dir in the model's "
+                       "vocabulary, or raw text (file or directory of .txt/.md/.jsonl); default: the offline corpus")
+    calib.add_argument("--calib-tokens", type=positive_int, default=CalibrationConfig.tokens,
+                       help="calibration tokens, in windows spread evenly over the text (default: %(default)s)")
+    calib.add_argument("--calib-seq-len", type=positive_int, default=CalibrationConfig.seq_len,
+                       help="calibration window length (default: %(default)s)")
+    calib.add_argument("--calib-method", choices=METHODS, default=CalibrationConfig.method,
+                       help="row fit: gated = mean of W_u x weighted by SiLU(W_g x)^2 (least squares of the gated "
+                       "product), mean = plain mean, down = least squares through the down-projection, zero "
+                       "(default: %(default)s)")
+    calib.add_argument("--calib-unseen", choices=UNSEEN, default=CalibrationConfig.unseen,
+                       help="row of ids the calibration text never shows: pooled = the fit over all contexts, zero "
+                       "(default: %(default)s)")
+    calib.add_argument("--calib-parallel", action="store_true",
+                       help="fit every layer on the dense model's own activations (default: layer by layer, each on "
+                       "the activations of the layers converted before it)")
+    calib.add_argument("--calib-refit-down", action="store_true",
+                       help="also refit each STEM layer's down-projection by least squares")
     parser.add_argument("--table-init", choices=TABLE_INITS, help="distribution of --init random tables "
                         "(default: the config default, xavier_normal)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --init random tables (default: 0)")
@@ -72,7 +98,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--ckpt applies to --to-hf or to re-encoding tables, not to --from-hf")
     if args.ffn == "dense" and args.stem_layers:
         raise ValueError("--stem-layers needs a STEM --ffn (stem, stem_dagger or stem_gate)")
+    calibration = None
+    if args.init == "calibrate":
+        calibration = CalibrationConfig(method=args.calib_method, unseen=args.calib_unseen, sequential=not args.calib_parallel,
+                                        refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len)
+    elif args.calib_data is not None:
+        raise ValueError("--calib-data applies to --init calibrate only")
     out = convert_from_hf(args.from_hf, args.out, args.gguf, ffn=args.ffn, stem_layers=args.stem_layers or "1/3",
-                          init=args.init, table_init=args.table_init, seed=args.seed, table_dtype=args.table_dtype)
+                          init=args.init, table_init=args.table_init, seed=args.seed, table_dtype=args.table_dtype,
+                          calibration=calibration, calib_data=args.calib_data, log=print)
     print(f"wrote stemlm checkpoint {out}")
     return 0

@@ -232,6 +232,20 @@ def _prepare_documents(docs: list[str], sources: list[Path], out: Path, vocab_si
     return out
 
 
+def corpus_in_vocabulary(tokenizer: Path, sources: list[Path] | None = None, progress: bool = True) -> Path:
+    """The default corpus (or the raw text of ``sources``) tokenized with an existing ``tokenizer.json``
+    (a pretrained model's vocabulary), prepared once into ``$STEMLM_CACHE/data`` under a name keyed
+    by the tokenizer's and the text's digests."""
+    tokenizer = Path(tokenizer)
+    tok_key = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:12]
+    root = artifacts.cache_dir() / "data"
+    if sources is None:
+        return prepare_default_corpus(root / f"default-tok{tok_key}", tokenizer=tokenizer, progress=progress)
+    docs = read_documents([Path(s) for s in sources])
+    out = root / f"user-{documents_sha256(docs)[:16]}-tok{tok_key}"
+    return _prepare_documents(docs, [Path(s) for s in sources], out, DEFAULT_VOCAB, tokenizer, 0.02, 0, False, progress)
+
+
 def looks_prepared(path: Path) -> bool:
     """Whether ``path`` is (or was meant to be) a prepared data dir rather than raw text: it holds a
     ``meta.json``, ``tokenizer.json`` or token file, so a damaged one still fails as a data dir."""

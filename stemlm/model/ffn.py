@@ -43,14 +43,22 @@ class StemFFN(nn.Module):
 
 
 class StemDaggerFFN(nn.Module):
-    """STEM†: the table row is added to the up-projection."""
+    """STEM†: the table row is added to the up-projection.
+
+    ``up_scale`` and ``row_scale`` (plain floats, 1 by default, not saved) weigh the two terms,
+    ``up_scale · W_u x + row_scale · U_l[t]``; gradual insertion (``stemlm.insert.anneal``) moves
+    them during training from the dense layer (1, 0 or zero rows) to pure STEM (0, 1).
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w_gate, self.w_up, self.w_down = _linear(cfg.d_model, cfg.d_ff), _linear(cfg.d_model, cfg.d_ff), _linear(cfg.d_ff, cfg.d_model)
+        self.up_scale, self.row_scale = 1.0, 1.0
 
     def forward(self, x, rows=None, ids=None):
-        return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + rows))
+        if self.up_scale == 1.0 and self.row_scale == 1.0:
+            return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + rows))
+        return self.w_down(F.silu(self.w_gate(x)) * (self.up_scale * self.w_up(x) + self.row_scale * rows))
 
 
 class StemGateFFN(nn.Module):

@@ -39,7 +39,9 @@ DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
     "I8": (np.dtype("i1"), torch.int8),  # the codes of int8 tables (stemlm.model.quant)
     "U8": (np.dtype("u1"), torch.uint8),  # ... of int4 tables, two codes a byte
 }
-TORCH_TO_ST = {t: name for name, (_, t) in DTYPES.items()}
+# what the writer accepts: the table dtypes plus the integer and bool dtypes a state dict may hold
+TORCH_TO_ST = {**{t: name for name, (_, t) in DTYPES.items()},
+               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.bool: "BOOL"}
 MAX_HEADER_BYTES = 100 << 20
 
 

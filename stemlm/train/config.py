@@ -22,6 +22,7 @@ import yaml
 from ..args import dataclass_to_dict, resolve_config, yaml_mapping
 from ..config import ConfigError, ModelConfig
 from ..fields import field_types
+from ..insert.anneal import ANNEAL_MODES
 from ..runtime.matmul import BACKENDS as MATMUL_BACKENDS
 from ..presets import PRESETS, model_config
 
@@ -169,6 +170,9 @@ class RunSection:
     plots: bool = _f(True, "write loss-vs-tokens and loss-vs-FLOPs PNGs at the end")
     parallel: str = _f("ddp", "under torchrun: backbone wrapper ddp | fsdp (FSDP2 fully_shard); tables are always sharded by row")
     verify_checkpoints: bool = _f(True, "on resume, check checkpoint checksums and fall back to the newest intact one")
+    anneal: str = _f("off", "gradual insertion of a stem_dagger model: off | dagger (tables start at zero) | blend "
+                     "(tables start calibrated); the up-projection is annealed out (docs/insertion.md)")
+    anneal_ratio: float = _f(0.5, "fraction of run.steps over which run.anneal takes the up-projection from 1 to 0")
 
     def __post_init__(self):
         _positive(self, "run", ("steps", "ckpt_every", "keep_last", "eval_batches", "log_every", "spike_window"))
@@ -176,6 +180,11 @@ class RunSection:
         _choice(self.stage, "run.stage", STAGES)
         _choice(self.parallel, "run.parallel", ("ddp", "fsdp"))
         _choice(self.matmul, "run.matmul", MATMUL_BACKENDS)
+        _choice(self.anneal, "run.anneal", ANNEAL_MODES)
+        if not 0 < self.anneal_ratio <= 1:
+            raise ConfigError(f"run.anneal_ratio must be in (0, 1], got {self.anneal_ratio!r}")
+        if self.anneal != "off" and self.compile:
+            raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
         _non_negative(self, "run", ("eval_every", "seed"))
         if not self.out.strip():

@@ -31,6 +31,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM
+from ..insert.anneal import check_annealable, scales_at, set_scales
 from ..model.quant import codec_of
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
@@ -130,6 +131,11 @@ class Trainer:
         self.val_ds = TokenDataset.open(self.data_dir, "val")
         self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size).to(self.device).train())
         self._check_shapes()
+        if cfg.run.anneal != "off":
+            try:
+                check_annealable(self.model.cfg)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
@@ -230,6 +236,7 @@ class Trainer:
         cfg, t0 = self.cfg, time.perf_counter()
         factor = lr_factor(self.step, cfg.run.steps, cfg.optim.warmup_ratio, cfg.optim.decay, cfg.optim.min_lr_ratio)
         set_lr(self.opt, self.table_opt, factor, cfg.optim.table_peak_lr)
+        up_scale = self.apply_anneal()
         accum, losses, seen_ids = cfg.optim.grad_accum, [], []
         for i in range(accum):
             batch = self.batch(self.step * accum + i)
@@ -261,7 +268,15 @@ class Trainer:
                 "tokens_per_s": self.tokens_per_step / dt, "mfu": step_flops / dt / self.peak_flops if self.peak_flops else None,
                 "unique_tokens": int(torch.unique(torch.cat([s.reshape(-1) for s in seen_ids])).numel()),
                 "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "loss_spikes": self.spikes.count,
-                "spike": spike, "step_time": dt}
+                "spike": spike, "step_time": dt, **({"up_scale": up_scale} if cfg.run.anneal != "off" else {})}
+
+    def apply_anneal(self) -> float:
+        """Set the gradual-insertion scales for the current step (``run.anneal``); returns ``s``."""
+        r = self.cfg.run
+        up, row = scales_at(r.anneal, self.step, r.steps, r.anneal_ratio)
+        if r.anneal != "off":
+            set_scales(self.model, up, row)
+        return up
 
     def _diverged(self, what: str, step: int | None = None, done: str = "stopped before updating the weights") -> None:
         where = f"the last good checkpoint {self.last_ckpt} is intact" if self.last_ckpt else "no checkpoint was written yet"
@@ -277,6 +292,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """Validation loss/perplexity over ``run.eval_batches`` fixed batches."""
         d, r = self.cfg.data, self.cfg.run
+        self.apply_anneal()
         return evaluate_mod.evaluate(self.model, self.val_ds, d.batch_size, d.seq_len, r.eval_batches, r.dtype, d.doc_masking)
 
     def trainer_state(self) -> dict:

@@ -1,0 +1,276 @@
+"""Calibrated table initialisation: turn a dense model into STEM with rows fitted to its activations.
+
+One streamed pass of the dense model over calibration text, layer by layer: the residual stream
+of every calibration sequence is kept (``n_seq × T × d`` fp32, the only activation held), each
+block is applied to it in chunks of sequences, and at a STEM layer the FFN's statistics are
+accumulated per token id and the rows fitted (``stemlm.insert.fit``) *before* the stream moves on.
+With ``sequential`` (default) the stream then passes through the converted STEM layer, so every
+later layer is fitted on the activations the already-converted layers produce; without it the
+dense FFN is kept in the stream (every layer fitted on the dense model's own activations).
+
+Memory is bounded by the stream, one layer's statistics (``2 × V × d_ff`` fp64) and one table:
+each fitted table goes to a work directory on disk at once. The work directory also makes the
+pass resumable: the stream and the position are saved after a table layer when at least
+``save_every_s`` seconds passed since the last save, and a new call with the same settings
+continues from there. Everything is deterministic (fixed windows, CPU sums in a fixed order).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ..config import TABLE_KINDS, ModelConfig
+from ..model.decoder import StemLM, rope_cos_sin
+from .fit import METHODS, UNSEEN, DownRefit, LayerStats, gate_and_up, refine_through_down
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """How the rows are fitted (see ``stemlm.insert.fit`` for the methods)."""
+
+    method: str = "gated"  # gated | mean | down | zero
+    unseen: str = "pooled"  # default row of ids the calibration text never shows: pooled | zero
+    sequential: bool = True  # fit each layer on the activations of the layers converted before it
+    refit_down: bool = False  # also refit W_d by least squares on the STEM hidden activations
+    tokens: int = 262_144  # calibration tokens (rounded down to whole windows)
+    seq_len: int = 256  # window length
+    chunk: int = 8  # windows per forward chunk
+    down_iters: int = 8  # conjugate-gradient iterations of ``method=down``
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"unknown calibration method {self.method!r}; choose one of {', '.join(METHODS)}")
+        if self.unseen not in UNSEEN:
+            raise ValueError(f"unknown unseen-id default {self.unseen!r}; choose one of {', '.join(UNSEEN)}")
+        for name in ("tokens", "seq_len", "chunk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"calibration {name} must be a positive integer, got {getattr(self, name)}")
+        if self.tokens < self.seq_len:
+            raise ValueError(f"calibration tokens ({self.tokens}) must cover one window of seq_len {self.seq_len}")
+
+    def key(self, model_digest: str, ids_digest: str, target: ModelConfig) -> str:
+        text = json.dumps({"calib": asdict(self), "model": model_digest, "ids": ids_digest,
+                           "target": target.to_dict()}, sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def calibration_windows(tokens: np.ndarray, n_tokens: int, seq_len: int) -> torch.Tensor:
+    """``(n_seq, seq_len)`` windows spread evenly over a token stream (deterministic)."""
+    n_seq = max(1, min(n_tokens // seq_len, len(tokens) // seq_len))
+    if len(tokens) < seq_len:
+        raise ValueError(f"calibration text has {len(tokens)} tokens, fewer than one window of {seq_len}")
+    starts = np.linspace(0, len(tokens) - seq_len, n_seq).astype(np.int64)
+    return torch.from_numpy(np.stack([np.asarray(tokens[s:s + seq_len], dtype=np.int64) for s in starts]))
+
+
+def _digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+class _WorkDir:
+    """Fitted tables (one file per layer) and the resumable stream position."""
+
+    def __init__(self, root: Path, key: str):
+        self.root, self.key = Path(root), key
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def table_file(self, layer: int) -> Path:
+        return self.root / f"table_{layer}.safetensors"
+
+    def down_file(self, layer: int) -> Path:
+        return self.root / f"down_{layer}.safetensors"
+
+    def save_table(self, layer: int, rows: torch.Tensor, down: torch.Tensor | None) -> None:
+        _atomic_save({"rows": rows.contiguous()}, self.table_file(layer))
+        if down is not None:
+            _atomic_save({"w_down": down.contiguous()}, self.down_file(layer))
+
+    def save_stream(self, next_layer: int, stream: torch.Tensor) -> None:
+        _atomic_save({"stream": stream}, self.root / "stream.safetensors")
+        tmp = self.root / "progress.json.tmp"
+        tmp.write_text(json.dumps({"key": self.key, "next_layer": next_layer}))
+        os.replace(tmp, self.root / "progress.json")
+
+    def resume(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        try:
+            progress = json.loads((self.root / "progress.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        if progress.get("key") != self.key:
+            return None
+        return progress["next_layer"], load_file(str(self.root / "stream.safetensors"))
+
+
+def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, path)
+
+
+def _chunks(n: int, size: int):
+    return [slice(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+@torch.no_grad()
+def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: CalibrationConfig, work_dir: Path,
+              progress: bool = True, save_every_s: float = 60.0,
+              log: Callable[[str], None] = lambda s: None) -> dict[int, tuple[Path, Path | None]]:
+    """Fit the tables of ``target``'s table layers from the all-dense ``dense`` over ``ids (n_seq, T)``.
+
+    Returns ``{layer: (table file, refitted w_down file or None)}`` in ``work_dir``; every table
+    is ``(V, d_ff)`` fp32 under key ``rows``. ``stem_dagger`` layers get zero tables (with its
+    up-projection kept, zero rows are exactly the dense layer). Resumes a pass stopped earlier
+    in the same ``work_dir`` with the same model, text and settings.
+    """
+    from tqdm import tqdm
+
+    if any(k != "dense" for k in dense.cfg.layer_kinds):
+        raise ValueError("calibrate needs the all-dense model (convert with ffn=dense first)")
+    if (target.d_model, target.n_layers, target.d_ff, target.vocab_size) != (
+            dense.cfg.d_model, dense.cfg.n_layers, dense.cfg.d_ff, dense.cfg.vocab_size):
+        raise ValueError("the target config's shape differs from the dense model's")
+    dense = dense.float().eval()
+    work = _WorkDir(work_dir, calib.key(_digest(dense.tok_embeddings.weight[:64]), _digest(ids), target))
+    n_seq, T = ids.shape
+    cos, sin = rope_cos_sin(torch.arange(T), target.head_dim, target.rope_theta, torch.float32)
+    chunks = _chunks(n_seq, calib.chunk)
+    resumed = work.resume()
+    if resumed is not None:
+        start, saved = resumed
+        stream = saved["stream"]
+        log(f"calibration resumed at layer {start} from {work.root}")
+    else:
+        start = 0
+        stream = torch.cat([dense.tok_embeddings(ids[c]) for c in chunks])  # (n_seq, T, d)
+    out: dict[int, tuple[Path, Path | None]] = {}
+    last_save = time.monotonic()
+    bar = tqdm(total=target.n_layers, initial=start, desc="calibrate", disable=not progress, dynamic_ncols=True)
+    for i in range(target.n_layers):
+        kind = target.layer_kinds[i]
+        if i < start:
+            if kind in TABLE_KINDS:
+                down = work.down_file(i)
+                out[i] = (work.table_file(i), down if down.exists() else None)
+            continue
+        block = dense.layers[i]
+        for c in chunks:
+            h = stream[c]
+            h += block.attn(block.attn_norm(h), cos, sin, 0)
+        if kind in TABLE_KINDS:
+            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, target.vocab_size)
+            work.save_table(i, rows, w_down)
+            out[i] = (work.table_file(i), work.down_file(i) if w_down is not None else None)
+            use_stem = calib.sequential
+        else:
+            rows, w_down, use_stem = None, None, False
+        for c in chunks:
+            h = stream[c]
+            x = block.ffn_norm(h)
+            if use_stem:
+                h += _stem_ffn(block.ffn, kind, x, rows[ids[c]], w_down)
+            else:
+                h += block.ffn(x)
+        del rows
+        bar.update(1)
+        if kind in TABLE_KINDS and time.monotonic() - last_save > save_every_s and i + 1 < target.n_layers:
+            work.save_stream(i + 1, stream)
+            last_save = time.monotonic()
+    bar.close()
+    return out
+
+
+def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None) -> torch.Tensor:
+    """The converted layer's output at ``x (n, T, d)`` with its rows ``(n, T, d_ff)``."""
+    wd = ffn.w_down.weight if w_down is None else w_down
+    if kind == "stem":
+        h = F.silu(F.linear(x, ffn.w_gate.weight)) * rows
+    elif kind == "stem_gate":
+        h = F.silu(rows) * F.linear(x, ffn.w_up.weight)
+    else:  # stem_dagger
+        h = F.silu(F.linear(x, ffn.w_gate.weight)) * (F.linear(x, ffn.w_up.weight) + rows)
+    return F.linear(h, wd)
+
+
+def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
+               calib: CalibrationConfig, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream."""
+    ffn = block.ffn
+    d_ff = ffn.w_down.weight.shape[1]
+
+    def ffn_input(c: slice) -> torch.Tensor:  # (n·T, d)
+        return block.ffn_norm(stream[c]).reshape(-1, stream.shape[-1])
+
+    if kind == "stem_dagger" or calib.method == "zero":
+        rows = torch.zeros(vocab, d_ff)
+    else:
+        stats = LayerStats.zeros(vocab, d_ff)
+        for c in chunks:
+            x = ffn_input(c)
+            target, weight = gate_and_up(ffn, x, kind)
+            stats.add(ids[c].reshape(-1), target, None if calib.method == "mean" else weight)
+        rows = stats.rows(calib.unseen)
+        del stats
+        if calib.method == "down":
+            xs = torch.cat([ffn_input(c) for c in chunks])
+            rows = _refine_down(ffn, kind, xs, ids, rows, calib.down_iters)
+    if not calib.refit_down or kind == "stem_dagger":
+        return rows, None
+    refit = DownRefit(d_ff, ffn.w_down.weight.shape[0])
+    for c in chunks:
+        x = ffn_input(c)
+        hidden = _stem_hidden(ffn, kind, x, rows[ids[c].reshape(-1)])
+        refit.add(hidden, ffn(x))
+    return rows, refit.solve()
+
+
+def _stem_hidden(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    if kind == "stem_gate":
+        return F.silu(rows) * F.linear(x, ffn.w_up.weight)
+    return F.silu(F.linear(x, ffn.w_gate.weight)) * rows
+
+
+def _refine_down(ffn, kind, xs, ids, rows, iters):
+    if kind != "stem":
+        return rows
+    gate = F.silu(F.linear(xs, ffn.w_gate.weight))
+    target = ffn(xs)
+    return refine_through_down(rows, ids.reshape(-1), gate, target, ffn.w_down.weight, iters)
+
+
+def replaced_weight(kind: str) -> str | None:
+    """The dense FFN weight a table layer of ``kind`` drops (``stem_dagger`` keeps all)."""
+    return {"stem": "w_up", "stem_gate": "w_gate"}.get(kind)
+
+
+def assemble(dense: StemLM, target: ModelConfig, fitted: dict[int, tuple[Path, Path | None]],
+             mmap: bool = False) -> StemLM:
+    """The STEM model of ``target``: the dense model's weights, the fitted tables (memory-mapped
+    from the work dir with ``mmap``), refitted down-projections where there are any."""
+    from ..interop.convert import model_from_state
+    from ..store.safetensors_io import map_tensor, tensor_info
+
+    state = dict(dense.state_dict())
+    for i, kind in enumerate(target.layer_kinds):
+        if i not in fitted:
+            continue
+        if (name := replaced_weight(kind)) is not None:
+            del state[f"layers.{i}.ffn.{name}.weight"]
+        table_file, down_file = fitted[i]
+        if mmap:
+            state[f"tables.{i}.weight"] = map_tensor(table_file, tensor_info(table_file, "rows"))[0]
+        else:
+            state[f"tables.{i}.weight"] = load_file(str(table_file))["rows"]
+        if down_file is not None:
+            state[f"layers.{i}.ffn.w_down.weight"] = load_file(str(down_file))["w_down"]
+    return model_from_state(target, state)

@@ -1,0 +1,127 @@
+"""Per-layer statistics and the table rows fitted from them (calibrated insertion).
+
+At a STEM layer the dense FFN computes ``y = W_d (g ⊙ a)`` with ``g = SiLU(W_g x)`` and
+``a = W_u x``; STEM replaces ``a`` by the row ``u_t`` of the current token ``t``. Over the
+calibration contexts where ``t`` occurs, the row that best replaces ``a`` is fitted here:
+
+* ``gated`` — per coordinate, the least-squares fit of the gated product
+  ``min_u Σ (g_i a_i − g_i u_i)²``: the mean of ``a_i`` weighted by ``g_i²``;
+* ``mean`` — the plain mean of ``a`` (every context weighted alike);
+* ``down`` — the least-squares fit through the down-projection,
+  ``min_u Σ ||W_d (g ⊙ a) − W_d (g ⊙ u)||²``, solved per token by conjugate gradients started
+  from ``gated`` (the normal matrix ``Σ diag(g) W_dᵀW_d diag(g)`` is never formed);
+* ``zero`` — zero rows (for ``stem_dagger`` this is exactly the dense model).
+
+Ids never seen in the calibration text get the ``unseen`` default: the fitted row of all
+contexts pooled (``pooled``: ``gated``/``mean`` over every token) or ``zero``.
+
+``stem_gate`` (the table feeds the gate) is fitted the same way with the roles of ``W_g`` and
+``W_u`` exchanged: the row replaces the gate's pre-activation ``W_g x``, weighted by ``a²``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+METHODS = ("gated", "mean", "down", "zero")
+UNSEEN = ("pooled", "zero")
+
+
+@dataclass
+class LayerStats:
+    """Sums over the calibration contexts of one layer, per token id (``V × d_ff`` each)."""
+
+    weight: torch.Tensor  # Σ w            (V, d_ff): w = g² (gated) or 1 (mean)
+    weighted: torch.Tensor  # Σ w · a      (V, d_ff)
+    count: torch.Tensor  # occurrences    (V,)
+
+    @classmethod
+    def zeros(cls, vocab: int, dim: int) -> "LayerStats":
+        return cls(torch.zeros(vocab, dim, dtype=torch.float64), torch.zeros(vocab, dim, dtype=torch.float64),
+                   torch.zeros(vocab, dtype=torch.int64))
+
+    def add(self, ids: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> None:
+        """Accumulate ``target (N, d_ff)`` (the activation a row replaces) at token ``ids (N,)``,
+        each coordinate weighted by ``weight (N, d_ff)`` (None = 1)."""
+        w = torch.ones_like(target) if weight is None else weight
+        self.weight.index_add_(0, ids, w.double())
+        self.weighted.index_add_(0, ids, (w * target).double())
+        self.count.index_add_(0, ids, torch.ones_like(ids))
+
+    def rows(self, unseen: str = "pooled", eps: float = 1e-12) -> torch.Tensor:
+        """The fitted table ``(V, d_ff)`` fp32: the weighted mean per id, ``unseen`` where no context was seen."""
+        if unseen not in UNSEEN:
+            raise ValueError(f"unknown unseen-id default {unseen!r}; choose one of {', '.join(UNSEEN)}")
+        seen = self.count > 0
+        out = torch.zeros_like(self.weighted)
+        out[seen] = self.weighted[seen] / self.weight[seen].clamp_min(eps)
+        if unseen == "pooled":
+            out[~seen] = self.weighted.sum(0) / self.weight.sum(0).clamp_min(eps)
+        return out.float()
+
+
+def gate_and_up(ffn, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, weight)`` of a dense FFN at inputs ``x (N, d)``: the activation a ``kind`` row
+    replaces and its per-coordinate least-squares weight (``stem``/``stem_dagger``: ``W_u x``
+    weighted by ``SiLU(W_g x)²``; ``stem_gate``: ``W_g x`` weighted by ``(W_u x)²``)."""
+    gate, up = F.linear(x, ffn.w_gate.weight), F.linear(x, ffn.w_up.weight)  # (N, d_ff) each
+    if kind == "stem_gate":
+        return gate, up.square()
+    return up, F.silu(gate).square()
+
+
+@torch.no_grad()
+def refine_through_down(rows: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, target_out: torch.Tensor,
+                        w_down: torch.Tensor, iters: int = 8) -> torch.Tensor:
+    """Rows fitted through the down-projection: ``min_u Σ_n ||y_n − W_d (g_n ⊙ u_{t_n})||²``.
+
+    ``rows (V, d_ff)`` is the start, ``ids (N,)`` the tokens of the contexts, ``gate (N, d_ff)``
+    their ``g``, ``target_out (N, d)`` the output to match. Conjugate gradients on every token's
+    own normal equations at once (step sizes per token); rows of ids absent from ``ids`` are kept.
+    """
+    V = rows.shape[0]
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    u = rows[uniq].double()  # (U, d_ff)
+    g, y, wd = gate.double(), target_out.double(), w_down.double()
+
+    def normal(p: torch.Tensor) -> torch.Tensor:  # A p = Σ_n g ⊙ W_dᵀ W_d (g ⊙ p_{t_n})
+        out = (g * p[inv]) @ wd.T @ wd * g  # (N, d_ff)
+        return torch.zeros_like(p).index_add_(0, inv, out)
+
+    rhs = torch.zeros_like(u).index_add_(0, inv, (y @ wd) * g)  # Σ g ⊙ W_dᵀ y
+    r = rhs - normal(u)
+    p, rs = r.clone(), (r * r).sum(1)
+    for _ in range(iters):
+        ap = normal(p)
+        alpha = rs / (p * ap).sum(1).clamp_min(1e-30)  # (U,)
+        u += alpha[:, None] * p
+        r -= alpha[:, None] * ap
+        rs_new = (r * r).sum(1)
+        p = r + (rs_new / rs.clamp_min(1e-30))[:, None] * p
+        rs = rs_new
+    out = rows.clone()
+    out[uniq] = u.float()
+    assert out.shape[0] == V
+    return out
+
+
+class DownRefit:
+    """Least-squares refit of ``W_d`` given the STEM hidden activations: ``min_W Σ ||y − W h||²``
+    with ``h = g ⊙ u_t`` (``(d, d_ff)``; ``ridge`` scales a Tikhonov term by the mean diagonal)."""
+
+    def __init__(self, d_ff: int, d: int):
+        self.hh = torch.zeros(d_ff, d_ff, dtype=torch.float64)
+        self.yh = torch.zeros(d, d_ff, dtype=torch.float64)
+
+    def add(self, hidden: torch.Tensor, target_out: torch.Tensor) -> None:
+        h, y = hidden.double(), target_out.double()
+        self.hh += h.T @ h
+        self.yh += y.T @ h
+
+    def solve(self, ridge: float = 1e-3) -> torch.Tensor:
+        reg = ridge * self.hh.diagonal().mean().clamp_min(1e-30)
+        a = self.hh + reg * torch.eye(self.hh.shape[0], dtype=self.hh.dtype)
+        return torch.linalg.solve(a, self.yh.T).T.float()  # (d, d_ff)
