@@ -159,6 +159,18 @@ def test_stem_dagger_with_zero_tables_is_exactly_the_dense_model(tmp_path):
     assert torch.equal(dagger(ids), model(ids))
 
 
+def test_dagger_rows_fitted_for_blend_equal_the_stem_rows_and_end_as_that_stem_model(tmp_path):
+    model, ids = dense_model(), calib_ids()
+    stem, _ = fit(model, ids, tmp_path / "s", layers="1,3")
+    blend, _ = fit(model, ids, tmp_path / "b", kind="stem_dagger", layers="1,3", dagger_rows="fit", refit_down=True)
+    for k in ("1", "3"):
+        assert torch.equal(blend.tables[k].weight, stem.tables[k].weight)
+    set_scales(blend, 1.0, 0.0)  # blend at step 0: the dense model (refit_down is not applied to a dagger start)
+    assert torch.equal(blend(ids), model(ids))
+    set_scales(blend, 0.0, 1.0)  # ... at the end: the calibrated STEM model
+    torch.testing.assert_close(blend(ids), stem(ids), rtol=0, atol=1e-5)
+
+
 def test_calibrated_stem_gate_rows_replace_the_gate_preactivation(tmp_path):
     model, ids = dense_model(), calib_ids()
     gate_model, _ = fit(model, ids, tmp_path, kind="stem_gate", sequential=False)

@@ -7,6 +7,7 @@ examples:
   stemlm convert --from-hf smollm2 --out runs/smollm2-stem --ffn stem --stem-layers 1/3 --init calibrate
   stemlm convert --from-hf smollm2 --out runs/smollm2-stem-ft --ffn stem --init calibrate --calib-data my_text.txt
   stemlm convert --from-hf smollm2 --out runs/smollm2-dagger --ffn stem_dagger --init zero   # exactly the dense model
+  stemlm convert --from-hf smollm2 --out runs/smollm2-blend --ffn stem_dagger --init calibrate --calib-dagger-rows fit
   stemlm convert --from-hf path/to/llama --out runs/llama-stem --ffn stem_dagger --stem-layers 2,5 --init random
   stemlm convert --to-hf --ckpt runs/smollm2-dense --out exported/llama
   stemlm convert --ckpt runs/default --table-dtype int8 --out runs/default-int8
@@ -63,6 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "the activations of the layers converted before it)")
     calib.add_argument("--calib-refit-down", action="store_true",
                        help="also refit each STEM layer's down-projection by least squares")
+    calib.add_argument("--calib-dagger-rows", choices=["zero", "fit"], default="zero",
+                       help="--ffn stem_dagger tables: zero (exactly the dense model) or fit (the calibrated STEM rows, "
+                       "the start of gradual insertion with `stemlm train run.anneal=blend`) (default: %(default)s)")
     parser.add_argument("--table-init", choices=TABLE_INITS, help="distribution of --init random tables "
                         "(default: the config default, xavier_normal)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --init random tables (default: 0)")
@@ -101,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
     calibration = None
     if args.init == "calibrate":
         calibration = CalibrationConfig(method=args.calib_method, unseen=args.calib_unseen, sequential=not args.calib_parallel,
-                                        refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len)
+                                        refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len,
+                                        dagger_rows=args.calib_dagger_rows)
     elif args.calib_data is not None:
         raise ValueError("--calib-data applies to --init calibrate only")
     out = convert_from_hf(args.from_hf, args.out, args.gguf, ffn=args.ffn, stem_layers=args.stem_layers or "1/3",

@@ -47,6 +47,8 @@ class CalibrationConfig:
     seq_len: int = 256  # window length
     chunk: int = 8  # windows per forward chunk
     down_iters: int = 8  # conjugate-gradient iterations of ``method=down``
+    dagger_rows: str = "zero"  # stem_dagger tables: zero (exactly the dense model) | fit (rows replacing W_u x,
+    #                            for run.anneal=blend, which weighs them against the annealed-out up-projection)
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -56,6 +58,8 @@ class CalibrationConfig:
         for name in ("tokens", "seq_len", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"calibration {name} must be a positive integer, got {getattr(self, name)}")
+        if self.dagger_rows not in ("zero", "fit"):
+            raise ValueError(f"unknown dagger_rows {self.dagger_rows!r}; choose zero or fit")
         if self.tokens < self.seq_len:
             raise ValueError(f"calibration tokens ({self.tokens}) must cover one window of seq_len {self.seq_len}")
 
@@ -130,7 +134,8 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
 
     Returns ``{layer: (table file, refitted w_down file or None)}`` in ``work_dir``; every table
     is ``(V, d_ff)`` fp32 under key ``rows``. ``stem_dagger`` layers get zero tables (with its
-    up-projection kept, zero rows are exactly the dense layer). Resumes a pass stopped earlier
+    up-projection kept, zero rows are exactly the dense layer) unless ``calib.dagger_rows="fit"``.
+    Resumes a pass stopped earlier
     in the same ``work_dir`` with the same model, text and settings.
     """
     from tqdm import tqdm
@@ -168,7 +173,9 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             h = stream[c]
             h += block.attn(block.attn_norm(h), cos, sin, 0)
         if kind in TABLE_KINDS:
-            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, target.vocab_size)
+            refit = calib.refit_down and kind != "stem_dagger"  # a dagger start must stay the dense model
+            kind = fitted_kind(kind, calib)
+            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, target.vocab_size, refit)
             work.save_table(i, rows, w_down)
             out[i] = (work.table_file(i), work.down_file(i) if w_down is not None else None)
             use_stem = calib.sequential
@@ -190,6 +197,12 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
     return out
 
 
+def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
+    """The kind whose rows are fitted: ``stem_dagger`` with ``dagger_rows=fit`` is fitted (and
+    propagated) as the pure STEM layer it becomes at the end of ``run.anneal=blend``."""
+    return "stem" if kind == "stem_dagger" and calib.dagger_rows == "fit" else kind
+
+
 def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None) -> torch.Tensor:
     """The converted layer's output at ``x (n, T, d)`` with its rows ``(n, T, d_ff)``."""
     wd = ffn.w_down.weight if w_down is None else w_down
@@ -203,7 +216,7 @@ def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch
 
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
-               calib: CalibrationConfig, vocab: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+               calib: CalibrationConfig, vocab: int, refit_down: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream."""
     ffn = block.ffn
     d_ff = ffn.w_down.weight.shape[1]
@@ -224,7 +237,7 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
         if calib.method == "down":
             xs = torch.cat([ffn_input(c) for c in chunks])
             rows = _refine_down(ffn, kind, xs, ids, rows, calib.down_iters)
-    if not calib.refit_down or kind == "stem_dagger":
+    if not refit_down:
         return rows, None
     refit = DownRefit(d_ff, ffn.w_down.weight.shape[0])
     for c in chunks:
