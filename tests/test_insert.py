@@ -269,9 +269,12 @@ def test_trainer_anneals_a_dagger_model_from_exactly_dense(tmp_path):
         trainer.fit()
         assert all(b.ffn.up_scale == 0.0 for b in trainer.model.layers if b.kind == "stem_dagger")
         stem = to_stem(trainer.model)
+        res_export = trainer.run_dir / "stem"
     scales = losses(tmp_path / "run", "up_scale")
     assert scales[0] == 1.0 and scales[4] == scales[-1] == 0.0 and 0 < scales[3] < scales[1] < 1
     assert stem.cfg.ffn == "stem"
+    exported = load_model(res_export)  # the finished run wrote the pure STEM model it became
+    assert exported.cfg.ffn == "stem" and torch.equal(exported.tables["1"].weight, stem.tables["1"].weight)
 
 
 def test_anneal_needs_a_dagger_model_and_no_compile(tmp_path):

@@ -17,6 +17,7 @@ Once ``s = 0`` the up-projection no longer acts: ``to_stem`` turns the model int
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
@@ -40,6 +41,14 @@ def scales_at(mode: str, step: int, total_steps: int, ratio: float) -> tuple[flo
         return 1.0, 1.0
     s = up_scale_at(step, total_steps, ratio)
     return (s, 1.0) if mode == "dagger" else (s, 1.0 - s)
+
+
+def apply_schedule(model, mode: str, step: int, total_steps: int, ratio: float) -> float:
+    """Set the scales of ``mode`` at ``step`` on ``model`` (nothing for ``off``); returns ``s``."""
+    up, row = scales_at(mode, step, total_steps, ratio)
+    if mode != "off":
+        set_scales(model, up, row)
+    return up
 
 
 def annealed_layers(model) -> list:
@@ -79,3 +88,13 @@ def to_stem(model):
     state = {k: v for k, v in model.state_dict().items()
              if not (k.endswith(".ffn.w_up.weight") and int(k.split(".")[1]) in cfg.table_layers)}
     return model_from_state(cfg, state).train(model.training)
+
+
+def export_stem(model, out: Path, tokenizer_dir: Path | None = None) -> Path:
+    """Write the pure STEM model of an annealed ``model`` (``to_stem``) as a checkpoint at ``out``
+    (once: an existing ``out`` is kept); returns ``out``."""
+    from ..interop.checkpoint import save_model
+
+    if not Path(out).exists():
+        save_model(to_stem(model), out, tokenizer_dir=tokenizer_dir)
+    return Path(out)

@@ -27,8 +27,12 @@ def converted_model(convert: dict, root: Path, log: Callable[[str], None] = prin
     log(f"converting {convert['source']} to {convert['ffn']} {convert.get('stem_layers') or ''} "
         f"(init {convert['init']}) -> {out}")
     out.parent.mkdir(parents=True, exist_ok=True)
+    calibration = None
+    if convert["init"] == "calibrate":
+        from ..insert.calibrate import CalibrationConfig
+        calibration = CalibrationConfig(**(convert.get("calibration") or {}))
     convert_from_hf(convert["source"], out, ffn=convert["ffn"], stem_layers=convert.get("stem_layers") or "1/3",
-                    init=convert["init"])
+                    init=convert["init"], calibration=calibration, calib_data=convert.get("calib_data"), log=log)
     return out
 
 

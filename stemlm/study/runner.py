@@ -161,7 +161,7 @@ class Study:
         status, message = "finished", None
         try:
             res = trainer.fit()
-            final_val, ckpt = res.val_loss, res.checkpoint
+            final_val, ckpt = res.val_loss, res.export or res.checkpoint  # an annealed run: its pure STEM model
         except TrainingDiverged as e:
             status, message, final_val, ckpt = "diverged", str(e), None, None
         train_seconds = time.perf_counter() - t0

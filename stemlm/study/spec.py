@@ -181,19 +181,50 @@ def _context_runs(spec: dict, x: dict, runs: list[RunSpec]) -> list[RunSpec]:
     return out
 
 
+MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio"}
+
+
+def midtrain_arms(m: dict) -> dict[str, dict]:
+    """The arms of a ``midtrain`` stage: ``m["arms"]`` (name -> {ffn, init, stem_layers, dagger_rows,
+    anneal, anneal_ratio}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
+    if "arms" not in m:
+        ffn, layers = m.get("ffn", "stem"), m.get("stem_layers", "1/3")
+        return {"dense": {"ffn": "dense"}, f"{ffn}-{layers}": {"ffn": ffn, "init": m.get("init", "project")}}
+    arms = m["arms"]
+    if not isinstance(arms, dict) or not arms:
+        raise ConfigError("study spec: midtrain.arms must map arm names to {ffn, init, ...}")
+    for name, arm in arms.items():
+        unknown = set(arm or {}) - MIDTRAIN_ARM_KEYS
+        if unknown:
+            raise ConfigError(f"study spec: midtrain arm {name!r} has unknown keys {sorted(unknown)}; "
+                              f"allowed: {sorted(MIDTRAIN_ARM_KEYS)}")
+        if (arm or {}).get("anneal", "off") != "off" and arm.get("ffn") != "stem_dagger":
+            raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs ffn: stem_dagger")
+    return arms
+
+
 def _midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
-    """The converted real model (STEM with ``project`` tables) and its dense original, same tokens and lr."""
+    """The converted real model in every arm (dense continued, STEM with each table init, gradual
+    insertion), all on the same tokens, lr and schedule."""
     out = []
     data = {"dir": m["data_dir"]} if m.get("data_dir") else {"tokenizer_of_init": True}
-    for ffn in ("dense", m.get("ffn", "stem")):
-        layers = None if ffn == "dense" else m.get("stem_layers", "1/3")
-        convert = {"source": str(m.get("source", "smollm2")), "ffn": ffn, "stem_layers": layers,
-                   "init": m.get("init", "project")}
-        variant = ffn if ffn == "dense" else f"{ffn}-{layers}"
+    source = str(m.get("source", "smollm2"))
+    for name, arm in midtrain_arms(m).items():
+        ffn = arm.get("ffn", "stem")
+        layers = None if ffn == "dense" else arm.get("stem_layers", m.get("stem_layers", "1/3"))
+        init = "zero" if ffn == "dense" else arm.get("init", m.get("init", "project"))
+        convert = {"source": source, "ffn": ffn, "stem_layers": layers, "init": init}
+        if init == "calibrate":
+            convert["calibration"] = {**(m.get("calibration") or {}),
+                                      **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
+            convert["calib_data"] = m.get("calib_data")
+        anneal = arm.get("anneal", "off")
         ov = (list(spec.get("train") or []) + _budget(spec, m)
               + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}", f"run.seed={m.get('seed', 0)}",
-                 f"data.seed={spec['budget'].get('data_seed', 0)}"] + list(m.get("train") or []))
-        out.append(RunSpec(f"midtrain-{slug(Path(convert['source']).name)}-{slug(variant)}", "midtrain", ov,
-                           {"source": convert["source"], "variant": variant, "seed": m.get("seed", 0)},
-                           convert=convert, data=data, eval_tasks=_eval_tasks(spec), eval_init=True))
+                 f"data.seed={spec['budget'].get('data_seed', 0)}"] + list(m.get("train") or [])
+              + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else []))
+        out.append(RunSpec(f"midtrain-{slug(Path(source).name)}-{slug(name)}", "midtrain", ov,
+                           {"source": source, "variant": name, "ffn": ffn, "init": init, "anneal": anneal,
+                            "seed": m.get("seed", 0)},
+                           convert=convert, data=data, eval_tasks=_eval_tasks(spec), eval_init=anneal == "off"))
     return out

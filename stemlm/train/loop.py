@@ -31,7 +31,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM
-from ..insert.anneal import check_annealable, scales_at, set_scales
+from ..insert.anneal import apply_schedule, check_annealable, export_stem
 from ..model.quant import codec_of
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
@@ -273,10 +273,7 @@ class Trainer:
     def apply_anneal(self) -> float:
         """Set the gradual-insertion scales for the current step (``run.anneal``); returns ``s``."""
         r = self.cfg.run
-        up, row = scales_at(r.anneal, self.step, r.steps, r.anneal_ratio)
-        if r.anneal != "off":
-            set_scales(self.model, up, row)
-        return up
+        return apply_schedule(self.model, r.anneal, self.step, r.steps, r.anneal_ratio)
 
     def _diverged(self, what: str, step: int | None = None, done: str = "stopped before updating the weights") -> None:
         where = f"the last good checkpoint {self.last_ckpt} is intact" if self.last_ckpt else "no checkpoint was written yet"
@@ -364,8 +361,10 @@ class Trainer:
             from .plots import plot_run
             from .report import unigram_entropy
             plot_run(self.run_dir, baseline=unigram_entropy(self.data_dir))
+        done = self.step >= r.steps and r.anneal != "off" and self.is_main
+        export = export_stem(self.model, self.run_dir / "stem", self.data_dir) if done else None
         result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
-                             self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count)
+                             self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count, export)
         if self.is_main:
             (self.run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
         return result

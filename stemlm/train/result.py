@@ -20,6 +20,7 @@ class TrainResult:
     seconds: float
     checkpoint: Path | None
     loss_spikes: int
+    export: Path | None = None  # run.anneal: the pure STEM model the annealed run became (``run_dir/stem``)
     finished_before: bool = False  # the run was already complete: nothing was trained or written
 
     def summary(self) -> dict:
@@ -38,4 +39,5 @@ def finished_result(run_dir: Path, step: int) -> TrainResult | None:
         return None
     fields = {k: data.get(k) for k in TrainResult.__dataclass_fields__ if k != "finished_before"}
     fields["run_dir"], fields["checkpoint"] = Path(run_dir), fields["checkpoint"] and Path(fields["checkpoint"])
+    fields["export"] = fields["export"] and Path(fields["export"])
     return TrainResult(**fields, finished_before=True)
