@@ -285,3 +285,40 @@ def test_anneal_needs_a_dagger_model_and_no_compile(tmp_path):
         Trainer(debug_config(data, tmp_path / "run", "run.anneal=blend"))
     with pytest.raises(ConfigError, match="run.compile"):
         debug_config(data, tmp_path / "run", "run.anneal=blend", "run.compile=true")
+
+
+def test_stem_at_places_stem_in_the_chosen_layers_of_a_dagger_fit_model(tmp_path):
+    from stemlm.edit.attribution import stem_at
+
+    model, ids = dense_model(), calib_ids()
+    every, _ = fit(model, ids, tmp_path / "all", kind="stem_dagger", layers="1,2,3", dagger_rows="fit", sequential=False)
+    only2, _ = fit(model, ids, tmp_path / "two", layers="2", sequential=False)
+    with stem_at(every, [2]):
+        torch.testing.assert_close(every(ids), only2(ids), rtol=0, atol=1e-5)
+    with stem_at(every, []):
+        torch.testing.assert_close(every(ids), model(ids), rtol=0, atol=1e-5)
+    assert [b.ffn.up_scale for b in every.layers[1:]] == [1.0, 1.0, 1.0]  # restored: the file's own scales
+    with pytest.raises(ValueError, match="have no table"):
+        with stem_at(every, [0]):
+            pass
+
+
+def test_unseen_rows_regressed_from_the_embedding_follow_the_seen_rows_linear_fit():
+    from stemlm.insert.fit import regress_rows
+
+    torch.manual_seed(0)
+    emb = torch.randn(50, 4, dtype=torch.float64)
+    true = torch.randn(5, 3, dtype=torch.float64)
+    rows = torch.cat([emb, torch.ones(50, 1, dtype=torch.float64)], 1) @ true  # exactly linear in [e, 1]
+    seen = torch.arange(50) < 40
+    pred = regress_rows(emb, rows, seen, torch.ones(50, dtype=torch.float64), ridge=1e-9)
+    torch.testing.assert_close(pred[~seen], rows[~seen], rtol=1e-5, atol=1e-5)
+
+
+def test_calibration_with_regressed_unseen_rows_keeps_the_seen_ones(tmp_path):
+    model, ids = dense_model(), calib_ids()
+    pooled, _ = fit(model, ids, tmp_path / "p", sequential=False)
+    regress, _ = fit(model, ids, tmp_path / "r", sequential=False, unseen="regress")
+    seen = ids.reshape(-1).unique()
+    assert torch.equal(pooled.tables["2"].weight[seen], regress.tables["2"].weight[seen])
+    assert not torch.allclose(pooled.tables["2"].weight[V - 1], regress.tables["2"].weight[V - 1])

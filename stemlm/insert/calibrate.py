@@ -175,7 +175,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         if kind in TABLE_KINDS:
             refit = calib.refit_down and kind != "stem_dagger"  # a dagger start must stay the dense model
             kind = fitted_kind(kind, calib)
-            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, target.vocab_size, refit)
+            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refit)
             work.save_table(i, rows, w_down)
             out[i] = (work.table_file(i), work.down_file(i) if w_down is not None else None)
             use_stem = calib.sequential
@@ -216,7 +216,7 @@ def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch
 
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
-               calib: CalibrationConfig, vocab: int, refit_down: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+               calib: CalibrationConfig, embedding: torch.Tensor, refit_down: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream."""
     ffn = block.ffn
     d_ff = ffn.w_down.weight.shape[1]
@@ -225,14 +225,14 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
         return block.ffn_norm(stream[c]).reshape(-1, stream.shape[-1])
 
     if kind == "stem_dagger" or calib.method == "zero":
-        rows = torch.zeros(vocab, d_ff)
+        rows = torch.zeros(len(embedding), d_ff)
     else:
-        stats = LayerStats.zeros(vocab, d_ff)
+        stats = LayerStats.zeros(len(embedding), d_ff)
         for c in chunks:
             x = ffn_input(c)
             target, weight = gate_and_up(ffn, x, kind)
             stats.add(ids[c].reshape(-1), target, None if calib.method == "mean" else weight)
-        rows = stats.rows(calib.unseen)
+        rows = stats.rows(calib.unseen, embedding)
         del stats
         if calib.method == "down":
             xs = torch.cat([ffn_input(c) for c in chunks])

@@ -13,7 +13,9 @@ calibration contexts where ``t`` occurs, the row that best replaces ``a`` is fit
 * ``zero`` — zero rows (for ``stem_dagger`` this is exactly the dense model).
 
 Ids never seen in the calibration text get the ``unseen`` default: the fitted row of all
-contexts pooled (``pooled``: ``gated``/``mean`` over every token) or ``zero``.
+contexts pooled (``pooled``: ``gated``/``mean`` over every token), ``zero``, or ``regress``: a
+ridge regression from the input embedding to the fitted rows of the seen ids (weighted by how
+often each was seen), applied to the embeddings of the unseen ones.
 
 ``stem_gate`` (the table feeds the gate) is fitted the same way with the roles of ``W_g`` and
 ``W_u`` exchanged: the row replaces the gate's pre-activation ``W_g x``, weighted by ``a²``.
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 METHODS = ("gated", "mean", "down", "zero")
-UNSEEN = ("pooled", "zero")
+UNSEEN = ("pooled", "zero", "regress")
 
 
 @dataclass
@@ -51,8 +53,9 @@ class LayerStats:
         self.weighted.index_add_(0, ids, (w * target).double())
         self.count.index_add_(0, ids, torch.ones_like(ids))
 
-    def rows(self, unseen: str = "pooled", eps: float = 1e-12) -> torch.Tensor:
-        """The fitted table ``(V, d_ff)`` fp32: the weighted mean per id, ``unseen`` where no context was seen."""
+    def rows(self, unseen: str = "pooled", embedding: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
+        """The fitted table ``(V, d_ff)`` fp32: the weighted mean per id, ``unseen`` where no context
+        was seen (``regress`` needs the input ``embedding (V, d)``)."""
         if unseen not in UNSEEN:
             raise ValueError(f"unknown unseen-id default {unseen!r}; choose one of {', '.join(UNSEEN)}")
         seen = self.count > 0
@@ -60,7 +63,23 @@ class LayerStats:
         out[seen] = self.weighted[seen] / self.weight[seen].clamp_min(eps)
         if unseen == "pooled":
             out[~seen] = self.weighted.sum(0) / self.weight.sum(0).clamp_min(eps)
+        elif unseen == "regress":
+            if embedding is None:
+                raise ValueError("unseen='regress' needs the input embedding")
+            out[~seen] = regress_rows(embedding.double(), out, seen, self.count.double())[~seen]
         return out.float()
+
+
+def regress_rows(embedding: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor, weight: torch.Tensor,
+                 ridge: float = 1e-2) -> torch.Tensor:
+    """Rows predicted from the embedding: ``[e, 1] @ A`` with ``A`` the ridge fit of the ``seen``
+    rows on their embeddings (each weighted by ``weight``, e.g. its count); ``(V, d_ff)``."""
+    x = torch.cat([embedding, torch.ones(len(embedding), 1, dtype=embedding.dtype)], 1)  # (V, d + 1)
+    xs, ys, w = x[seen], rows[seen].to(x.dtype), weight[seen][:, None]
+    gram = xs.T @ (w * xs)
+    reg = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    coef = torch.linalg.solve(gram + reg, xs.T @ (w * ys))  # (d + 1, d_ff)
+    return x @ coef
 
 
 def gate_and_up(ffn, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
