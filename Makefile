@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install run demo test test-slow test-latest bench
+.PHONY: install run demo demo-real test test-slow test-latest bench
 install: $(STAMP)
 
 run: $(STAMP)
@@ -23,6 +23,10 @@ run: $(STAMP)
 # A model that knows the country facts and a row swap that changes one answer (~2-3 min on 2 cores).
 demo: $(STAMP)
 	$(VENV)/bin/stemlm demo
+
+# The same edit on a real pretrained model: SmolLM2-135M with calibrated STEM rows (a few minutes; converted once).
+demo-real: $(STAMP)
+	$(VENV)/bin/stemlm demo --model smollm2
 
 test: $(STAMP)
 	$(PY) -m pytest

@@ -8,8 +8,14 @@ the original model on "The capital of Spain is", the original model on "The capi
 is", and the edited model on "The capital of Spain is". The edit is undone; the checkpoint is
 never changed.
 
+With --model smollm2 the same edit runs on a real pretrained model: SmolLM2-135M converted to STEM
+with calibrated tables (stemlm convert --init calibrate; converted once, a few minutes), the capitals
+it knows counted before the edit, then the two countries' rows swapped in its STEM layers.
+
 examples:
   stemlm demo
+  stemlm demo --model smollm2
+  stemlm demo --model smollm2 --swap France=Italy --placement 1/3
   stemlm demo --swap France=Italy --out runs/demo
   stemlm demo --steps 300 --out runs/demo-short     # faster, knows fewer facts
 """
@@ -26,12 +32,30 @@ def add_arguments(parser) -> None:
                         help="the two countries whose rows are swapped (default: Spain=Germany)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="training seed (default: 0)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--model", choices=["facts", "smollm2"], default="facts",
+                        help="facts: train a small model on the country facts; smollm2: the real pretrained "
+                        "SmolLM2-135M with calibrated STEM rows (default: facts)")
+    parser.add_argument("--placement", default=None, metavar="SPEC",
+                        help="with --model smollm2: the STEM layers ('full', '1/3', '2,5,...'; default: full, "
+                        "where the rows carry the facts best: docs/insertion.md)")
+    parser.add_argument("--calib-tokens", type=positive_int, default=None,
+                        help="with --model smollm2: calibration tokens of the conversion (default: 65536)")
 
 
 def run(args) -> int:
     from ..demo import format_demo, run_demo
     from .edit import parse_pair
 
+    if args.model == "smollm2":
+        from ..demo_real import DEFAULT_CALIB_TOKENS, DEFAULT_PLACEMENT, format_real_demo, run_real_demo
+
+        out = args.out if args.out != "runs/demo" else "runs/demo-smollm2"
+        demo = run_real_demo(parse_pair(args.swap, "--swap"), args.placement or DEFAULT_PLACEMENT,
+                             args.calib_tokens or DEFAULT_CALIB_TOKENS, out, progress=not args.no_progress)
+        print(format_real_demo(demo))
+        return 0
+    if args.placement or args.calib_tokens:
+        raise ValueError("--placement and --calib-tokens apply to --model smollm2 only")
     demo = run_demo(args.out, args.steps, parse_pair(args.swap, "--swap"), args.seed, progress=not args.no_progress)
     print(format_demo(demo))
     return 0
