@@ -203,13 +203,13 @@ def test_bad_requests_get_clear_openai_errors(server, body, status, says):
 def test_a_failed_generation_is_a_500_and_an_error_event(server, client):
     served, url = server
 
-    def boom(tokens):
+    def boom(*args):
         raise RuntimeError("boom")
 
-    served.engine.batch.step = boom  # the next decode step fails; the engine then starts a fresh batch
+    served.engine.core.step = boom  # the next decode step fails; the engine then starts a fresh batch
     with pytest.raises(openai.InternalServerError, match="generation failed: RuntimeError: boom"):
         client.completions.create(model="tiny", prompt="The cat", max_tokens=5, temperature=0)
-    served.engine.batch.step = boom
+    served.engine.core.step = boom
     with requests.post(url + "/v1/completions", json={"prompt": "The cat", "max_tokens": 5, "stream": True},
                        stream=True) as resp:
         lines = [line for line in resp.iter_lines(decode_unicode=True) if line]
