@@ -64,7 +64,7 @@ class Request:
     stop: Callable[[list[int]], bool] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    deadline: float | None = None  # time.monotonic() after which the engine ends it ("timeout")
+    deadline: float | None = None  # the engine's clock() after which it ends the request ("timeout")
     seq: Seq = field(init=False)
     _cancel: threading.Event = field(init=False, default_factory=threading.Event)
 
@@ -102,23 +102,24 @@ class Engine:
 
     A request ends when it produces one of the ``eos_id`` tokens (one id or several, e.g. a chat
     model's end of turn), meets its ``stop`` test, uses up its budget, is cancelled or passes its
-    deadline (``request_timeout`` seconds after ``submit``, if set). ``graphs`` picks the decode step
-    (``stemlm.inference.core``)."""
+    deadline (``request_timeout`` seconds after ``submit`` by ``clock``, if set). ``graphs`` picks the
+    decode step (``stemlm.inference.core``)."""
 
     def __init__(self, model, eos_id: int | Sequence[int] | None = None, max_batch: int = 16, store=None,
                  metrics: Metrics | None = None, max_queue: int | None = None, request_timeout: float | None = None,
-                 graphs: str = "auto"):
+                 graphs: str = "auto", clock: Callable[[], float] = time.monotonic):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         eos = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
         self.model, self.eos_ids, self.max_batch = model, frozenset(eos), max_batch
-        self.max_queue, self.request_timeout = max_queue, request_timeout
+        self.max_queue, self.request_timeout, self.clock = max_queue, request_timeout, clock
         self.store, self.metrics = store, metrics or Metrics()
         self._core_args = (model, eos, eos[0] if eos else 0, store, max_batch, None, graphs)
         self.core = DecodeCore(*self._core_args)
         self.running: list[Request] = []  # in batch row order
         self._owner: dict[int, Request] = {}  # id(request.seq) -> request, for every admitted request
         self._waiting: deque[Request] = deque()
+        self._admitting = 0  # taken from the queue, not yet published in ``running``
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -141,7 +142,7 @@ class Engine:
                 raise QueueFull(f"the queue is full ({len(self._waiting)} of {self.max_queue} requests waiting)")
             if self.request_timeout is not None:
                 for req in reqs:
-                    req.deadline = time.monotonic() + self.request_timeout
+                    req.deadline = self.clock() + self.request_timeout
             self._waiting.extend(reqs)
             self.metrics.queued(len(reqs))
             self._cond.notify_all()
@@ -154,7 +155,10 @@ class Engine:
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no request runs or waits; whether that happened within ``timeout`` seconds."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self.running and not self._waiting, timeout)
+            return self._cond.wait_for(self._idle, timeout)
+
+    def _idle(self) -> bool:
+        return not self.running and not self._waiting and not self._admitting
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Refuse new requests, finish (``drain``) or cancel the others, and stop the thread."""
@@ -171,19 +175,19 @@ class Engine:
     def _run(self) -> None:
         while True:
             with self._cond:
-                if not self.running and not self._waiting:
-                    self._cond.notify_all()  # wake wait_idle
                 while not self._waiting and not self.running and not self._closing:
                     self._cond.wait()
                 if self._closing and not self._waiting and not self.running:
                     return
                 room = self.max_batch - len(self.running)
                 newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                self._admitting = len(newcomers)
                 self.metrics.queued(-len(newcomers))
             try:
                 self._drop_ended()
                 if newcomers:
                     self._deliver(self.core.add(self._admissible(newcomers)))
+                    self._publish()
                 if self.core.running:
                     self._deliver(self.core.step())
             except Exception as e:  # a failed forward must not kill the server: fail the requests involved
@@ -191,14 +195,21 @@ class Engine:
                 self.core = DecodeCore(*self._core_args)  # a fresh batch before anyone hears of the failure
                 for req in list(self._owner.values()):  # every request the engine still owns
                     self._finish(req, "error", f"{type(e).__name__}: {e}")
-            with self._cond:
-                self.running = [self._owner[id(s)] for s in self.core.running]
+            self._publish()
+
+    def _publish(self) -> None:
+        """Show the batch's requests to other threads (``counts``, ``wait_idle``, ``shutdown``)."""
+        with self._cond:
+            self.running = [self._owner[id(s)] for s in self.core.running]
+            self._admitting = 0
+            if self._idle():
+                self._cond.notify_all()  # wake wait_idle
 
     def _admissible(self, newcomers: list[Request]) -> list[Seq]:
         """The newcomers' sequences, less those cancelled or timed out while they waited."""
         seqs = []
         for req in newcomers:
-            reason = self._ended(req, time.monotonic())
+            reason = self._ended(req, self.clock())
             if reason is not None:
                 self._finish(req, reason)
                 continue
@@ -210,7 +221,7 @@ class Engine:
 
     def _drop_ended(self) -> None:
         """Take cancelled and timed-out requests out of the batch before the next forward."""
-        now = time.monotonic()
+        now = self.clock()
         ended = [(s, r) for s in self.core.running if (r := self._ended(self._owner[id(s)], now)) is not None]
         if ended:
             self.core.drop([s for s, _ in ended])
