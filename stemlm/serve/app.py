@@ -113,8 +113,11 @@ def _cancel(jobs: list[_Job]) -> None:
 
 async def _collect(http: HttpRequest, jobs: list[_Job]) -> None:
     """Wait until every (non-streaming) job has finished or the client has gone away (then cancel them)."""
-    ended = asyncio.ensure_future(asyncio.gather(*(job.ended.wait() for job in jobs)))
-    gone = asyncio.ensure_future(_disconnected(http))
+    async def all_ended():
+        for job in jobs:
+            await job.ended.wait()
+
+    ended, gone = asyncio.ensure_future(all_ended()), asyncio.ensure_future(_disconnected(http))
     try:
         await asyncio.wait({ended, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not ended.done():
