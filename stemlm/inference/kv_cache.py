@@ -1,4 +1,5 @@
-"""A static key/value cache: preallocated ``(B, n_kv, max_len, hd)`` buffers per layer."""
+"""Key/value caches: ``KVCache`` (preallocated ``(B, n_kv, max_len, hd)`` buffers per layer, all rows at the
+same position) and ``SlotCache`` (the decode core's: every row at its own position, rows join and leave)."""
 
 from __future__ import annotations
 
@@ -29,11 +30,6 @@ class KVCache:
         self.k[layer_idx][:, :, start_pos:end] = k
         self.v[layer_idx][:, :, start_pos:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows ``rows`` (e.g. drop finished sequences), in that order."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
 
 
 class SlotCache:

@@ -83,8 +83,10 @@ class _Job:
 
     def take_events(self) -> None:
         """Record the events a non-streaming job has received so far."""
+        events = []
         while self.events:
-            self.outcome.add(self.events.popleft())
+            events.append(self.events.popleft())
+        self.outcome.add_all(events)
 
     async def next_piece(self) -> str:
         """Wait for the next event and record it; the text it makes showable."""
