@@ -89,6 +89,8 @@ class DecodeCore:
         self.model, self.device, self.pad_id = model, param.device, pad_id
         self.eos_ids = frozenset(eos_ids)
         self.store = model.tables if store == "auto" else store
+        # rows in the model's memory need no fetching
+        self._prefetch = self.store is not None and getattr(self.store, "tier", "device") != "device"
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         self.mode = resolve_graphs(graphs, self.device, cfg)
         self.static = None
@@ -118,9 +120,11 @@ class DecodeCore:
         if not fresh:
             return Progress([], done)
         if len(self.running) + len(fresh) > self.max_rows:
-            raise ValueError(f"{len(fresh)} new sequences do not fit: {len(self.running)} of {self.max_rows} rows are taken")
-        if max(len(s.prompt) for s in fresh) > self.max_len:
-            raise ValueError(f"a prompt of {max(len(s.prompt) for s in fresh)} tokens exceeds this core's max_len={self.max_len}")
+            raise ValueError(f"{len(fresh)} new sequences do not fit: {len(self.running)} of {self.max_rows} rows "
+                             "are taken")
+        longest = max(len(s.prompt) for s in fresh)
+        if longest > self.max_len:
+            raise ValueError(f"a prompt of {longest} tokens exceeds this core's max_len={self.max_len}")
         first = len(self.running)
         self.running += fresh
         ids, lengths, logits = self._prefill(fresh, list(range(first, len(self.running))))
@@ -140,7 +144,7 @@ class DecodeCore:
         for j, s in enumerate(group):
             ids[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
         ids = ids.to(self.device)
-        if self.store is not None:
+        if self._prefetch:
             self.store.prefetch(ids)
         mask = None
         if min(lengths) != width:  # causal, padding keys hidden (slot 0 is real: no row is empty)
@@ -215,6 +219,7 @@ class DecodeCore:
             self.running = [self.running[j] for j in kept]
             if kept:
                 self.cache.keep(kept, min(length, self.cache.max_len))
-        if self.running and self.store is not None:
-            self.store.prefetch(torch.tensor([s.tokens[-1] for s in self.running], device=self.device)[:, None])
+        if self.running and self._prefetch:
+            device = "cpu" if self.static is not None else self.device  # ids as the step will look them up
+            self.store.prefetch(torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None])
         return done

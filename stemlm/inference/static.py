@@ -98,7 +98,7 @@ class StaticStep:
         self.ids[:b, 0].copy_(host[0, :b], non_blocking=True)
         self.pos[:b].copy_(host[1, :b], non_blocking=True)
         if self.offloaded:
-            rows = self.store.rows(torch.tensor(tokens, device=self.device)[:, None])  # the prefetched rows
+            rows = self.store.rows(torch.tensor(tokens)[:, None])  # the prefetched rows (ids on the host: no sync)
             for key, buf in self.table_rows.items():
                 buf[:n].copy_(rows[key])  # (n, 1, d_ff)
         if not self.graphs_on:
