@@ -2,11 +2,12 @@
 
 A debug-sized STEM model (tables on the host tier, random weights, a small BPE tokenizer) is served
 in this process on 127.0.0.1 with an API key and small limits (4 KiB bodies, 64 prompt tokens, 24 new
-tokens, a queue of ``--clients`` prompts, a 30 s deadline). ``--clients`` threads then send requests one
+tokens, a batch of 8 and a queue of ``--clients // 4`` prompts, so that bursts meet 429s, a 30 s deadline). ``--clients`` threads then send requests one
 after another until ``--seconds`` have passed or ``--max-requests`` were sent; each request is drawn
 (seeded) from these kinds:
 
-    ok, ok_stream      a completion (whole or streamed) that must succeed (a 429 "queue full" is an answer too)
+    ok, ok_stream      a completion (whole or streamed) that must succeed (a 429 "queue full" is an answer too:
+                       the client backs off 20-100 ms, then goes on)
     bad                invalid JSON, a token id out of range, an unknown model, a negative max_tokens (400/404)
     unauthorized       a wrong API key (401)
     oversized          a body, a prompt or a max_tokens over the limit (413)
@@ -65,8 +66,8 @@ def build_server(root: Path, clients: int, seed: int = 0):
     cfg = model_config("debug", ffn="stem", stem_layers="1/2", vocab_size=tok.get_vocab_size(), max_seq_len=128)
     save_model(StemLM(cfg).eval(), root / "ckpt")
     tok.save(str(root / "ckpt" / "tokenizer.json"))
-    limits = Limits(api_key=KEY, max_body_bytes=4096, max_prompt_tokens=64, max_new_tokens=24, max_queue=clients,
-                    request_timeout=30)
+    limits = Limits(api_key=KEY, max_body_bytes=4096, max_prompt_tokens=64, max_new_tokens=24,
+                    max_queue=max(1, clients // 4), request_timeout=30)
     return load_served(root / "ckpt", tier="host", cache_rows=64, max_batch=8, model_name="soak", limits=limits)
 
 
@@ -130,7 +131,7 @@ def soak(served, port: int, clients: int, seconds: float, max_requests: int, see
                 if sent[0] >= max_requests or time.monotonic() - start > seconds:
                     return
                 sent[0] += 1
-                if not mid and time.monotonic() - start > seconds / 2:
+                if not mid and (time.monotonic() - start > seconds / 2 or sent[0] > max_requests / 2):
                     mid.append(rss_mb())
             kind = rng.choices(list(KINDS), list(KINDS.values()))[0]
             t0 = time.monotonic()
@@ -140,6 +141,8 @@ def soak(served, port: int, clients: int, seconds: float, max_requests: int, see
                 with lock:
                     lost.append(f"{kind}: {type(e).__name__}: {e}")
                 continue
+            if status == 429:  # as a client should: back off a little before the next request
+                time.sleep(rng.uniform(0.02, 0.1))
             with lock:
                 answers[f"{kind} {status}"] += 1
                 if status not in EXPECTED[kind]:
