@@ -58,17 +58,6 @@ def _params_list(params, n: int) -> list[SamplingParams]:
     return params
 
 
-def padding_mask(real: torch.Tensor, start_pos: int, q_len: int) -> torch.Tensor:
-    """Attention mask ``(B, 1, T, S)`` for queries at slots ``start_pos..start_pos+T-1`` over keys
-    ``real (B, S)`` (False = padding): causal, padding hidden, a padding slot sees only itself (so
-    no row is empty)."""
-    keys = torch.arange(real.shape[1], device=real.device)
-    queries = torch.arange(start_pos, start_pos + q_len, device=real.device)
-    causal = keys[None, :] <= queries[:, None]  # (T, S)
-    own = keys[None, :] == queries[:, None]  # (T, S)
-    return (causal & (real[:, None, :] | own))[:, None]  # (B, 1, T, S)
-
-
 def decode_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],
                  eos_id: int | None = None, stop: Callable[[int, list[int]], bool] | None = None,
                  pad_id: int | None = None, store="auto", graphs: str = "auto") -> Iterator[BatchStep]:

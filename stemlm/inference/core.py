@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import SlotCache
+from ..model.decoder import padding_mask
 from .sampling import SamplingParams, new_generator, sample_rows, token_logprobs
 from .static import StaticStep, resolve_graphs
 
@@ -147,10 +148,9 @@ class DecodeCore:
         if self._prefetch:
             self.store.prefetch(ids)
         mask = None
-        if min(lengths) != width:  # causal, padding keys hidden (slot 0 is real: no row is empty)
-            keys = torch.arange(width, device=self.device)
-            real = keys[None, :] < torch.tensor(lengths, device=self.device)[:, None]  # (n, W)
-            mask = ((keys[None, :] <= keys[:, None])[None] & real[:, None, :])[:, None]  # (n, 1, W, W)
+        if min(lengths) != width:  # causal, the padding keys hidden
+            real = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+            mask = padding_mask(real, 0, width)  # (n, 1, W, W)
         hidden = self.model(ids, start_pos=0, cache=self.cache.prefill(rows), attn_mask=mask, return_hidden=True)
         last = hidden[torch.arange(len(group), device=self.device), torch.tensor(lengths, device=self.device) - 1]
         for j, s in enumerate(group):

@@ -121,6 +121,17 @@ def attention_mask(doc_ids: torch.Tensor | None, start_pos: int, q_len: int, dev
     return mask
 
 
+def padding_mask(real: torch.Tensor, start_pos: int, q_len: int) -> torch.Tensor:
+    """Attention mask ``(B, 1, T, S)`` for queries at slots ``start_pos..start_pos+T-1`` over keys
+    ``real (B, S)`` (False = padding): causal, padding hidden, a padding slot sees only itself (so
+    no row is empty)."""
+    keys = torch.arange(real.shape[1], device=real.device)
+    queries = torch.arange(start_pos, start_pos + q_len, device=real.device)
+    causal = keys[None, :] <= queries[:, None]  # (T, S)
+    own = keys[None, :] == queries[:, None]  # (T, S)
+    return (causal & (real[:, None, :] | own))[:, None]  # (B, 1, T, S)
+
+
 class _TorchInit:
     """The plain-torch ``normal_``/``ones_``/``copy_`` used by ``init_module_``."""
 
