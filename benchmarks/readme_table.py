@@ -280,6 +280,25 @@ def serve(r: dict) -> tuple[str, str]:
     return measured, met
 
 
+SOAK_RSS_GROWTH = 0.02  # of the start RSS, allowed from half time to the end
+
+
+@row("`stemlm serve` soak: concurrent clients with bad, oversized, unauthorized and abandoned requests: no request "
+     "lost, no slot left, memory flat", "soak_serve.py", RES + "soak_serve.json")
+def soak(r: dict) -> tuple[str, str]:
+    cfg, rss, a = r["config"], r["rss_mb"], r["answers"]
+    done = sum(n for k, n in a.items() if k.endswith(" 200"))
+    errors = ", ".join(f"{n:,} × {status}" for status, n in r["errors_by_kind"].items())
+    measured = (f"{cfg['clients']} clients, {r['requests']:,} requests in {r['seconds']:.0f} s: **lost {r['lost']}**, "
+                f"slots left {r['slots_left']}, admitted but unfinished {r['admitted_not_finished']}; {done:,} answered "
+                f"200, {errors}, {a.get('abandoned None', 0):,} abandoned "
+                f"({r['server_metrics']['requests_cancelled']:,} cancelled in the engine); p95 "
+                f"{r['latency_ok_p95_s']:.2f} s; RSS {rss['start']:.0f} → {rss['half']:.0f} (half time) → {rss['end']:.0f} MiB "
+                "([docs](docs/serving.md#soak-test))")
+    flat = rss["end"] - rss["half"] <= SOAK_RSS_GROWTH * rss["start"]
+    return measured, yes(r["lost"] == 0 and r["slots_left"] == 0 and r["admitted_not_finished"] == 0 and flat)
+
+
 QUANT_GOAL = 0.5  # % perplexity
 
 

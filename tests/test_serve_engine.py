@@ -8,7 +8,6 @@ import torch
 
 from stemlm import StemLM, model_config
 from stemlm.inference.batch_generate import SamplingParams
-from stemlm.serve.batch import RunningBatch
 from stemlm.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
 from stemlm.store.offload import offload_tables
 
@@ -72,19 +71,6 @@ def test_requests_arriving_mid_flight_decode_as_alone(model, max_batch):
         assert out.tokens[i] == alone(model, p, sp, None), f"request {i}"
         assert out.done[i] == "length"
     assert engine.metrics.snapshot()["generated_tokens"] == sum(sp.max_new_tokens for sp in params)
-
-
-def test_join_right_aligns_rows_and_drops_shared_padding(model):
-    batch = RunningBatch(model)
-    group, logits = batch.prefill(prompts((2, 5)))
-    assert logits.shape[:2] == (2, 5)
-    batch.join(group, room=4)
-    assert batch.width == 5 and batch.pad.tolist() == [3, 0]
-    batch.keep([0])  # the long row leaves: only padding is left before the short one's slots
-    group, _ = batch.prefill(prompts((3,), seed=1))
-    batch.join(group, room=4)
-    assert batch.width == 3 and batch.pad.tolist() == [1, 0]  # 3 shared padding slots were cut
-    assert batch.cache.k[0].shape[2] == 3 + 4
 
 
 def test_eos_stop_and_context_end_finish_requests(model):
@@ -185,10 +171,10 @@ def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(model):
     p = prompts((4,))[0]
     engine = Engine(model).start()
 
-    def boom(tokens):
+    def boom(*args):
         raise RuntimeError("boom")
 
-    engine.batch.step = boom  # the next decode step fails (the engine then starts a fresh batch)
+    engine.core.step = boom  # the next decode step fails (the engine then starts a fresh batch)
     try:
         failed, _ = run(engine, [p], [SamplingParams(5)])
         fine, _ = run(engine, [p], [SamplingParams(5)])

@@ -17,7 +17,7 @@ import sys
 import time
 
 from ..runtime.matmul import add_matmul_argument, apply_matmul
-from .options import add_table_dtype_argument, non_negative_float, non_negative_int, open_fraction, positive_int, probability
+from .options import add_graphs_argument, add_table_dtype_argument, non_negative_float, non_negative_int, open_fraction, positive_int, probability
 
 
 def add_arguments(parser) -> None:
@@ -42,6 +42,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the checkpoint's or its run's)")
     parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto (default cpu)")
     add_matmul_argument(parser)
+    add_graphs_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip checking the checkpoint's files against its checksum manifest (default: check)")
@@ -67,7 +68,7 @@ def run(args) -> int:
         return _run_batch(args, model, store, codec, ckpt)
     prompt = encode_prompt(codec, args.prompt[0], model.cfg.vocab_size).to(device)
     new_tokens = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                          seed=args.seed, eos_id=codec.eos_id)  # checks everything before the prompt is echoed
+                          seed=args.seed, eos_id=codec.eos_id, graphs=args.graphs)  # checks everything before the prompt is echoed
     sys.stdout.write(args.prompt[0])
     sys.stdout.flush()
     n_tokens, start = 0, time.perf_counter()
@@ -96,7 +97,7 @@ def _run_batch(args, model, store, codec, ckpt) -> int:
     prompts = [encode_prompt(codec, p, model.cfg.vocab_size)[0].tolist() for p in args.prompt]
     params = SamplingParams(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed)
     start = time.perf_counter()
-    new = generate_batch(model, prompts, params, eos_id=codec.eos_id)
+    new = generate_batch(model, prompts, params, eos_id=codec.eos_id, graphs=args.graphs)
     elapsed = time.perf_counter() - start
     for text, ids in zip(args.prompt, new):
         sys.stdout.write(text + codec.decode(ids) + "\n")

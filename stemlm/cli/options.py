@@ -55,3 +55,13 @@ def add_table_dtype_argument(parser: argparse.ArgumentParser) -> None:
                              "re-encoded at load for the device and host tiers (the disk tier serves the file as "
                              "stored: convert it first with `stemlm convert --ckpt C --table-dtype T`); "
                              "default: as stored")
+
+
+def add_graphs_argument(parser: argparse.ArgumentParser) -> None:
+    """``--graphs``: the decode step (``stemlm.inference.core``): CUDA graphs, eager, or static shapes."""
+    from ..inference.static import GRAPH_MODES
+
+    parser.add_argument("--graphs", choices=GRAPH_MODES, default="auto",
+                        help="decode step: 'auto' captures CUDA graphs on a CUDA device (static KV cache, padded "
+                             "batch buckets) and runs eagerly elsewhere; 'on' insists on graphs; 'off' runs "
+                             "eagerly; 'static' runs the graphs' static shapes without capturing (any device)")

@@ -8,14 +8,20 @@ lm-eval's local-completions). SIGINT/SIGTERM let in-flight requests finish, then
   stemlm serve --model runs/default
   stemlm serve --model CKPT --tier disk --cache-rows 4096 --max-batch 32 --port 8080
   stemlm serve --model CKPT --chat-template template.jinja --model-name my-model
+  stemlm serve --model CKPT --host 0.0.0.0 --api-key "$KEY" --max-prompt-tokens 2048 --request-timeout 120
+
+Before exposing a server beyond this machine, set an API key (--api-key or STEMLM_API_KEY) and the
+limits: bodies, prompt tokens and max_tokens over a limit get 413, a full queue 429, a request past
+--request-timeout 504.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
-from .options import add_table_dtype_argument, non_negative_int, positive_int
+from .options import add_graphs_argument, add_table_dtype_argument, non_negative_int, positive_float, positive_int
 
 DEFAULT_RUN = "runs/default"
 
@@ -40,6 +46,23 @@ def add_arguments(parser) -> None:
                         help="uvicorn's log level")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip checking the checkpoint's files against its checksum manifest (default: check)")
+    add_graphs_argument(parser)
+    limits = parser.add_argument_group("limits (for a server others can reach)")
+    limits.add_argument("--api-key", default=os.environ.get("STEMLM_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
+                             "STEMLM_API_KEY environment variable; unset = no key)")
+    limits.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
+                        help="largest request body in bytes; larger gets 413 (default 1048576)")
+    limits.add_argument("--max-prompt-tokens", type=positive_int, default=None,
+                        help="longest prompt in tokens; longer gets 413 (default: the model's context)")
+    limits.add_argument("--max-new-tokens", type=positive_int, default=None,
+                        help="largest max_tokens a request may ask for; larger gets 413, and a request that "
+                             "names none gets at most this many (default: the rest of the context)")
+    limits.add_argument("--max-queue", type=positive_int, default=256,
+                        help="prompts waiting for a batch slot at most; more get 429 (default 256)")
+    limits.add_argument("--request-timeout", type=positive_float, default=None,
+                        help="seconds a request may take from arrival to its last token; later gets 504 "
+                             "(default: no limit)")
 
 
 def run(args) -> int:
@@ -50,6 +73,7 @@ def run(args) -> int:
         print("stemlm serve: error: the server needs FastAPI and uvicorn: pip install 'stemlm[serve]'", file=sys.stderr)
         return 2
     from ..runtime.devices import resolve_device
+    from ..serve.guard import Limits
     from ..serve.server import load_served, serve_forever
 
     model = args.model
@@ -60,7 +84,10 @@ def run(args) -> int:
         model = DEFAULT_RUN
     served = load_served(model, tier=args.tier, cache_rows=args.cache_rows, device=str(resolve_device(args.device)),
                          max_batch=args.max_batch, model_name=args.model_name, chat_template=args.chat_template,
-                         tokenizer=args.tokenizer, verify=not args.no_verify, table_dtype=args.table_dtype)
+                         tokenizer=args.tokenizer, verify=not args.no_verify, table_dtype=args.table_dtype,
+                         limits=Limits(args.api_key or None, args.max_body_bytes, args.max_prompt_tokens,
+                                       args.max_new_tokens, args.max_queue, args.request_timeout),
+                         graphs=args.graphs)
     print(_banner(served.name, args.host, args.port, served.chat is not None), flush=True)
     serve_forever(served, args.host, args.port, args.log_level)
     print("stemlm serve: stopped after finishing the requests in flight", file=sys.stderr)

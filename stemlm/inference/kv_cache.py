@@ -1,4 +1,5 @@
-"""A static key/value cache: preallocated ``(B, n_kv, max_len, hd)`` buffers per layer."""
+"""Key/value caches: ``KVCache`` (preallocated ``(B, n_kv, max_len, hd)`` buffers per layer, all rows at the
+same position) and ``SlotCache`` (the decode core's: every row at its own position, rows join and leave)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,96 @@ class KVCache:
         self.v[layer_idx][:, :, start_pos:end] = v
         return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
 
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the batch rows ``rows`` (e.g. drop finished sequences), in that order."""
-        self.k = [k.index_select(0, rows) for k in self.k]
-        self.v = [v.index_select(0, rows) for v in self.v]
+
+class SlotCache:
+    """The KV cache of a running batch: row ``r`` holds its sequence's keys at slots ``0..len-1``, so
+    slot = position and no row carries padding. Rows join and leave without moving the others' keys.
+
+    A forward writes through one of three views, set before it (``StemLM.forward`` calls ``update``):
+
+    * ``uniform(n, span)``: rows ``0..n-1`` all write at ``start_pos`` (what ``KVCache`` does);
+    * ``ragged(slots, span)``: row ``j`` writes its one new token at ``slots[j]`` (its own position),
+      keys ``0..span-1`` are returned and a mask hides each row's slots past its own;
+    * ``prefill(rows)``: a group's right-padded prompts go to cache rows ``rows`` at slots ``0..W-1``;
+      the group attends only to itself, so its own keys are returned.
+
+    ``span`` and the number of rows are Python ints (no host sync); the static decode step passes the
+    full ``max_len`` and a bucket of rows, so its shapes never change (``stemlm.inference.static``).
+    Buffers grow (``reserve``) unless ``fixed``: a captured CUDA graph needs fixed addresses.
+    """
+
+    def __init__(self, cfg: ModelConfig, rows: int, max_len: int, device=None, dtype: torch.dtype = torch.float32,
+                 fixed: bool = False):
+        self.cfg, self.device, self.dtype, self.fixed = cfg, device, dtype, fixed
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.rows = self.max_len = 0
+        self._alloc(rows, max_len)
+        self._view: tuple = ("uniform", 0, 0)
+
+    def _alloc(self, rows: int, max_len: int) -> None:
+        shape = (rows, self.cfg.n_kv_heads, max_len, self.cfg.head_dim)
+        new_k = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.cfg.n_layers)]
+        new_v = [torch.zeros(shape, device=self.device, dtype=self.dtype) for _ in range(self.cfg.n_layers)]
+        for old, new in ((self.k, new_k), (self.v, new_v)):
+            for a, b in zip(old, new):
+                b[:self.rows, :, :self.max_len] = a
+        self.k, self.v, self.rows, self.max_len = new_k, new_v, rows, max_len
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Make room for ``rows`` rows of ``length`` slots (growing by doubling, up to what is asked)."""
+        if rows <= self.rows and length <= self.max_len:
+            return
+        if self.fixed:
+            raise ValueError(f"the static KV cache holds {self.rows} rows of {self.max_len} slots; "
+                             f"{rows} rows of {length} slots were asked for")
+        self._alloc(max(rows, self.rows), max(length, min(2 * self.max_len, self.cfg.max_seq_len)))
+
+    # -- the view of the next forward ----------------------------------------------------------
+    def uniform(self, n: int, span: int) -> "SlotCache":
+        """The next forward writes rows ``0..n-1`` at its ``start_pos`` and attends to slots ``0..span-1``."""
+        self._view = ("uniform", n, span)
+        return self
+
+    def ragged(self, slots: torch.Tensor, span: int) -> "SlotCache":
+        """The next forward writes row ``j``'s token at ``slots[j]`` (``(n,)``), attending to ``0..span-1``."""
+        self._view = ("ragged", slots, span)
+        return self
+
+    def prefill(self, rows: list[int]) -> "SlotCache":
+        """The next forward (a right-padded group of prompts) fills cache rows ``rows`` from slot 0."""
+        first = rows[0]
+        contiguous = rows == list(range(first, first + len(rows)))
+        index = slice(first, first + len(rows)) if contiguous else torch.tensor(rows, device=self.device)
+        self._view = ("prefill", index, 0)
+        return self
+
+    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
+        """Store ``k, v (n, nkv, T, hd)`` as the current view says; the keys and values to attend to."""
+        kind, where, span = self._view
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        n, T = k.shape[0], k.shape[2]
+        if kind == "uniform":
+            K[:n, :, start_pos:start_pos + T] = k
+            V[:n, :, start_pos:start_pos + T] = v
+            return K[:n, :, :span], V[:n, :, :span]
+        if kind == "ragged":
+            rows = torch.arange(n, device=K.device)
+            K[rows, :, where] = k[:, :, 0]  # (n, nkv, hd) at each row's own slot
+            V[rows, :, where] = v[:, :, 0]
+            return K[:n, :, :span], V[:n, :, :span]
+        if isinstance(where, slice):
+            K[where, :, :T] = k
+            V[where, :, :T] = v
+        else:
+            K[:, :, :T].index_copy_(0, where, k)
+            V[:, :, :T].index_copy_(0, where, v)
+        return k, v
+
+    def keep(self, rows: list[int], length: int) -> None:
+        """Move rows ``rows`` (in that order) to ``0..len(rows)-1``, copying their first ``length`` slots."""
+        if rows == list(range(len(rows))):
+            return
+        index = torch.tensor(rows, device=self.device)
+        for buf in (*self.k, *self.v):
+            buf[:len(rows), :, :length] = buf[:, :, :length].index_select(0, index)

@@ -89,11 +89,11 @@ class TextStream:
         self.shown = ""  # the part of it already handed out
         self.stopped = False
 
-    def push(self, tok: int) -> str:
-        """Add one token; the new text that can be shown now (possibly empty)."""
+    def push(self, tok: int, *more: int) -> str:
+        """Add one token (or several, decoded once); the new text that can be shown now (possibly empty)."""
         if self.stopped:
             return ""
-        self.ids.append(int(tok))
+        self.ids += [int(tok), *map(int, more)]
         self.text = self.codec.decode(self.ids)
         cut = min((i for i in (self.text.find(s) for s in self.stops) if i >= 0), default=-1)
         if cut >= 0:

@@ -26,11 +26,10 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ..inference.batch_generate import padding_mask
 from .checkpoint import WEIGHTS_FILE, resolve_checkpoint, stored_codec
 from ..config import ModelConfig
 from ..runtime.matmul import apply_matmul
-from ..model.decoder import StemLM, init_module_
+from ..model.decoder import StemLM, init_module_, padding_mask
 
 def _mirrored_fields() -> dict:
     """Class namespace holding every ``ModelConfig`` constructor field with its default.

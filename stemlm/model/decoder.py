@@ -121,6 +121,17 @@ def attention_mask(doc_ids: torch.Tensor | None, start_pos: int, q_len: int, dev
     return mask
 
 
+def padding_mask(real: torch.Tensor, start_pos: int, q_len: int) -> torch.Tensor:
+    """Attention mask ``(B, 1, T, S)`` for queries at slots ``start_pos..start_pos+T-1`` over keys
+    ``real (B, S)`` (False = padding): causal, padding hidden, a padding slot sees only itself (so
+    no row is empty)."""
+    keys = torch.arange(real.shape[1], device=real.device)
+    queries = torch.arange(start_pos, start_pos + q_len, device=real.device)
+    causal = keys[None, :] <= queries[:, None]  # (T, S)
+    own = keys[None, :] == queries[:, None]  # (T, S)
+    return (causal & (real[:, None, :] | own))[:, None]  # (B, 1, T, S)
+
+
 class _TorchInit:
     """The plain-torch ``normal_``/``ones_``/``copy_`` used by ``init_module_``."""
 
@@ -173,7 +184,7 @@ class StemLM(nn.Module):
     def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
                 return_hidden: bool = False, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                table_rows: Mapping[str, torch.Tensor] | None = None) -> torch.Tensor:
+                table_rows: Mapping[str, torch.Tensor] | None = None, check: bool = True) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
         ``cache`` (optional) keeps keys/values across calls (see ``kv_cache.KVCache``);
@@ -188,15 +199,19 @@ class StemLM(nn.Module):
 
         ``table_rows`` maps each table layer (``"1"``, ...) to its rows ``(B, T, d_ff)`` for ``ids``;
         by default ``self.tables.rows(ids)`` gathers them.
+
+        ``check=False`` skips the id and length checks, which read values back to the host: a
+        captured decode step (``stemlm.inference.static``) may not synchronise.
         """
         cfg = self.cfg
         if ids.dim() != 2:
             raise ValueError(f"ids must have shape (batch, seq), got {tuple(ids.shape)}")
         B, T = ids.shape
-        check_ids(ids, cfg.vocab_size)
-        last = start_pos + T if positions is None else int(positions.max()) + 1
-        if last > cfg.max_seq_len:
-            raise ValueError(f"sequence of {last} positions exceeds max_seq_len={cfg.max_seq_len}")
+        if check:
+            check_ids(ids, cfg.vocab_size)
+            last = start_pos + T if positions is None else int(positions.max()) + 1
+            if last > cfg.max_seq_len:
+                raise ValueError(f"sequence of {last} positions exceeds max_seq_len={cfg.max_seq_len}")
         x = self.tok_embeddings(ids)  # (B, T, d)
         if positions is None:
             cos, sin = rope_cos_sin(torch.arange(start_pos, start_pos + T, device=ids.device), cfg.head_dim,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..inference.batch_generate import SamplingParams
+from ..inference.sampling import SamplingParams
 
 MAX_LOGPROBS = 20
 

@@ -4,9 +4,12 @@ Handlers check a request (4xx in OpenAI's error shape) and submit one engine ``R
 A streaming handler reads its events from an ``asyncio.Queue`` that the engine thread fills through
 ``loop.call_soon_threadsafe``; a non-streaming one is woken once, when its request ends (the engine
 thread appends the events to a deque and sets an ``asyncio.Event`` at the end), so a token costs
-the event loop nothing. A client that disconnects cancels its requests, and the engine drops them
-at its next step. The lifespan starts the engine and, at shutdown (after uvicorn has
-let in-flight requests finish), drains it.
+the event loop nothing. A client that disconnects cancels its requests (a non-streaming handler
+waits for its requests' end and for the client's disconnect message at once), and the engine drops
+them at its next step. ``guard.Guard`` checks the API key and the body size before a handler runs;
+the handlers check the prompt and ``max_tokens`` limits, a full queue is a ``429`` and a request past
+its deadline a ``504``. The lifespan starts the engine and, at shutdown (after uvicorn has let
+in-flight requests finish), drains it.
 """
 
 from __future__ import annotations
@@ -26,10 +29,10 @@ from ..inference.text import TextStream
 from . import api, responses
 from .api import ApiError
 from .chat import ChatTemplate
-from .engine import Engine, EngineClosed, Finished, Request
+from .engine import Engine, EngineClosed, Finished, QueueFull, Request
+from .guard import Guard, Limits, check_new_tokens_limit, check_prompt_limit
 from .responses import Outcome
 
-DISCONNECT_CHECK_S = 0.25  # how often a non-streaming handler asks whether its client is still there
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
@@ -42,6 +45,7 @@ class Served:
     name: str
     chat: ChatTemplate | None = None
     store: object = None
+    limits: Limits = Limits()
 
     @property
     def context(self) -> int:
@@ -79,8 +83,10 @@ class _Job:
 
     def take_events(self) -> None:
         """Record the events a non-streaming job has received so far."""
+        events = []
         while self.events:
-            self.outcome.add(self.events.popleft())
+            events.append(self.events.popleft())
+        self.outcome.add_all(events)
 
     async def next_piece(self) -> str:
         """Wait for the next event and record it; the text it makes showable."""
@@ -93,11 +99,11 @@ class _Job:
 
 def _submit(served: Served, jobs: list[_Job]) -> list[_Job]:
     try:
-        for job in jobs:
-            served.engine.submit(job.req)
+        served.engine.submit(*(job.req for job in jobs))
     except EngineClosed as e:
-        _cancel(jobs)
         raise ApiError(503, str(e), type="server_error", code="shutting_down") from None
+    except QueueFull as e:
+        raise ApiError(429, f"{e}; retry later", type="server_error", code="queue_full") from None
     return jobs
 
 
@@ -108,22 +114,39 @@ def _cancel(jobs: list[_Job]) -> None:
 
 
 async def _collect(http: HttpRequest, jobs: list[_Job]) -> None:
-    """Wait until every (non-streaming) job has finished, asking every ``DISCONNECT_CHECK_S`` whether the
-    client is still there; cancel them all if it went away."""
-    try:
+    """Wait until every (non-streaming) job has finished or the client has gone away (then cancel them)."""
+    async def all_ended():
         for job in jobs:
-            while not job.ended.is_set():
-                try:
-                    await asyncio.wait_for(job.ended.wait(), timeout=DISCONNECT_CHECK_S)
-                except TimeoutError:
-                    if await http.is_disconnected():
-                        return
+            await job.ended.wait()
+
+    ended, gone = asyncio.ensure_future(all_ended()), asyncio.ensure_future(_disconnected(http))
+    try:
+        await asyncio.wait({ended, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not ended.done():
+            return
+        for job in jobs:
             job.take_events()
     finally:
+        for task in (ended, gone):
+            task.cancel()
         _cancel(jobs)
-    failed = next((j.outcome.finished for j in jobs if j.outcome.finished.reason == "error"), None)
-    if failed is not None:
-        raise ApiError(500, f"generation failed: {failed.message}", type="server_error")
+    for job in jobs:
+        _raise_failure(job.outcome.finished)
+
+
+async def _disconnected(http: HttpRequest) -> None:
+    """Return when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _raise_failure(finished: Finished) -> None:
+    """The error a request that failed or ran out of time answers with (none for the others)."""
+    if finished.reason == "error":
+        raise ApiError(500, f"generation failed: {finished.message}", type="server_error")
+    if finished.reason == "timeout":
+        raise ApiError(504, "the request ran longer than this server's --request-timeout", type="server_error",
+                       code="timeout")
 
 
 def _sse(obj) -> str:
@@ -144,8 +167,10 @@ def _stream(jobs: list[_Job], first: list[str], chunk, final, usage_chunk, openi
                     piece = await job.next_piece()
                     if piece:
                         yield _sse(chunk(i, piece))
-                if job.outcome.finished.reason == "error":  # the status line is long gone: an error event, then the end
-                    yield _sse(ApiError(500, f"generation failed: {job.outcome.finished.message}", type="server_error").body())
+                try:  # the status line is long gone: a failure is an error event, then the end
+                    _raise_failure(job.outcome.finished)
+                except ApiError as e:
+                    yield _sse(e.body())
                     break
                 yield _sse(final(i, job.outcome.finish_reason))
             if usage_chunk is not None:
@@ -166,8 +191,10 @@ def create_app(served: Served) -> FastAPI:
         await asyncio.to_thread(served.engine.shutdown, True)
 
     app = FastAPI(title="stemlm", lifespan=lifespan)
+    app.add_middleware(Guard, limits=served.limits)
     _add_error_handlers(app)
     codec = served.codec
+    limits = served.limits
 
     @app.get("/health")
     async def health():
@@ -209,10 +236,13 @@ def create_app(served: Served) -> FastAPI:
         prompts = api.completion_prompts(body, codec)
         if not prompts:
             raise ApiError(400, "the prompt list is empty", "prompt")
+        check_new_tokens_limit(body.max_tokens, limits)
         jobs = []
         for ids in prompts:
+            check_prompt_limit(len(ids), limits)
             api.check_prompt(ids, served.vocab_size, served.context)
-            n = api.max_new_tokens(body.max_tokens, len(ids), served.context, COMPLETIONS_DEFAULT_MAX_TOKENS)
+            n = api.max_new_tokens(body.max_tokens, len(ids), served.context,
+                                   _capped(COMPLETIONS_DEFAULT_MAX_TOKENS, limits))
             jobs.append((ids, api.sampling(body, n)))
         k = body.logprobs
         jobs = _submit(served, [_Job(served, ids, sp, body.stops(), k, k if body.echo else None, bool(body.stream))
@@ -235,10 +265,12 @@ def create_app(served: Served) -> FastAPI:
                                 "server with --chat-template FILE", "messages", "no_chat_template")
         text = served.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
         ids = codec.encode(text)
+        check_prompt_limit(len(ids), limits, "messages")
         api.check_prompt(ids, served.vocab_size, served.context, "messages")
         requested, param = (body.max_completion_tokens, "max_completion_tokens") \
             if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
-        n = api.max_new_tokens(requested, len(ids), served.context, None, param)
+        check_new_tokens_limit(requested, limits, param)
+        n = api.max_new_tokens(requested, len(ids), served.context, _capped(None, limits), param)
         k = (body.top_logprobs or 0) if body.logprobs else None
         jobs = _submit(served, [_Job(served, ids, api.sampling(body, n), body.stops(), k, stream=bool(body.stream))])
         rid = responses.new_id("chatcmpl")
@@ -253,6 +285,13 @@ def create_app(served: Served) -> FastAPI:
         return responses.chat_body(rid, served.name, codec, jobs[0].outcome, k is not None)
 
     return app
+
+
+def _capped(default: int | None, limits: Limits) -> int | None:
+    """The default number of new tokens under the server's limit (``None``: the rest of the context)."""
+    if limits.max_new_tokens is None:
+        return default
+    return limits.max_new_tokens if default is None else min(default, limits.max_new_tokens)
 
 
 def _add_error_handlers(app: FastAPI) -> None:

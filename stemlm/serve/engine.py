@@ -1,11 +1,12 @@
-"""The continuous-batching engine: one thread owns the model and decodes every admitted request.
+"""The continuous-batching engine: one thread owns the model and schedules requests onto the decode core.
 
-Requests wait in a queue. Before each decode step the engine admits waiting requests (up to
-``max_batch`` rows), prefills them as one group, samples their first token and merges their KV
-cache into the running batch (``RunningBatch.join``); after each step, requests that finished or
-were cancelled leave it. A newcomer therefore waits at most one step plus its own prefill, never
-for the batch to finish. Each request samples from its own row with its own seeded generator
-(``batch_generate.sample_rows``), so its tokens are those it gets decoded alone.
+Requests wait in a queue (at most ``max_queue``). Before each decode step the engine drops the
+requests that were cancelled or ran past their deadline, admits waiting ones (up to ``max_batch``
+rows) as one group (``DecodeCore.add``: a prefill into free rows of the KV cache and the first
+token), then runs one step of the running batch (``DecodeCore.step``). A newcomer therefore waits at
+most one step plus its own prefill, never for the batch to finish. Decoding itself (sampling, stops,
+retirement, prefetch of the next step's rows) is the core's (``stemlm.inference.core``); the engine
+adds scheduling, cancellation, deadlines and events.
 
 Events go to the request's ``sink`` (called on the engine thread; the HTTP layer hands them to
 its event loop): ``PromptLogprobs`` (if asked), one ``Token`` per new token, then ``Finished``.
@@ -15,15 +16,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from ..inference.batch_generate import SamplingParams, sample_rows
-from ..inference.generate import _generator
-from .batch import RunningBatch
+from ..inference.core import DecodeCore, Sequence as Seq
+from ..inference.sampling import SamplingParams
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,7 +46,8 @@ class PromptLogprobs:
 
 @dataclass
 class Finished:
-    """The request is over: ``reason`` is ``stop``, ``length``, ``cancelled`` or ``error`` (with ``message``)."""
+    """The request is over: ``reason`` is ``stop``, ``length``, ``cancelled``, ``timeout`` or ``error``
+    (with ``message``)."""
 
     reason: str
     message: str = ""
@@ -64,36 +64,62 @@ class Request:
     stop: Callable[[list[int]], bool] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
-    cancelled: bool = False  # set by the HTTP layer; the engine drops the request at its next step
-    tokens: list[int] = field(default_factory=list)
+    deadline: float | None = None  # the engine's clock() after which it ends the request ("timeout")
+    seq: Seq = field(init=False)
+    _cancel: threading.Event = field(init=False, default_factory=threading.Event)
+
+    def __post_init__(self):
+        self.seq = Seq(self.prompt, self.params, self.stop, self.logprobs, self.prompt_logprobs)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The tokens generated so far."""
+        return self.seq.tokens
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
 
     def cancel(self) -> None:
         """Ask the engine to drop this request (its slot is freed at the next step)."""
-        self.cancelled = True
+        self._cancel.set()
+
+    def wait_cancelled(self, timeout: float | None = None) -> bool:
+        """Block until someone cancels the request (tests); whether it was."""
+        return self._cancel.wait(timeout)
 
 
 class EngineClosed(RuntimeError):
     """The engine is shutting down and takes no new requests."""
 
 
+class QueueFull(RuntimeError):
+    """The queue holds ``max_queue`` requests already."""
+
+
 class Engine:
     """Owns ``model`` on a background thread and serves ``Request``s by continuous batching.
 
     A request ends when it produces one of the ``eos_id`` tokens (one id or several, e.g. a chat
-    model's end of turn), meets its ``stop`` test or uses up its budget."""
+    model's end of turn), meets its ``stop`` test, uses up its budget, is cancelled or passes its
+    deadline (``request_timeout`` seconds after ``submit`` by ``clock``, if set). ``graphs`` picks the
+    decode step (``stemlm.inference.core``)."""
 
     def __init__(self, model, eos_id: int | Sequence[int] | None = None, max_batch: int = 16, store=None,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, max_queue: int | None = None, request_timeout: float | None = None,
+                 graphs: str = "auto", clock: Callable[[], float] = time.monotonic):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         eos = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
         self.model, self.eos_ids, self.max_batch = model, frozenset(eos), max_batch
+        self.max_queue, self.request_timeout, self.clock = max_queue, request_timeout, clock
         self.store, self.metrics = store, metrics or Metrics()
-        self.batch = RunningBatch(model, pad_id=eos[0] if eos else 0, store=store)
+        self._core_args = (model, eos, eos[0] if eos else 0, store, max_batch, None, graphs)
+        self.core = DecodeCore(*self._core_args)
         self.running: list[Request] = []  # in batch row order
-        self._budget: dict[Request, int] = {}
-        self._generators: dict[Request, torch.Generator | None] = {}
+        self._owner: dict[int, Request] = {}  # id(request.seq) -> request, for every admitted request
         self._waiting: deque[Request] = deque()
+        self._admitting = 0  # taken from the queue, not yet published in ``running``
         self._cond = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -106,19 +132,33 @@ class Engine:
             self._thread.start()
         return self
 
-    def submit(self, req: Request) -> None:
-        """Queue ``req``; ``EngineClosed`` once shutdown has begun."""
+    def submit(self, *reqs: Request) -> None:
+        """Queue ``reqs`` (all or none): ``EngineClosed`` once shutdown has begun, ``QueueFull`` when they
+        do not fit ``max_queue``."""
         with self._cond:
             if self._closing:
                 raise EngineClosed("the server is shutting down")
-            self._waiting.append(req)
-            self.metrics.queued(1)
-            self._cond.notify()
+            if self.max_queue is not None and len(self._waiting) + len(reqs) > self.max_queue:
+                raise QueueFull(f"the queue is full ({len(self._waiting)} of {self.max_queue} requests waiting)")
+            if self.request_timeout is not None:
+                for req in reqs:
+                    req.deadline = self.clock() + self.request_timeout
+            self._waiting.extend(reqs)
+            self.metrics.queued(len(reqs))
+            self._cond.notify_all()
 
     def counts(self) -> dict:
         """Requests running and waiting right now."""
         with self._cond:
             return {"requests_running": len(self.running), "requests_queued": len(self._waiting)}
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no request runs or waits; whether that happened within ``timeout`` seconds."""
+        with self._cond:
+            return self._cond.wait_for(self._idle, timeout)
+
+    def _idle(self) -> bool:
+        return not self.running and not self._waiting and not self._admitting
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Refuse new requests, finish (``drain``) or cancel the others, and stop the thread."""
@@ -127,7 +167,7 @@ class Engine:
             if not drain:
                 for req in [*self._waiting, *self.running]:
                     req.cancel()
-            self._cond.notify()
+            self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -141,98 +181,78 @@ class Engine:
                     return
                 room = self.max_batch - len(self.running)
                 newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                self._admitting = len(newcomers)
                 self.metrics.queued(-len(newcomers))
             try:
+                self._drop_ended()
                 if newcomers:
-                    self._admit(newcomers)
-                if self.running:
-                    self._decode()
+                    self._deliver(self.core.add(self._admissible(newcomers)))
+                    self._publish()
+                if self.core.running:
+                    self._deliver(self.core.step())
             except Exception as e:  # a failed forward must not kill the server: fail the requests involved
                 log.exception("engine step failed")
-                with self._cond:  # a fresh batch before anyone hears of the failure
-                    self.running, self.batch = [], RunningBatch(self.model, self.batch.pad_id, self.store)
-                for req in list(self._budget):  # every request the engine still owns
+                self.core = DecodeCore(*self._core_args)  # a fresh batch before anyone hears of the failure
+                for req in list(self._owner.values()):  # every request the engine still owns
                     self._finish(req, "error", f"{type(e).__name__}: {e}")
+            self._publish()
 
-    def _admit(self, newcomers: list[Request]) -> None:
-        """Prefill the newcomers as one group, emit their first token and merge the rest into the batch."""
-        max_len = self.model.cfg.max_seq_len
-        group = []
+    def _publish(self) -> None:
+        """Show the batch's requests to other threads (``counts``, ``wait_idle``, ``shutdown``)."""
+        with self._cond:
+            self.running = [self._owner[id(s)] for s in self.core.running]
+            self._admitting = 0
+            if self._idle():
+                self._cond.notify_all()  # wake wait_idle
+
+    def _admissible(self, newcomers: list[Request]) -> list[Seq]:
+        """The newcomers' sequences, less those cancelled or timed out while they waited."""
+        seqs = []
         for req in newcomers:
-            budget = min(req.params.max_new_tokens, max_len - len(req.prompt) + 1)
-            if req.cancelled:
-                self._finish(req, "cancelled")
-            elif budget <= 0 and req.prompt_logprobs is None:
-                self._finish(req, "length")
-            else:
-                self._budget[req], self._generators[req] = budget, _generator(req.params.seed, self.batch.device)
-                group.append(req)
-        if not group:
-            return
-        self.metrics.admitted(len(group), sum(len(r.prompt) for r in group))
-        cached, logits = self.batch.prefill([r.prompt for r in group])  # logits (n, W, V)
-        width = logits.shape[1]
-        for j, req in enumerate(group):
-            if req.prompt_logprobs is not None:
-                start = width - len(req.prompt)  # the row's first real slot
-                _send(req, PromptLogprobs([(None, None)] + _logprobs(logits[j, start:-1], req.prompt[1:], req.prompt_logprobs)))
-        going = [j for j, req in enumerate(group) if self._budget[req] > 0]
-        for j in set(range(len(group))) - set(going):
-            self._finish(group[j], "length")
-        kept = self._sample_and_emit([group[j] for j in going], logits[going, -1])
-        if not kept:
-            return
-        cache, pad, w = cached
-        rows = torch.tensor([going[j] for j in kept], device=pad.device)
-        cache.keep_rows(rows)
-        joining = [group[going[j]] for j in kept]
-        room = max(self._budget[r] - len(r.tokens) for r in self.running + joining)
-        self.batch.join((cache, pad[rows], w), room)
-        with self._cond:
-            self.running += joining
+            reason = self._ended(req, self.clock())
+            if reason is not None:
+                self._finish(req, reason)
+                continue
+            self._owner[id(req.seq)] = req
+            seqs.append(req.seq)
+        if seqs:
+            self.metrics.admitted(len(seqs), sum(len(s.prompt) for s in seqs))
+        return seqs
 
-    def _decode(self) -> None:
-        """One forward of the running batch; cancelled requests leave before it, finished ones after."""
-        live = [j for j, r in enumerate(self.running) if not r.cancelled]
-        for req in self.running:
-            if req.cancelled:
-                self._finish(req, "cancelled")
-        self._keep(live)
-        if not self.running:
-            return
-        logits = self.batch.step([r.tokens[-1] for r in self.running])  # (B, V)
-        self._keep(self._sample_and_emit(self.running, logits))
+    def _drop_ended(self) -> None:
+        """Take cancelled and timed-out requests out of the batch before the next forward."""
+        now = self.clock()
+        ended = [(s, r) for s in self.core.running if (r := self._ended(self._owner[id(s)], now)) is not None]
+        if ended:
+            self.core.drop([s for s, _ in ended])
+            for s, reason in ended:
+                self._finish(self._owner[id(s)], reason)
 
-    def _keep(self, rows: list[int]) -> None:
-        self.batch.keep(rows)
-        with self._cond:
-            self.running = [self.running[j] for j in rows]
+    @staticmethod
+    def _ended(req: Request, now: float) -> str | None:
+        if req.cancelled:
+            return "cancelled"
+        if req.deadline is not None and now > req.deadline:
+            return "timeout"
+        return None
 
-    def _sample_and_emit(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """Sample a token per row of ``logits (n, V)``, hand it out; the indices of the requests that go on."""
-        tokens = sample_rows(logits, [r.params for r in reqs], [self._generators[r] for r in reqs])
-        going = []
-        for j, (req, tok) in enumerate(zip(reqs, tokens)):
-            req.tokens.append(tok)
-            if req.logprobs is not None:
-                (lp, top), = _logprobs(logits[j:j + 1], [tok], req.logprobs)
-                _send(req, Token(tok, lp, top))
-            else:
-                _send(req, Token(tok))
-            if tok in self.eos_ids or (req.stop is not None and req.stop(req.tokens)):
-                self._finish(req, "stop")
-            elif len(req.tokens) >= self._budget[req]:
-                self._finish(req, "length")
-            else:
-                going.append(j)
-        self.metrics.generated(len(tokens))
-        if going and self.store is not None:  # the next step's rows, gathered while this step is handed out
-            self.store.prefetch(torch.tensor([tokens[j] for j in going], device=logits.device)[:, None])
-        return going
+    def _deliver(self, progress) -> None:
+        """Hand out what the core did: prompt logprobs, one token each, the finishes."""
+        for s in progress.emitted:
+            req = self._owner[id(s)]
+            if s.prompt_entries is not None and len(s.tokens) == 1:
+                _send(req, PromptLogprobs(s.prompt_entries))
+            lp, top = s.token_logprobs[-1] if s.logprobs is not None else (None, None)
+            _send(req, Token(s.tokens[-1], lp, top))
+        for s in progress.finished:
+            req = self._owner[id(s)]
+            if s.prompt_entries is not None and not s.tokens:
+                _send(req, PromptLogprobs(s.prompt_entries))
+            self._finish(req, s.finish_reason)
+        self.metrics.generated(len(progress.emitted))
 
     def _finish(self, req: Request, reason: str, message: str = "") -> None:
-        self._budget.pop(req, None)
-        self._generators.pop(req, None)
+        self._owner.pop(id(req.seq), None)
         self.metrics.finished(reason)
         _send(req, Finished(reason, message))
 
@@ -244,13 +264,3 @@ def _send(req: Request, event) -> None:
     except Exception:
         log.exception("a request's event sink failed; the request is dropped")
         req.cancel()
-
-
-def _logprobs(logits: torch.Tensor, chosen: list[int], k: int) -> list[tuple[float, list[tuple[int, float]] | None]]:
-    """``(logprob of chosen[i], top-k (id, logprob) or None if k == 0)`` for every row of ``logits (n, V)``."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (n, V)
-    picked = lp.gather(-1, torch.tensor(chosen, device=lp.device)[:, None])[:, 0].tolist()  # (n,)
-    if k == 0:
-        return [(p, None) for p in picked]
-    values, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)  # (n, k)
-    return [(p, list(zip(i, v))) for p, i, v in zip(picked, ids.tolist(), values.tolist())]

@@ -32,6 +32,16 @@ class Outcome:
             return self.text.finish()
         return ""
 
+    def add_all(self, events) -> None:
+        """Record a finished request's events at once (its text decoded once, not token by token)."""
+        tokens = [e for e in events if isinstance(e, Token)]
+        self.tokens += tokens
+        if tokens:
+            self.text.push(*(t.id for t in tokens))
+        for event in events:
+            if not isinstance(event, Token):
+                self.add(event)
+
     @property
     def finish_reason(self) -> str:
         """``stop`` (end of text or a stop string) or ``length``."""

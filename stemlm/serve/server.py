@@ -12,17 +12,21 @@ from pathlib import Path
 from .app import Served, create_app
 from .chat import ChatTemplate, find_chat_template
 from .engine import Engine
+from .guard import Limits
 
 
 def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int = 0, device: str = "cpu",
                 max_batch: int = 16, model_name: str | None = None, chat_template: str | os.PathLike | None = None,
                 tokenizer: str | os.PathLike | None = None, tables_path: str | os.PathLike | None = None,
-                verify: bool = True, table_dtype: str | None = None) -> Served:
+                verify: bool = True, table_dtype: str | None = None, limits: Limits | None = None,
+                graphs: str = "auto") -> Served:
     """Load a checkpoint (or a run's newest one) with its tables on ``tier`` into an engine, not yet started.
 
     The served name defaults to the checkpoint's directory name (the run's, for a run directory);
     ``tables_path`` is a separate tables file (``store.export_tables``); ``table_dtype`` re-encodes
-    the tables (``stemlm.model.quant``; default: as stored).
+    the tables (``stemlm.model.quant``; default: as stored); ``limits`` bounds what one client may ask
+    (``guard.Limits``; default: no API key, 1 MiB bodies, a queue of 256); ``graphs`` picks the decode
+    step (``stemlm.inference.core``).
     """
     from ..interop.checkpoint import resolve_checkpoint
     from ..store import load_model_with_tables
@@ -39,8 +43,10 @@ def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int =
     model, store = load_model_with_tables(ckpt, tier=tier, tables_path=tables_path, cache_rows=cache_rows,
                                           device=device, verify=verify, table_dtype=table_dtype)
     model.eval()
-    engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store)
-    return Served(engine, codec, model_name or given.resolve().name, chat, store)
+    limits = limits or Limits()
+    engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store, max_queue=limits.max_queue,
+                    request_timeout=limits.request_timeout, graphs=graphs)
+    return Served(engine, codec, model_name or given.resolve().name, chat, store, limits)
 
 
 def _end_ids(ckpt: Path, codec) -> list[int]:

@@ -1,0 +1,225 @@
+"""The one batched decode core: a running batch of sequences that join, decode and leave.
+
+``generate`` (one prompt or equal-length prompts), ``decode_batch`` (``generate_batch``, the
+evaluation's ``generate_until``) and the server's engine all drive a ``DecodeCore``:
+
+* ``add(seqs)`` prefills a group of prompts as one right-padded forward into free rows of the KV
+  cache (``SlotCache``: row ``r`` holds its keys at slots ``0..len-1``, so nothing is shifted or
+  merged when rows join) and samples each one's first token;
+* ``step()`` runs one forward over every running row (each at its own position) and samples the
+  next token of each;
+* a sequence ends at one of ``eos_ids`` (kept in its tokens), when its ``stop(tokens)`` test is
+  true, after ``params.max_new_tokens`` or at the model's ``max_seq_len``; it then leaves the batch
+  (the rows after it move up, keeping their order), as does one that is ``drop``ped;
+* right after sampling, the model's tables are asked to prefetch the rows of the next step's ids,
+  so the gather overlaps with the caller's work (handing tokens out, scheduling) and the next
+  forward's attention.
+
+Each sequence samples from its own row with its own seeded generator (``sampling.sample_rows``),
+so its tokens are those it gets decoded alone. The decode forward runs eagerly (shapes follow the
+batch) or through ``static.StaticStep`` (fixed row buckets and the full cache length, optionally
+captured as CUDA graphs): ``graphs`` is ``auto`` (graphs on CUDA, eager elsewhere), ``on``, ``off`` or
+``static`` (the static shapes without capture: what a graph replays, runnable on CPU).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence as Seq
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv_cache import SlotCache
+from ..model.decoder import padding_mask
+from .sampling import SamplingParams, new_generator, sample_rows, token_logprobs
+from .static import StaticStep, resolve_graphs
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One prompt being decoded. ``stop(tokens)`` ends it early; ``logprobs``/``prompt_logprobs`` ask for
+    that many alternatives per generated / prompt token (0 = only the chosen token's). ``generator``
+    defaults to one seeded with ``params.seed``; sequences may share one (drawn in row order).
+
+    The core fills ``tokens``, ``token_logprobs`` (``(logprob, top)`` per token when asked),
+    ``prompt_entries`` (the same per prompt token, ``(None, None)`` first) and ``finish_reason``
+    (``stop``, ``length``, or what ``drop`` was given)."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    stop: Callable[[list[int]], bool] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    generator: torch.Generator | None = None
+    tokens: list[int] = field(default_factory=list)
+    token_logprobs: list = field(default_factory=list)
+    prompt_entries: list | None = None
+    finish_reason: str | None = None
+    budget: int = 0  # tokens it may produce: max_new_tokens, cut to the context
+
+    @property
+    def next_slot(self) -> int:
+        """The cache slot (= position) of the token it feeds next: its last sampled one."""
+        return len(self.prompt) + len(self.tokens) - 1
+
+
+@dataclass
+class Progress:
+    """What one ``add`` or ``step`` did: ``emitted`` got one new token each (in row order), ``finished``
+    ended in this call; ``ids (n, W)`` were fed with ``lengths[j]`` real tokens in row ``j``."""
+
+    emitted: list[Sequence]
+    finished: list[Sequence]
+    ids: torch.Tensor | None = None
+    lengths: list[int] = field(default_factory=list)
+
+
+class DecodeCore:
+    """A running batch over ``model`` of at most ``max_rows`` sequences of at most ``max_len`` tokens.
+
+    ``store="auto"`` prefetches through the model's tables (``model.tables``); ``None`` disables
+    prefetch. ``pad_id`` fills the right padding of a prefill group (it never affects results).
+    """
+
+    def __init__(self, model, eos_ids: Seq[int] = (), pad_id: int = 0, store="auto", max_rows: int = 16,
+                 max_len: int | None = None, graphs: str = "auto"):
+        if max_rows < 1:
+            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        cfg = model.cfg
+        param = next(model.parameters())
+        self.model, self.device, self.pad_id = model, param.device, pad_id
+        self.eos_ids = frozenset(eos_ids)
+        self.store = model.tables if store == "auto" else store
+        # rows in the model's memory need no fetching
+        self._prefetch = self.store is not None and getattr(self.store, "tier", "device") != "device"
+        self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
+        self.mode = resolve_graphs(graphs, self.device, cfg)
+        self.static = None
+        if self.mode == "eager":
+            self.max_rows = max_rows
+            self.cache = SlotCache(cfg, max_rows, min(self.max_len, 64), self.device, param.dtype)
+        else:
+            self.static = StaticStep(model, max_rows, self.max_len, self.store, graphs=self.mode == "graphs")
+            self.max_rows, self.cache = self.static.rows, self.static.cache
+        self.running: list[Sequence] = []
+
+    # -- joining ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, seqs: Seq[Sequence]) -> Progress:
+        """Prefill ``seqs`` as one group and sample each one's first token; a sequence with no room
+        for a token finishes at once (``length``) unless it asked for prompt logprobs."""
+        fresh, done = [], []
+        for s in seqs:
+            s.budget = min(s.params.max_new_tokens, self.model.cfg.max_seq_len - len(s.prompt) + 1)
+            if s.generator is None:
+                s.generator = new_generator(s.params.seed, self.device)
+            if s.budget <= 0 and s.prompt_logprobs is None:
+                s.finish_reason = "length"
+                done.append(s)
+            else:
+                fresh.append(s)
+        if not fresh:
+            return Progress([], done)
+        if len(self.running) + len(fresh) > self.max_rows:
+            raise ValueError(f"{len(fresh)} new sequences do not fit: {len(self.running)} of {self.max_rows} rows "
+                             "are taken")
+        longest = max(len(s.prompt) for s in fresh)
+        if longest > self.max_len:
+            raise ValueError(f"a prompt of {longest} tokens exceeds this core's max_len={self.max_len}")
+        first = len(self.running)
+        self.running += fresh
+        ids, lengths, logits = self._prefill(fresh, list(range(first, len(self.running))))
+        going = [j for j, s in enumerate(fresh) if s.budget > 0]
+        for s in fresh:
+            if s.budget <= 0:
+                s.finish_reason = "length"
+        emitted = self._sample([fresh[j] for j in going], logits[going])
+        return Progress(emitted, done + self._retire(), ids, lengths)
+
+    def _prefill(self, group: list[Sequence], rows: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Run the group's prompts right-padded into cache rows ``rows``; ``(ids, lengths, last logits (n, V))``."""
+        lengths = [len(s.prompt) for s in group]
+        width = max(lengths)
+        self._reserve(rows[-1] + 1, width + 1)
+        ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+        for j, s in enumerate(group):
+            ids[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
+        ids = ids.to(self.device)
+        if self._prefetch:
+            self.store.prefetch(ids)
+        mask = None
+        if min(lengths) != width:  # causal, the padding keys hidden
+            real = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
+            mask = padding_mask(real, 0, width)  # (n, 1, W, W)
+        hidden = self.model(ids, start_pos=0, cache=self.cache.prefill(rows), attn_mask=mask, return_hidden=True)
+        last = hidden[torch.arange(len(group), device=self.device), torch.tensor(lengths, device=self.device) - 1]
+        for j, s in enumerate(group):
+            if s.prompt_logprobs is not None:
+                scored = self.model.lm_head(hidden[j, :lengths[j] - 1])  # (len - 1, V)
+                s.prompt_entries = [(None, None)] + token_logprobs(scored, s.prompt[1:], s.prompt_logprobs)
+        return ids, lengths, self.model.lm_head(last)  # (n, V)
+
+    # -- decoding -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> Progress:
+        """One forward over every running sequence, feeding each its last token; sample the next."""
+        seqs = self.running
+        if not seqs:
+            return Progress([], [])
+        tokens = [s.tokens[-1] for s in seqs]
+        slots = [s.next_slot for s in seqs]
+        if self.static is not None:
+            logits = self.static(tokens, slots)
+        else:
+            logits = self._eager_step(tokens, slots)
+        emitted = self._sample(seqs, logits)
+        return Progress(emitted, self._retire(), None, [1] * len(seqs))
+
+    def _eager_step(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+        span = max(slots) + 1
+        self._reserve(len(tokens), span)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (n, 1)
+        if min(slots) == span - 1:  # every row at the same position: plain cached decode
+            return self.model(ids, start_pos=span - 1, cache=self.cache.uniform(len(tokens), span))[:, -1]
+        pos = torch.tensor(slots, device=self.device)  # (n,)
+        mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None]  # (n, 1, 1, S)
+        return self.model(ids, start_pos=0, cache=self.cache.ragged(pos, span), positions=pos[:, None],
+                          attn_mask=mask)[:, -1]
+
+    def _reserve(self, rows: int, length: int) -> None:
+        if self.static is None:
+            self.cache.reserve(rows, min(length, self.max_len))
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+        """A token per row of ``logits (n, V)`` for ``seqs``; marks those that end."""
+        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for j, (s, tok) in enumerate(zip(seqs, tokens)):
+            s.tokens.append(tok)
+            if s.logprobs is not None:
+                s.token_logprobs += token_logprobs(logits[j:j + 1], [tok], s.logprobs)
+            if tok in self.eos_ids or (s.stop is not None and s.stop(s.tokens)):
+                s.finish_reason = "stop"
+            elif len(s.tokens) >= s.budget:
+                s.finish_reason = "length"
+        return list(seqs)
+
+    # -- leaving ------------------------------------------------------------------------------
+    def drop(self, seqs: Seq[Sequence], reason: str = "cancelled") -> None:
+        """Take ``seqs`` out of the batch (``finish_reason = reason``); the others go on."""
+        for s in seqs:
+            s.finish_reason = reason
+        self._retire()
+
+    def _retire(self) -> list[Sequence]:
+        """Remove finished rows from the batch and the cache; prefetch the next step's rows."""
+        done = [s for s in self.running if s.finish_reason is not None]
+        if done:
+            kept = [j for j, s in enumerate(self.running) if s.finish_reason is None]
+            length = max(s.next_slot for s in self.running) + 1
+            self.running = [self.running[j] for j in kept]
+            if kept:
+                self.cache.keep(kept, min(length, self.cache.max_len))
+        if self.running and self._prefetch:
+            device = "cpu" if self.static is not None else self.device  # ids as the step will look them up
+            self.store.prefetch(torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None])
+        return done

@@ -1,0 +1,139 @@
+"""The decode step with static shapes, and its capture as CUDA graphs.
+
+A captured CUDA graph replays fixed kernels on fixed addresses, so the step it records may have no
+data-dependent shape and no host synchronisation. ``StaticStep`` is that step, runnable anywhere:
+
+* the batch is padded to a bucket of rows (``BUCKETS``: 1, 2, 4, 8, ...): rows past the real
+  ones feed token 0 at position 0 into free cache rows, whose slot 0 a later prefill overwrites;
+* the KV cache (``SlotCache``, fixed) has ``rows`` × ``max_len`` slots; every row writes its new
+  key at its own position and attends to all ``max_len`` slots through a mask that hides the slots
+  past its position, so the shapes never depend on how far decoding has got;
+* the inputs (ids, positions) and, for tables on the host or disk tier, every table layer's rows are
+  copied into fixed buffers before the step; tables in the model's memory are gathered inside it
+  (``F.embedding`` on the ids, no ``unique``); the model's forward runs without its id checks
+  (``check=False``: the core checks ids when a prompt joins, and sampled ids are in range).
+
+With ``graphs=True`` (CUDA only) each bucket's step is captured once, on first use, into one shared
+memory pool (gpt-fast and vLLM do the same), and replayed afterwards. Offloaded tables: the core asks
+the store to prefetch the rows of step ``s + 1`` right after sampling step ``s``; the store's worker
+gathers them on the host and copies them through pinned memory on a side stream
+(``stemlm.store.prefetch``), and the copy into the step's buffers waits on that stream's event, not
+on the CPU. The id of step ``s + 1`` is known only once step ``s`` is sampled, so the transfer
+overlaps the sampling's host work and the Python between steps, not the forward of step ``s``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .kv_cache import SlotCache
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRAPH_MODES = ("auto", "on", "off", "static")
+
+
+def resolve_graphs(graphs: str, device, cfg=None) -> str:
+    """The decode step for ``graphs`` (``auto``/``on``/``off``/``static``) on ``device``: ``eager``,
+    ``static`` or ``graphs``. ``auto`` captures graphs on CUDA unless a layer routes by data (Hash-MoE)."""
+    if graphs not in GRAPH_MODES:
+        raise ValueError(f"graphs must be one of {', '.join(GRAPH_MODES)}, got {graphs!r}")
+    cuda = torch.device(device).type == "cuda"
+    if graphs == "on" and not cuda:
+        raise ValueError(f"graphs='on' needs a CUDA device, the model is on {device}; use 'auto', 'off' or 'static'")
+    routed = cfg is not None and "hash_moe" in cfg.layer_kinds
+    if graphs == "on" and routed:
+        raise ValueError("graphs='on' cannot capture Hash-MoE layers (they route by data); use 'static' or 'off'")
+    if graphs == "auto":
+        return "graphs" if cuda and not routed else "eager"
+    return {"on": "graphs", "off": "eager", "static": "static"}[graphs]
+
+
+def bucket(n: int) -> int:
+    """The smallest bucket of rows that holds ``n`` rows."""
+    for b in BUCKETS:
+        if b >= n:
+            return b
+    raise ValueError(f"a batch of {n} rows is larger than the largest bucket ({BUCKETS[-1]})")
+
+
+class StaticStep:
+    """``step(tokens, slots) -> logits (n, V)`` with fixed shapes per bucket (see the module docstring).
+
+    Holds the fixed ``cache`` the core prefills into: ``rows`` (``max_rows`` rounded up to a bucket)
+    × ``max_len`` slots."""
+
+    def __init__(self, model, max_rows: int, max_len: int, store=None, graphs: bool = False):
+        cfg = model.cfg
+        param = next(model.parameters())
+        self.model, self.device, self.max_len = model, param.device, max_len
+        self.rows = bucket(max_rows)
+        self.cache = SlotCache(cfg, self.rows, max_len, self.device, param.dtype, fixed=True)
+        self.store = store
+        self.offloaded = store is not None and getattr(store, "tier", "device") != "device"
+        self.ids = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
+        self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.slots = torch.arange(max_len, device=self.device)
+        self.logits = torch.zeros(self.rows, cfg.vocab_size, dtype=param.dtype, device=self.device)
+        self.table_rows = {k: torch.zeros(self.rows, 1, cfg.d_ff, dtype=param.dtype, device=self.device)
+                           for k in model.tables.keys()} if self.offloaded else {}
+        self.graphs_on = graphs
+        if graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
+        self.graphs: dict[int, object] = {}
+        self._pool = None
+        self._pinned = torch.zeros(2, self.rows, dtype=torch.long, pin_memory=graphs)  # ids, positions
+
+    def __call__(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+        n, b = len(tokens), bucket(len(tokens))
+        if b > self.rows:
+            raise ValueError(f"{n} rows do not fit the static step's {self.rows}")
+        host = self._pinned
+        host.zero_()
+        host[0, :n] = torch.tensor(tokens)
+        host[1, :n] = torch.tensor(slots)
+        self.ids[:b, 0].copy_(host[0, :b], non_blocking=True)
+        self.pos[:b].copy_(host[1, :b], non_blocking=True)
+        if self.offloaded:
+            rows = self.store.rows(torch.tensor(tokens)[:, None])  # the prefetched rows (ids on the host: no sync)
+            for key, buf in self.table_rows.items():
+                buf[:n].copy_(rows[key])  # (n, 1, d_ff)
+        if not self.graphs_on:
+            self._forward(b)
+        elif b in self.graphs:
+            self.graphs[b].replay()
+        else:
+            self._capture(b)
+        return self.logits[:n]
+
+    def _forward(self, b: int) -> None:
+        """The step of bucket ``b`` on the fixed buffers (what a graph records)."""
+        ids, pos = self.ids[:b], self.pos[:b]
+        mask = (self.slots[None, :] <= pos[:, None])[:, None, None]  # (b, 1, 1, L)
+        if self.offloaded:
+            rows = {k: buf[:b] for k, buf in self.table_rows.items()}
+        else:
+            flat = ids.reshape(-1)
+            rows = {k: t.gather(flat).view(b, 1, -1) for k, t in self.model.tables.items()}  # (b, 1, d_ff)
+        logits = self.model(ids, start_pos=0, cache=self.cache.ragged(pos, self.max_len), positions=pos[:, None],
+                            attn_mask=mask, table_rows=rows, check=False)
+        self.logits[:b].copy_(logits[:, -1])
+
+    def _capture(self, b: int) -> None:
+        """Warm bucket ``b`` up on a side stream, capture it, and run it (the capture does not run)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):  # rewrites this step's keys with the same values: harmless
+                self._forward(b)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._forward(b)
+        self._pool = graph.pool()
+        self.graphs[b] = graph
+        graph.replay()
+        log.info("captured the decode step for a bucket of %d rows", b)

@@ -1,0 +1,125 @@
+"""The one decode core: the static-shape step equals the eager decode (tokens and logits) for dense and
+STEM models with tables on every tier; rows join and leave without disturbing the others."""
+
+import copy
+
+import pytest
+import torch
+
+from stemlm import StemLM, model_config
+from stemlm.inference.batch_generate import SamplingParams, generate_batch
+from stemlm.inference.core import DecodeCore, Sequence
+from stemlm.inference.generate import generate_ids
+from stemlm.inference.static import bucket, resolve_graphs
+from stemlm.store.offload import offload_tables
+
+
+def build(ffn: str, stem_layers: str = "1/2") -> StemLM:
+    torch.manual_seed(0)
+    return StemLM(model_config("debug", ffn=ffn, stem_layers=stem_layers)).eval()
+
+
+@pytest.fixture(scope="module")
+def stem():
+    return build("stem")
+
+
+def prompts(lengths=(3, 9, 1, 6, 12), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+PARAMS = [SamplingParams(7 + i, temperature=0.0 if i % 2 else 0.8, top_k=None if i % 3 else 50, seed=i) for i in range(5)]
+
+
+def on_tier(model, tier, tmp_path):
+    """A copy of ``model`` with its tables on ``tier`` (and the store to close)."""
+    moved = copy.deepcopy(model)
+    store = offload_tables(moved, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None,
+                           cache_rows=0 if tier == "device" else 4)
+    return moved, store
+
+
+@pytest.mark.parametrize("ffn,tier", [("dense", "device"), ("stem", "device"), ("stem", "host"), ("stem", "disk"),
+                                      ("stem_dagger", "host")])
+def test_static_step_gives_the_tokens_of_the_eager_decode(ffn, tier, tmp_path):
+    model = build(ffn)
+    want = generate_batch(model, prompts(), PARAMS, graphs="off")
+    moved, store = on_tier(model, tier, tmp_path)
+    with store:
+        got = generate_batch(moved, prompts(), PARAMS, graphs="static")
+        alone = generate_ids(moved, torch.tensor([prompts()[1]]), 9, graphs="static")[0, 9:].tolist()
+    assert got == want
+    assert alone == generate_batch(model, [prompts()[1]], SamplingParams(9), graphs="off")[0]
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_static_step_logits_equal_the_eager_step(stem, tier, tmp_path):
+    model, store = on_tier(stem, tier, tmp_path)
+    cores = [DecodeCore(model, max_rows=5, max_len=40, graphs=g) for g in ("off", "static")]
+    logits = []
+    for core in cores:
+        core.add([Sequence(p, SamplingParams(20)) for p in prompts()])
+        tokens, slots = [s.tokens[-1] for s in core.running], [s.next_slot for s in core.running]
+        logits.append(core._eager_step(tokens, slots) if core.static is None else core.static(tokens, slots).clone())
+    store.close()
+    assert logits[0].shape == logits[1].shape == (5, stem.cfg.vocab_size)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_rows_join_and_leave_without_disturbing_the_others(stem):
+    ps = prompts((4, 7, 2, 5))
+    want = generate_batch(stem, ps, SamplingParams(8), graphs="off")
+    core = DecodeCore(stem, max_rows=4, graphs="static")
+    seqs = [Sequence(p, SamplingParams(8 if i != 1 else 3)) for i, p in enumerate(ps)]
+    core.add(seqs[:2])
+    core.step()
+    core.add(seqs[2:3])  # joins while the others are mid-way
+    for _ in range(3):
+        core.step()  # seqs[1] leaves after its 3 tokens: the rows after it move up
+    assert seqs[1].finish_reason == "length" and seqs[1] not in core.running
+    core.add(seqs[3:])
+    while core.running:
+        core.step()
+    assert [s.tokens for s in seqs] == [want[0], want[1][:3], want[2], want[3]]
+    assert core.static.cache.rows == bucket(4) and core.static.graphs == {}  # static shapes, no capture on CPU
+
+
+def test_dropped_and_stopped_rows_leave_the_batch(stem):
+    ps = prompts((3, 5, 4))
+    free = generate_batch(stem, ps, SamplingParams(6))
+    core = DecodeCore(stem, eos_ids=(free[2][1],), max_rows=3)
+    seqs = [Sequence(ps[0], SamplingParams(6)), Sequence(ps[1], SamplingParams(6), stop=lambda t: len(t) == 2),
+            Sequence(ps[2], SamplingParams(6))]
+    core.add(seqs)
+    core.drop([seqs[0]])
+    while core.running:
+        core.step()
+    assert seqs[0].finish_reason == "cancelled" and seqs[0].tokens == free[0][:1]
+    assert seqs[1].tokens == free[1][:2] and seqs[1].finish_reason == "stop"
+    assert seqs[2].tokens == free[2][:2] and seqs[2].finish_reason == "stop"  # eos is kept, then it ends
+
+
+def test_graph_settings_are_checked(stem):
+    assert resolve_graphs("auto", "cpu") == "eager" and resolve_graphs("static", "cpu") == "static"
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        DecodeCore(stem, graphs="on")
+    with pytest.raises(ValueError, match="graphs must be one of"):
+        generate_ids(stem, torch.tensor([[1, 2]]), 3, graphs="yes")
+    moe = StemLM(model_config("debug", ffn="hash_moe", stem_layers="1/2"))
+    assert resolve_graphs("auto", "cuda", moe.cfg) == "eager"  # routing by data cannot be captured
+    with pytest.raises(ValueError, match="do not fit"):
+        core = DecodeCore(stem, max_rows=2)
+        core.add([Sequence([1], SamplingParams(2)) for _ in range(3)])
+
+
+def test_decode_benchmark_reports_the_decode_it_ran(stem, tmp_path):
+    from stemlm.inference.benchmark import decode_benchmark
+
+    eager = decode_benchmark(stem, batch=2, new_tokens=5, prompt_len=4, graphs="off", repeats=1)
+    model, store = on_tier(stem, "host", tmp_path)
+    with store:
+        static = decode_benchmark(model, batch=2, new_tokens=5, prompt_len=4, graphs="static", repeats=1)
+    assert (eager["mode"], static["mode"], static["tables"]) == ("eager", "static", "host")
+    assert static["tokens"] == eager["tokens"] and len(eager["tokens"]) == 5
+    assert eager["decode_tokens_per_s"] > 0 and eager["batch"] == 2
