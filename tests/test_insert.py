@@ -322,3 +322,17 @@ def test_calibration_with_regressed_unseen_rows_keeps_the_seen_ones(tmp_path):
     seen = ids.reshape(-1).unique()
     assert torch.equal(pooled.tables["2"].weight[seen], regress.tables["2"].weight[seen])
     assert not torch.allclose(pooled.tables["2"].weight[V - 1], regress.tables["2"].weight[V - 1])
+
+
+def test_text_in_a_models_vocabulary_is_prepared_once_whatever_path_the_tokenizer_has(tmp_path, monkeypatch):
+    from stemlm.data import corpus_in_vocabulary
+    from test_hf import tiny_tokenizer
+
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
+    text = tmp_path / "t.txt"
+    text.write_text("\n\n".join(["the cat sat on the mat"] * 30))
+    dirs = []
+    for place in ("a", "b"):
+        tiny_tokenizer().save_pretrained(tmp_path / place)
+        dirs.append(corpus_in_vocabulary(tmp_path / place / "tokenizer.json", [text], progress=False))
+    assert dirs[0] == dirs[1] and (dirs[0] / "train.bin").exists()

@@ -236,9 +236,15 @@ def corpus_in_vocabulary(tokenizer: Path, sources: list[Path] | None = None, pro
     """The default corpus (or the raw text of ``sources``) tokenized with an existing ``tokenizer.json``
     (a pretrained model's vocabulary), prepared once into ``$STEMLM_CACHE/data`` under a name keyed
     by the tokenizer's and the text's digests."""
-    tokenizer = Path(tokenizer)
-    tok_key = hashlib.sha256(tokenizer.read_bytes()).hexdigest()[:12]
+    text = Path(tokenizer).read_bytes()
+    tok_key = hashlib.sha256(text).hexdigest()[:12]
     root = artifacts.cache_dir() / "data"
+    tokenizer = root / "tokenizers" / f"{tok_key}.json"  # one stable path per vocabulary: the corpus records it
+    if not tokenizer.exists():
+        tokenizer.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tokenizer.with_suffix(".tmp")
+        tmp.write_bytes(text)
+        tmp.replace(tokenizer)
     if sources is None:
         return prepare_default_corpus(root / f"default-tok{tok_key}", tokenizer=tokenizer, progress=progress)
     docs = read_documents([Path(s) for s in sources])
