@@ -238,6 +238,42 @@ def edit(frozen: dict, trained: dict) -> tuple[str, str]:
     return measured, yes(ok)
 
 
+STEP0_GOAL = 2.0  # nats above dense at step 0
+
+
+@row(f"insertion: SmolLM2-135M → STEM-1/3 with calibrated tables, held-out loss at step 0 ≤ dense + {STEP0_GOAL:g} nats",
+     "bench_insertion.py", RES + "insertion_step0.json")
+def insertion(r: dict) -> tuple[str, str]:
+    runs = list(r["runs"].values())
+    dense = {x["eval_batches"]: x["loss"] for x in runs if x["setting"] == "dense"}
+    cal = [x for x in runs if x.get("init") == "calibrate"]
+    best = min(cal, key=lambda x: x["loss"])
+    other = {x["setting"]: x for x in runs if x.get("init") in ("project", "zero")}
+    measured = (f"{best['eval_batches'] * 1024:,} held-out tokens, dense {dense[best['eval_batches']]:.2f}: best calibrated "
+                f"(`{best['setting']}`, {best['calib_tokens']:,} calibration tokens) **{best['delta_vs_dense']:+.2f} nats**; "
+                + ", ".join(f"{k} {v['delta_vs_dense']:+.2f}" for k, v in other.items())
+                + " ([docs](docs/insertion.md#measurements))")
+    return measured, yes(best["delta_vs_dense"] <= STEP0_GOAL)
+
+
+REAL_FLIP_GOAL = 0.8
+
+
+@row(f"real-model edit (SmolLM2-135M, calibrated rows): ≥ {pct(REAL_FLIP_GOAL, 0)} of known capitals flip on held-out "
+     f"phrasings, ≥ {pct(LOCALITY_GOAL, 0)} locality, exact undo", "bench_edit_real.py", RES + "edit_real.json")
+def edit_real(r: dict) -> tuple[str, str]:
+    held = r["placements"]["heldout_template"]
+    named = {k: v for k, v in held.items() if not k.isdigit()}
+    best = max(named, key=lambda k: named[k]["success"] or 0)
+    cells = ", ".join(f"STEM at {k}: **{pct(v['success'])}** flips (n={v['known']}), locality "
+                      f"{pct(v['locality_top1'])}" for k, v in named.items())
+    undo = all(v["reversible"] == 1 for v in held.values())
+    b = named[best]
+    ok = b["success"] >= REAL_FLIP_GOAL and b["locality_top1"] >= LOCALITY_GOAL and undo
+    return (f"{r['pairs']} country pairs, held-out phrasings: {cells}; undo {'exact' if undo else 'not exact'} "
+            "([docs](docs/insertion.md#editing-a-real-models-facts-by-rows-smollm2-135m))"), yes(ok)
+
+
 BATCH_GOAL = 4
 
 
