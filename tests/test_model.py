@@ -166,8 +166,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, debug_cfg, monkeypatch)
     model = StemLM(debug_cfg)
     save_model(model, tmp_path / "c")
     before = (tmp_path / "c" / "model.safetensors").read_bytes()
-    import stemlm.interop.checkpoint as ck
-    monkeypatch.setattr(ck, "save_file", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    import stemlm.store.safetensors_io as st
+    monkeypatch.setattr(st, "write_safetensors", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         save_model(model, tmp_path / "c")
     assert (tmp_path / "c" / "model.safetensors").read_bytes() == before

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import safe_open, save_file
+from safetensors.torch import safe_open
 
 from ..config import ConfigError, ModelConfig
 from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
