@@ -153,3 +153,13 @@ def test_stability_claim_counts_spikes_at_the_paper_lr_and_above():
     assert row["verdict"] == "holds" and "stem-1/3 0, hash_moe-1/3 10" in row["measured"]
     calm = [sweep(v, 2e-3, []) for v in ("stem-1/3", "hash_moe-1/3")]
     assert {r["key"]: r for r in claim_rows(calm, {})}["stability"]["verdict"] == "inconclusive"
+
+
+def test_seeds_needed_to_settle_an_inconclusive_difference():
+    from stemlm.study.stats import seeds_needed
+
+    d = one_sample([0.10, -0.02, 0.07])  # mean 0.05, sd 0.062
+    n = seeds_needed(d)
+    sd = d.se * math.sqrt(3)
+    assert mde(sd / math.sqrt(n), n - 1) <= 0.05 < mde(sd / math.sqrt(n - 1), n - 2)
+    assert seeds_needed(one_sample([0.3])) is None and seeds_needed(one_sample([1.0, -1.0, 0.01])) == 101

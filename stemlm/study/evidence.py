@@ -15,7 +15,8 @@ from .measures import loss_roi
 from .paper import TABLE2
 from .probes import knowledge_score, needle_score, probe_of
 from .stability import DEFAULTS as SPIKE_DEFAULTS, run_stability
-from .stats import Difference, difference, fit_line, one_sample, sign_test, smallest_significant_split, verdict
+from .stats import (Difference, difference, fit_line, one_sample, seeds_needed, sign_test, smallest_significant_split,
+                    verdict)
 
 PLACEMENTS = ("stem-1/3", "stem-1/2", "stem-full")
 STEM, MOE, GATE = "stem-1/3", "hash_moe-1/3", "stem_gate-1/3"
@@ -39,7 +40,11 @@ def _first(runs: list[dict], stage: str, **labels) -> dict | None:
 
 
 def _part(label: str, d: Difference, sign: int, unit: str = "", extra: str = "") -> dict:
-    return {"label": label, "text": d.text(unit) + extra, "verdict": verdict(d, sign), "difference": d.to_dict()}
+    v = verdict(d, sign)
+    need = seeds_needed(d) if v == "inconclusive" and d.kind == "paired" else None
+    if need is not None:
+        extra += f"; ~{need if need <= 100 else '> 100'} seeds would detect a difference this size"
+    return {"label": label, "text": d.text(unit) + extra, "verdict": v, "difference": d.to_dict()}
 
 
 def _common(a: dict, b: dict) -> tuple[dict, dict]:
@@ -70,7 +75,9 @@ def roi_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list
             roi = (f"loss ROI {1 + d.mean:.2f} [{1 + d.ci[0]:.2f}, {1 + d.ci[1]:.2f}], MDE {d.mde:.2g} (n={d.n} {d.kind})"
                    if d.ci else f"loss ROI {1 + d.mean:.2f} (n={d.n}, no noise estimate)")
             part = _part(f"{size} {p.split('-')[1]}", d, +1)
-            part["text"] = f"{roi}; Δ loss {difference(lp, ld).text(' nats')}; FLOP ratio {fd / fp:.3f}"
+            need = part["text"].partition("; ~")[2]
+            part["text"] = (f"{roi}; Δ loss {difference(lp, ld).text(' nats')}; FLOP ratio {fd / fp:.3f}"
+                            + (f"; ~{need}" if need else ""))
             parts.append(part)
         notes += _accuracy_roi_notes(size, info, evals)
     return parts, notes

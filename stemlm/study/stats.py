@@ -181,6 +181,18 @@ def combine(verdicts: list[str]) -> str:
     return "holds" if all(v == "holds" for v in verdicts) else "inconclusive"
 
 
+def seeds_needed(d: Difference, cap: int = 100) -> int | None:
+    """How many seeds (paired values) would make an effect of ``d.mean`` detectable (MDE ≤ |mean|) at the
+    spread measured; None without a spread, ``cap + 1`` when more than ``cap`` would be needed."""
+    if d.se is None or d.n < 2 or d.mean == 0:
+        return None
+    sd = d.se * math.sqrt(d.n)
+    for n in range(2, cap + 1):
+        if mde(sd / math.sqrt(n), n - 1) <= abs(d.mean):
+            return n
+    return cap + 1
+
+
 def sign_test(k: int, n: int) -> float:
     """Exact two-sided binomial p-value of ``k`` of ``n`` events on one side when both sides are equally likely."""
     if n == 0:
