@@ -228,7 +228,10 @@ def test_bad_specs_are_one_line_errors(data_dir, tmp_path, capsys):
            "unknown option": write_spec(tmp_path / "e.yaml", data_dir, compare={**cmp, "variants": ["stem-1/3+fast"]}),
            "not in the sweep": write_spec(tmp_path / "f.yaml", data_dir, compare={**cmp, "lr": "tuned",
                                                                                   "variants": ["stem-1/2"]}),
-           "optim must be": write_spec(tmp_path / "g.yaml", data_dir, optim="fast")}
+           "optim must be": write_spec(tmp_path / "g.yaml", data_dir, optim="fast"),
+           "sweep.lrs must be": write_spec(tmp_path / "h.yaml", data_dir, sweep={"size": "d64", "lrs": ["fast"],
+                                                                                 "variants": ["dense"]}),
+           "sweep needs lrs": write_spec(tmp_path / "i.yaml", data_dir, sweep={"size": "d64", "variants": ["dense"]})}
     for needle, spec in bad.items():
         assert main(["study", "plan", "--spec", str(spec)]) == 2
         err = capsys.readouterr().err

@@ -51,6 +51,25 @@ def _seeds(c: dict, size: str, key: str = "seeds") -> list[int]:
     return seeds
 
 
+def need(section: dict, name: str, *keys: str) -> None:
+    """A one-line ``ConfigError`` when the spec section ``name`` lacks one of ``keys``."""
+    if not isinstance(section, dict):
+        raise ConfigError(f"study spec: {name} must be a mapping, got {section!r}")
+    missing = [k for k in keys if k not in section or section[k] in (None, [], "")]
+    if missing:
+        raise ConfigError(f"study spec: {name} needs {', '.join(missing)}")
+
+
+def _lrs(values, name: str) -> list[float]:
+    try:
+        lrs = [float(x) for x in values]  # YAML reads 1e-3 (no dot) as a string
+    except (TypeError, ValueError):
+        raise ConfigError(f"study spec: {name} must be a list of numbers, got {values!r}") from None
+    if not lrs or any(x <= 0 for x in lrs):
+        raise ConfigError(f"study spec: {name} must be a non-empty list of positive numbers, got {values!r}")
+    return lrs
+
+
 def probe_settings(spec: dict, kind: str) -> dict:
     """The settings of probe ``kind`` (``knowledge``, ``needle``): the spec's ``probes`` over the defaults."""
     return {**DEFAULT_PROBES[kind], **((spec.get("probes") or {}).get(kind) or {})}
@@ -64,11 +83,13 @@ def sweep_runs(spec: dict) -> list[RunSpec]:
         if spec.get("stability"):
             raise ConfigError("study spec: stability adds lrs to the sweep; give a sweep section too")
         return []
+    need(s, "sweep", "size", "lrs", "variants")
     st = spec.get("stability") or {}
     cells: dict[tuple[str, float], set[str]] = {}
-    for variants, lrs, role in ((s["variants"], s["lrs"], "tune"), (st.get("variants") or [], st.get("lrs") or [], "stress")):
+    stress = (st.get("variants") or [], _lrs(st["lrs"], "stability.lrs") if st.get("lrs") else [], "stress")
+    for variants, lrs, role in ((s["variants"], _lrs(s["lrs"], "sweep.lrs"), "tune"), stress):
         for variant in variants:
-            for lr in map(float, lrs):  # YAML reads 1e-3 (no dot) as a string
+            for lr in lrs:
                 cells.setdefault((variant, lr), set()).add(role)
     runs = []
     for (variant, lr), roles in cells.items():
@@ -88,6 +109,7 @@ def compare_runs(spec: dict, tuned: dict[str, float]) -> list[RunSpec]:
     c = spec.get("compare")
     if not c:
         return []
+    need(c, "compare", "sizes", "variants")
     lr_setting = c.get("lr", "tuned" if spec.get("sweep") else 3e-3)
     if lr_setting == "tuned" and not spec.get("sweep"):
         raise ConfigError("study spec: compare.lr=tuned needs a sweep section")
@@ -103,7 +125,7 @@ def compare_runs(spec: dict, tuned: dict[str, float]) -> list[RunSpec]:
                     lr = tuned.get(variant)
                     pending = None if lr is not None else "waits for the sweep to pick its lr"
                 else:
-                    lr = float(lr_setting)
+                    lr = _lrs([lr_setting], "compare.lr (a number or 'tuned')")[0]
                 measures = {"geometry": bool(c.get("geometry", True)), "val_batches": True,
                             "probes": {"knowledge": probe_settings(spec, "knowledge")}}
                 runs.append(RunSpec(f"compare-{size}-{slug(variant)}-seed{seed}", "compare",
@@ -125,6 +147,7 @@ def context_runs(spec: dict, runs: list[RunSpec]) -> list[RunSpec]:
     x = spec.get("context")
     if not x:
         return []
+    need(x, "context", "size", "variants", "seq_len")
     out, names = [], {r.name for r in runs}
     pos = {"seq_len": x["seq_len"], "batches": x.get("position_batches", 4)}
     seeds = x["seeds"] if "seeds" in x else [x.get("seed", 0)]
@@ -155,12 +178,14 @@ def control_runs(spec: dict, runs: list[RunSpec]) -> list[RunSpec]:
         raise ConfigError(f"study spec: unknown controls {sorted(unknown)}; choose knowledge, needle")
     out, names = [], {r.name for r in runs}
     if (k := ctl.get("knowledge")):
+        need(k, "controls.knowledge", "size")
         seed, variant = k.get("seed", 0), k.get("variant", "dense")
         out.append(RunSpec(f"control-knowledge-{slug(variant)}", "controls",
                            _trained(spec, k, k["size"], variant, seed, float(k.get("lr", 3e-3))),
                            {"size": k["size"], "variant": variant, "seed": seed, "control": "knowledge"},
                            data={"control": "facts"}, measures={"probes": {"knowledge": probe_settings(spec, "knowledge")}}))
     if (n := ctl.get("needle")):
+        need(n, "controls.needle", "continues", "seq_len")
         parent = n["continues"]
         if parent not in names:
             raise ConfigError(f"study spec: controls.needle continues {parent!r}, which the spec does not train")
