@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-PASSKEY_DOCS = 4000
+PASSKEY_DOCS = 12000
 
 
 def study_corpus(data_dir: str | None) -> Path:
@@ -43,8 +43,8 @@ def control_corpus(data: dict, data_dir: str | None, root: Path, log: Callable[[
         if not src.exists():
             log(f"writing {PASSKEY_DOCS} pass-key documents -> {src}")
             src.parent.mkdir(parents=True, exist_ok=True)
-            # ~4 characters per token: haystacks of up to ~80 % of the window
-            docs = passkey_documents(PASSKEY_DOCS, int(3.2 * length))
+            # ~4 characters per token: haystacks of up to ~40 % of the window, several documents per window
+            docs = passkey_documents(PASSKEY_DOCS, int(1.6 * length))
             src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
         return prepare_corpus([src], Path(root) / f"passkey-{length}", tokenizer=tokenizer, progress=False)
     raise ValueError(f"unknown control corpus {kind!r}; choose facts or passkey")

@@ -161,8 +161,9 @@ def lm_for(model, data_dir: str | Path, max_length: int | None = None, batch_siz
 
 
 def passkey_documents(n_docs: int, length_chars: int, seed: int = 0) -> list[str]:
-    """Pass-key retrieval documents for the needle probe's positive control: a haystack of
-    ``length_chars`` characters with the needle at a random depth, then the question and the key."""
+    """Pass-key retrieval documents for the needle probe's positive control: a haystack of 16 to
+    ``length_chars`` characters (uniform: short ones teach the copy fastest) with the needle at a
+    random depth, then the question and the key."""
     import numpy as np
 
     from ..eval.tasks.needle import NEEDLE, QUESTION, haystack, haystack_passages, insert_needle
@@ -171,6 +172,6 @@ def passkey_documents(n_docs: int, length_chars: int, seed: int = 0) -> list[str
     docs = []
     for _ in range(n_docs):
         key, start, depth = int(rng.integers(10000, 100000)), int(rng.integers(len(passages))), float(rng.random())
-        hay = haystack(passages, start, int(rng.integers(length_chars // 4, length_chars)))
+        hay = haystack(passages, start, int(rng.integers(16, length_chars)))
         docs.append(insert_needle(hay, NEEDLE.format(key=key), depth) + QUESTION + f" {key}.")
     return docs
