@@ -21,7 +21,7 @@ RULES = {
     "dynamics": "per placement: slope of the gap to dense against log₂ tokens over the second half of training, "
                 "per seed; predicted < 0 (the lead grows)",
     "knowledge": "slope, per seed, of the knowledge probe (seen − unseen log-prob contrast, training templates) "
-                 "against the fraction of STEM layers (dense 0 … full 1); predicted > 0; inconclusive when the probe's "
+                 "against the fraction of layers that are STEM (dense 0 … full); predicted > 0; inconclusive when the probe's "
                  "positive control fails",
     "stability": "loss spikes (robust detector, after warm-up) of STEM-1/3 against Hash-MoE-1/3 over the sweep's runs at "
                  "the paper's lr and above, exact sign test (5 %); predicted: fewer for STEM",
