@@ -122,9 +122,13 @@ def test_compare_waits_for_the_sweep_and_plan_shows_it(data_dir, tmp_path, capsy
     assert main(["study", "plan", "--spec", str(spec), "--results", str(tmp_path / "res")]) == 0
     out = capsys.readouterr().out
     assert "compare-d64-dense-seed0" in out and "pending: waits for the sweep to pick its lr" in out
+    study = Study(load_spec(spec), tmp_path / "res", tmp_path / "scratch", log=lambda m: None)
+    study.ensure(study.by_name["sweep-d64-dense-lr0.003-seed0"], {"trained": 0, "diverged": 0})
+    study.replan()  # half of dense's grid is done: no lr is picked from a partial sweep
+    assert study.tuned == {} and study.by_name["compare-d64-dense-seed0"].pending
     assert _run(spec, tmp_path, "--skip-eval", "--stages", "compare") == 0  # the sweep is trained first
     captured = capsys.readouterr()
-    assert "training the sweep first" in captured.err and "8 runs trained" in captured.out
+    assert "training the sweep first" in captured.err and "7 runs trained" in captured.out
     assert main(["study", "plan", "--spec", str(spec), "--results", str(tmp_path / "res")]) == 0
     assert "pending" not in (out := capsys.readouterr().out) and "tuned lrs: dense" in out
 

@@ -68,9 +68,13 @@ class Study:
         """Plan again with the lrs the finished sweep runs pick (``tuning.best_lrs``)."""
         from .tuning import best_lrs
 
-        sweep = [res for r in self.runs if r.stage == "sweep" and (res := self.result(r)) is not None]
+        runs = [r for r in self.runs if r.stage == "sweep"]
+        results = {r.name: self.result(r) for r in runs}
         grid = [float(x) for x in (self.spec.get("sweep") or {}).get("lrs") or []]
-        self.tuned = best_lrs(sweep, grid) if sweep else {}
+        # a variant is tuned once every run of its grid has finished (a partial sweep picks nothing)
+        unfinished = {r.labels["variant"] for r in runs if "tune" in r.labels["roles"] and results[r.name] is None}
+        done = [res for res in results.values() if res is not None and res["labels"]["variant"] not in unfinished]
+        self.tuned = best_lrs(done, grid) if done else {}
         self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()})
         self.by_name = {r.name: r for r in self.runs}
 
