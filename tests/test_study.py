@@ -32,13 +32,15 @@ def data_dir(tmp_path_factory):
 
 
 def write_spec(path: Path, data_dir: Path, **changes) -> Path:
-    spec = {"name": "ci", "data_dir": str(data_dir),
-            "train": ["run.peak_flops=1e11", "run.eval_every=4", "run.eval_batches=2", "run.ckpt_every=4"],
+    spec = {"name": "ci", "data_dir": str(data_dir), "optim": "paper",
+            "train": ["run.peak_flops=1e11", "run.eval_every=2", "run.eval_batches=2", "run.ckpt_every=4"],
             "sizes": {"d64": {"preset": "debug"}},
             "budget": {"steps": 8, "batch_size": 4, "seq_len": 32},
-            "compare": {"sizes": ["d64"], "seeds": [0], "variants": ["dense", "stem-1/3"], "lr": 3e-2},
-            "stability": {"size": "d64", "variants": ["stem-1/3"], "lrs": ["1e-3", 1.0e6], "steps": 4},
-            "context": {"size": "d64", "variants": ["stem-1/3"], "seq_len": 64, "steps": 2, "position_batches": 2},
+            "sweep": {"size": "d64", "seeds": [0], "steps": 4, "lrs": ["3e-3", 3.0e-2], "variants": ["dense", "stem-1/3"]},
+            "stability": {"variants": ["stem-1/3"], "lrs": [1.0e6]},
+            "compare": {"sizes": ["d64"], "seeds": [0, 1], "variants": ["dense", "stem-1/3"]},
+            "context": {"size": "d64", "seeds": [0], "variants": ["stem-1/3"], "seq_len": 64, "steps": 2,
+                        "position_batches": 2},
             "timing": {"rounds": 2, "warmup": 1, "steps": 2},
             "eval": {"tasks": ["country_facts", "arc_easy"], "niah_tasks": ["needle"], "limit": 5,
                      "command": [sys.executable, str(FIXTURES / "fake_eval.py")]}}
@@ -56,43 +58,55 @@ def test_study_end_to_end_resumes_and_reports_from_json(data_dir, tmp_path, caps
     spec = write_spec(tmp_path / "ci.yaml", data_dir)
     assert _run(spec, tmp_path) == 0
     out = capsys.readouterr()
-    assert "5 runs trained (1 diverged), 0 skipped" in out.out and "stage midtrain: not in study spec" in out.err
+    assert "10 runs trained (1 diverged), 0 skipped" in out.out and "stage midtrain: not in study spec" in out.err
     res = tmp_path / "res"
     runs = {p.stem: json.loads(p.read_text()) for p in (res / "runs").glob("*.json")}
-    assert set(runs) == {"compare-d64-dense-seed0", "compare-d64-stem-1_3-seed0", "stability-d64-stem-1_3-lr0.001",
-                         "stability-d64-stem-1_3-lr1e+06", "context-d64-stem-1_3-L64"}
-    stem = runs["compare-d64-stem-1_3-seed0"]
+    sweep = {f"sweep-d64-{v}-lr{lr}-seed0" for v in ("dense", "stem-1_3") for lr in ("0.003", "0.03")}
+    assert set(runs) == sweep | {"sweep-d64-stem-1_3-lr1e+06-seed0", "context-d64-stem-1_3-L64-seed0"} | {
+        f"compare-d64-{v}-seed{s}" for v in ("dense", "stem-1_3") for s in (0, 1)}
+    stress = runs["sweep-d64-stem-1_3-lr1e+06-seed0"]
+    assert stress["status"] == "diverged" and " is nan at step " in stress["diverged_message"]
+    assert stress["labels"]["roles"] == ["stress"] and runs["sweep-d64-dense-lr0.03-seed0"]["labels"]["roles"] == ["tune"]
+    tuned = json.loads((res / "study.json").read_text())["tuned"]
+    for v in ("dense", "stem-1/3"):  # the best sweep lr of each variant is the one its comparison runs use
+        name = f"sweep-d64-{v.replace('/', '_')}-lr{{}}-seed0"
+        best = min((3e-3, 3e-2), key=lambda lr: runs[name.format(f"{lr:g}")]["metrics"]["final_val_loss"])
+        assert tuned[v]["lr"] == best and runs[f"compare-d64-{v.replace('/', '_')}-seed1"]["config"]["optim"]["lr"] == best
+    stem = runs["compare-d64-stem-1_3-seed1"]
     assert stem["status"] == "finished" and stem["metrics"]["steps"] == 8 and stem["git_commit"]
-    assert stem["seeds"] == {"run.seed": 0, "data.seed": 0}
+    assert stem["seeds"] == {"run.seed": 1, "data.seed": 1}  # a seed fixes init and data order
+    o = stem["config"]["optim"]  # Table 2: one lr and one weight decay for every parameter, tables included
+    assert (o["table_lr"], o["table_weight_decay"], o["table_optimizer"], o["warmup_ratio"]) == (o["lr"], 0.1, "dense", 0.01)
     assert stem["accounting"]["train_flops_per_token"] < runs["compare-d64-dense-seed0"]["accounting"]["train_flops_per_token"]
-    assert [v["step"] for v in stem["metrics"]["val"]] == [4, 8]  # val loss vs FLOPs and wall time from metrics.jsonl
-    assert stem["metrics"]["val"][1]["flops"] == pytest.approx(stem["metrics"]["flops_seen"])
+    assert [v["step"] for v in stem["metrics"]["val"]] == [2, 4, 6, 8]  # val loss vs FLOPs and wall time from metrics.jsonl
+    assert [p[0] for p in stem["metrics"]["train"]] == list(range(1, 9))  # every step logged
+    assert stem["metrics"]["val"][-1]["flops"] == pytest.approx(stem["metrics"]["flops_seen"])
     assert stem["geometry"]["layers"] and stem["capacity"]["unique_tokens_at_seq_len"] > 1
-    diverged = runs["stability-d64-stem-1_3-lr1e+06"]
-    assert diverged["status"] == "diverged" and " is nan at step " in diverged["diverged_message"]
-    assert diverged["metrics"]["steps"] < 4 and diverged["metrics"]["final_val_loss"] is None
-    ctx = runs["context-d64-stem-1_3-L64"]
-    assert ctx["init_from"] == stem["checkpoint"] and ctx["config"]["data"]["doc_masking"] is True
+    assert len(stem["val_batches"]) == 2 and "skipped" in stem["probes"]["knowledge"]  # no tokenizer in this data
+    ctx = runs["context-d64-stem-1_3-L64-seed0"]
+    assert ctx["init_from"] == runs["compare-d64-stem-1_3-seed0"]["checkpoint"] and ctx["config"]["data"]["doc_masking"] is True
     assert len(ctx["position_loss"]["final"]) == 64 and len(ctx["position_loss"]["init"]) == 64
     evals = sorted(p.name for p in (res / "eval").glob("*.json"))
-    assert evals == ["compare-d64-dense-seed0.final.json", "compare-d64-stem-1_3-seed0.final.json",
-                     "context-d64-stem-1_3-L64.final.json"]
-    assert set(json.loads((res / "eval" / evals[2]).read_text())["result"]["tasks"]) == {"needle"}
+    assert evals == sorted([f"compare-d64-{v}-seed{s}.final.json" for v in ("dense", "stem-1_3") for s in (0, 1)]
+                           + ["context-d64-stem-1_3-L64-seed0.final.json"])
+    assert set(json.loads((res / "eval" / "context-d64-stem-1_3-L64-seed0.final.json").read_text())["result"]["tasks"]) == {"needle"}
     timing = json.loads((res / "timing.json").read_text())  # step times measured side by side
     steps = timing["sizes"]["d64"]
     assert set(steps) == {"dense", "stem-1/3"} and all(v["step_seconds"] > 0 and len(v["rounds"]) == 2 for v in steps.values())
     assert steps["dense"]["vs_dense"] == 1.0 and timing["git_commit"]
     assert not (tmp_path / "scratch" / "timing").exists()  # its throw-away runs are gone
     report = (res / "report.md").read_text()
-    for text in ("Matched-budget comparison", "| stem-1/3 |", "Stability", "| diverged |", "Context extension",
-                 "arc_easy", "Definitions", "step s (× dense)", "measured side by side", "## The paper's claims"):
+    for text in ("Equal tuning", "Matched-budget comparison", "| stem-1/3 |", "Stability", "| diverged |",
+                 "Context extension", "arc_easy", "Definitions", "step s (× dense)", "measured side by side",
+                 "## The paper's claims", "gap to dense", "Table 3", "inconclusive"):
         assert text in report, text
-    for png in ("loss_vs_flops_and_wall_d64.png", "spikes_vs_lr.png", "loss_by_position.png", "niah.png", "roi.png"):
+    for png in ("loss_vs_flops_and_wall_d64.png", "spikes_vs_lr.png", "stability_curves.png", "loss_by_position.png",
+                "niah.png", "roi.png", "gap_vs_tokens.png"):
         assert (res / png).stat().st_size > 1000, png
 
     mtimes = {p: p.stat().st_mtime_ns for p in [*(res / "runs").glob("*.json"), res / "timing.json"]}
     assert _run(spec, tmp_path) == 0  # everything finished: nothing retrains, re-evaluates or re-times
-    assert "0 runs trained (0 diverged), 5 skipped" in capsys.readouterr().out
+    assert "0 runs trained (0 diverged), 10 skipped" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in [*(res / "runs").glob("*.json"), res / "timing.json"]} == mtimes
 
     shutil.rmtree(tmp_path / "scratch")  # the report needs the JSON only
@@ -103,8 +117,25 @@ def test_study_end_to_end_resumes_and_reports_from_json(data_dir, tmp_path, caps
     assert (tmp_path / "rep" / "roi.png").exists()
 
 
-def test_changed_spec_reruns_only_changed_runs_and_a_stopped_run_resumes(data_dir, tmp_path, capsys):
+def test_compare_waits_for_the_sweep_and_plan_shows_it(data_dir, tmp_path, capsys):
     spec = write_spec(tmp_path / "ci.yaml", data_dir, stability=None, context=None, eval=None)
+    assert main(["study", "plan", "--spec", str(spec), "--results", str(tmp_path / "res")]) == 0
+    out = capsys.readouterr().out
+    assert "compare-d64-dense-seed0" in out and "pending: waits for the sweep to pick its lr" in out
+    study = Study(load_spec(spec), tmp_path / "res", tmp_path / "scratch", log=lambda m: None)
+    study.ensure(study.by_name["sweep-d64-dense-lr0.003-seed0"], {"trained": 0, "diverged": 0})
+    study.replan()  # half of dense's grid is done: no lr is picked from a partial sweep
+    assert study.tuned == {} and study.by_name["compare-d64-dense-seed0"].pending
+    assert _run(spec, tmp_path, "--skip-eval", "--stages", "compare") == 0  # the sweep is trained first
+    captured = capsys.readouterr()
+    assert "training the sweep first" in captured.err and "7 runs trained" in captured.out
+    assert main(["study", "plan", "--spec", str(spec), "--results", str(tmp_path / "res")]) == 0
+    assert "pending" not in (out := capsys.readouterr().out) and "tuned lrs: dense" in out
+
+
+def test_changed_spec_reruns_only_changed_runs_and_a_stopped_run_resumes(data_dir, tmp_path, capsys):
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, stability=None, context=None, eval=None,
+                      compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense", "stem-1/3"], "lr": 3e-2})
     study = Study(load_spec(spec), tmp_path / "res", tmp_path / "scratch", log=lambda m: None)
     dense = study.by_name["compare-d64-dense-seed0"]
     cfg = study.train_config(dense, None, str(data_dir))
@@ -118,7 +149,7 @@ def test_changed_spec_reruns_only_changed_runs_and_a_stopped_run_resumes(data_di
     ref = Trainer(ref_cfg).fit()  # the same run, never stopped
     assert json.loads((tmp_path / "res" / "runs" / f"{dense.name}.json").read_text())["metrics"]["final_val_loss"] == \
         pytest.approx(ref.val_loss, abs=1e-6)
-    write_spec(spec, data_dir, stability=None, context=None, eval=None,
+    write_spec(spec, data_dir, sweep=None, stability=None, context=None, eval=None,
                compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense", "stem-1/3"], "lr": 2e-3})
     stale = json.loads((tmp_path / "res" / "runs" / f"{dense.name}.json").read_text())["spec_hash"]
     assert _run(spec, tmp_path, "--skip-eval", "--stages", "compare") == 0
@@ -130,9 +161,9 @@ def test_eval_unavailable_is_one_line_and_the_study_goes_on(data_dir, tmp_path, 
     import stemlm.cli
 
     monkeypatch.delitem(stemlm.cli.COMMANDS, "eval", raising=False)
-    spec = write_spec(tmp_path / "ci.yaml", data_dir, stability=None, context=None,
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, stability=None, context=None,
                       budget={"steps": 2, "batch_size": 2, "seq_len": 16}, eval={"tasks": ["arc_easy"]},
-                      compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "geometry": False})
+                      compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "geometry": False, "lr": 3e-3})
     assert _run(spec, tmp_path) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "eval" in line]
     assert lines == ["stemlm study: eval stage skipped: `stemlm eval` is not available in this stemlm (no eval command); "
@@ -141,8 +172,9 @@ def test_eval_unavailable_is_one_line_and_the_study_goes_on(data_dir, tmp_path, 
 
 def test_report_reads_hand_written_eval_fixture(data_dir, tmp_path):
     """The eval contract's JSON (a fixture) feeds the accuracy columns and the paper's ROI."""
-    spec = write_spec(tmp_path / "ci.yaml", data_dir, stability=None, context=None, eval=None,
-                      budget={"steps": 2, "batch_size": 2, "seq_len": 16})
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, stability=None, context=None, eval=None,
+                      budget={"steps": 2, "batch_size": 2, "seq_len": 16},
+                      compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense", "stem-1/3"], "lr": 3e-2})
     study = Study(load_spec(spec), tmp_path / "res", tmp_path / "scratch", log=lambda m: None)
     study.run(("compare",))
     fixture = json.loads((FIXTURES / "study_eval.json").read_text())
@@ -191,12 +223,19 @@ def test_loss_by_position_averages_to_the_eval_loss(data_dir):
 
 
 def test_bad_specs_are_one_line_errors(data_dir, tmp_path, capsys):
-    bad = {"variants": write_spec(tmp_path / "a.yaml", data_dir, compare={"sizes": ["d64"], "seeds": [0], "variants": ["stem"]}),
+    cmp = {"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "lr": 3e-3}
+    bad = {"variants": write_spec(tmp_path / "a.yaml", data_dir, compare={**cmp, "variants": ["stem"]}),
            "unknown keys": write_spec(tmp_path / "b.yaml", data_dir, colour="red"),
-           "compare does not train": write_spec(tmp_path / "c.yaml", data_dir,
+           "compare does not train": write_spec(tmp_path / "c.yaml", data_dir, compare=cmp,
                                                 context={"size": "d64", "variants": ["dense"], "seed": 3, "seq_len": 64}),
-           "no seeds for size": write_spec(tmp_path / "d.yaml", data_dir,
-                                           compare={"sizes": ["d64"], "seeds": {"d32": [0]}, "variants": ["dense"]})}
+           "no seeds for size": write_spec(tmp_path / "d.yaml", data_dir, compare={**cmp, "seeds": {"d32": [0]}}),
+           "unknown option": write_spec(tmp_path / "e.yaml", data_dir, compare={**cmp, "variants": ["stem-1/3+fast"]}),
+           "not in the sweep": write_spec(tmp_path / "f.yaml", data_dir, compare={**cmp, "lr": "tuned",
+                                                                                  "variants": ["stem-1/2"]}),
+           "optim must be": write_spec(tmp_path / "g.yaml", data_dir, optim="fast"),
+           "sweep.lrs must be": write_spec(tmp_path / "h.yaml", data_dir, sweep={"size": "d64", "lrs": ["fast"],
+                                                                                 "variants": ["dense"]}),
+           "sweep needs lrs": write_spec(tmp_path / "i.yaml", data_dir, sweep={"size": "d64", "variants": ["dense"]})}
     for needle, spec in bad.items():
         assert main(["study", "plan", "--spec", str(spec)]) == 2
         err = capsys.readouterr().err
@@ -206,16 +245,25 @@ def test_bad_specs_are_one_line_errors(data_dir, tmp_path, capsys):
 
 
 def test_repo_specs_plan():
-    """The committed specs expand: quick and full both hold every stage; full has 2 sizes, 2 seeds at the smaller."""
-    full, quick = plan(load_spec("full")), plan(load_spec("quick"))
-    assert {r.stage for r in full} == {"compare", "stability", "context", "midtrain"}
-    compare = [r for r in full if r.stage == "compare"]
-    assert len({r.labels["size"] for r in compare}) >= 2 and len({r.labels["seed"] for r in compare}) >= 2
-    assert {r.labels["seed"] for r in compare if r.labels["size"] == "d128"} == {0, 1}
-    assert {"dense", "stem-1/3", "stem-1/2", "stem-full", "stem_dagger-1/3", "stem_gate-1/3", "hash_moe-1/3",
-            "dense-wide"} <= {r.labels["variant"] for r in compare}
-    assert {r.stage for r in quick} >= {"compare", "stability", "context"}
-    assert len({r.spec_hash for r in full}) == len(full)
+    """The committed specs expand: every variant in the sweep (>= 3 lrs) and in the comparison (>= 3 seeds),
+    stemlm's table setting as its own variant, the paper's optimizer setting; the GPU spec at the 350M shape."""
+    for name in ("full", "quick", "gpu"):
+        spec = load_spec(name)
+        runs = plan(spec)
+        stages = {r.stage for r in runs}
+        assert {"sweep", "compare"} <= stages and spec["optim"] == "paper", name
+        compare = [r for r in runs if r.stage == "compare"]
+        assert all(r.pending for r in compare)  # they wait for the sweep's lrs
+        assert len({r.labels["seed"] for r in compare}) >= 3 and len(spec["sweep"]["lrs"]) >= 3, name
+        assert set(spec["compare"]["variants"]) <= set(spec["sweep"]["variants"]), name
+        assert "stem-1/3+tablex10" in spec["compare"]["variants"], name
+        tuned = plan(spec, {v: 1e-3 for v in spec["sweep"]["variants"]})
+        assert len({r.spec_hash for r in tuned}) == len(tuned) and not any(r.pending for r in tuned), name
+    full = plan(load_spec("full"))
+    assert {"context", "controls"} <= {r.stage for r in full}
+    assert {"dense", "stem-1/3", "stem-1/2", "stem-full", "stem_dagger-1/3", "stem_gate-1/3", "hash_moe-1/3"} <= \
+        {r.labels["variant"] for r in full if r.stage == "compare"}
+    assert load_spec("gpu")["sizes"]["350m"]["preset"] == "mobilellm-350m"
 
 
 def test_midtrain_stage_converts_a_llama_and_continues_both(data_dir, tmp_path, capsys):
@@ -227,7 +275,7 @@ def test_midtrain_stage_converts_a_llama_and_continues_both(data_dir, tmp_path, 
     llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
                                          intermediate_size=128, vocab_size=512, max_position_embeddings=128))
     llama.save_pretrained(tmp_path / "llama")
-    spec = write_spec(tmp_path / "ci.yaml", data_dir, compare=None, stability=None, context=None,
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, compare=None, stability=None, context=None,
                       midtrain={"source": str(tmp_path / "llama"), "stem_layers": "1/3", "steps": 3, "lr": 1e-3,
                                 "data_dir": str(data_dir), "train": ["run.eval_every=3"]})
     assert _run(spec, tmp_path) == 0
@@ -246,14 +294,14 @@ def test_midtrain_stage_converts_a_llama_and_continues_both(data_dir, tmp_path, 
 
 
 def test_context_run_of_a_diverged_run_is_not_run(data_dir, tmp_path, capsys):
-    spec = write_spec(tmp_path / "ci.yaml", data_dir, stability=None, eval=None,
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, stability=None, eval=None,
                       compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "lr": 1.0e6, "geometry": False},
                       context={"size": "d64", "variants": ["dense"], "seq_len": 64, "steps": 2})
     assert _run(spec, tmp_path) == 0
     captured = capsys.readouterr()
     assert "1 runs trained (1 diverged)" in captured.out
-    assert "context-d64-dense-L64: not trained, the run it continues (compare-d64-dense-seed0) diverged" in captured.err
-    assert not (tmp_path / "res" / "runs" / "context-d64-dense-L64.json").exists()
+    assert "context-d64-dense-L64-seed0: not trained, the run it continues (compare-d64-dense-seed0) diverged" in captured.err
+    assert not (tmp_path / "res" / "runs" / "context-d64-dense-L64-seed0.json").exists()
 
 
 def test_spec_with_unknown_eval_task_is_refused(tmp_path):
@@ -266,44 +314,26 @@ def test_spec_with_unknown_eval_task_is_refused(tmp_path):
         load_spec(path)
 
 
-def test_claim_verdicts_follow_their_rules():
-    from stemlm.study.claims import _all_or_some, _knowledge, _stability
+def test_midtrain_claim_reads_arms_by_their_labels():
+    """(e): every STEM arm against the dense arm, by labels; one seed is judged over the validation batches."""
+    from stemlm.study.claims import claim_rows
 
-    def row(variant, lr, spikes, status="finished"):
-        return {"variant": variant, "lr": lr, "spikes": spikes, "status": status}
+    def arm(variant, ffn, init, anneal, seed, loss, batches):
+        return {"name": f"midtrain-{variant}-{seed}", "stage": "midtrain", "status": "finished",
+                "labels": {"variant": variant, "ffn": ffn, "init": init, "anneal": anneal, "seed": seed, "source": "s"},
+                "metrics": {"final_val_loss": loss, "val_loss_init": 3.0}, "val_batches": batches}
 
-    calm = [row("stem-1/3", 0.1, 0), row("hash_moe-1/3", 0.1, 3), row("stem-1/3", 0.3, 1), row("hash_moe-1/3", 0.3, 0, "diverged")]
-    assert _stability(calm)["verdict"] == "holds"
-    assert _stability([row("stem-1/3", 0.1, 2), row("hash_moe-1/3", 0.1, 2)])["verdict"] == "does not hold"
-    assert "1 of 2 lrs diverged" in _stability(calm)["measured"]
-    assert _stability([row("stem-1/3", 0.1, 0), row("hash_moe-1/3", 0.1, 0)])["verdict"] == "not measurable"
-
-    def variant(name, acc, se=0.02, above=True):
-        return {"variant": name, "acc_detail": {"country_facts": {"acc": acc, "stderr": se, "above": above}}}
-
-    rising = {"d": [variant("dense", 0.2), variant("stem-1/3", 0.3), variant("stem-1/2", 0.35), variant("stem-full", 0.4)]}
-    assert _knowledge(rising)["verdict"] == "holds"
-    falling = {"d": [variant("dense", 0.4), variant("stem-1/3", 0.3), variant("stem-full", 0.2)]}
-    assert _knowledge(falling)["verdict"] == "does not hold"
-    chance = {"d": [variant(n, 0.1, above=False) for n in ("dense", "stem-1/3")]}
-    assert _knowledge(chance)["verdict"] == "not measurable"
-    assert (_all_or_some([True, True]), _all_or_some([True, False]), _all_or_some([False])) == \
-        ("holds", "mixed", "does not hold")
-
-
-def test_single_seed_size_borrows_the_measured_seed_noise():
-    """A size trained with one seed has no half-range of its own: the largest measured one stands in."""
-    from stemlm.study.claims import _ablation
-
-    def row(variant, loss, spread, n):
-        return {"variant": variant, "val_loss": loss, "val_loss_spread": spread, "n": n}
-
-    two_seeds = [row("stem-1/3", 4.70, 0.03, 2), row("stem_gate-1/3", 4.80, 0.02, 2)]
-    assert _ablation({"d128": two_seeds})["verdict"] == "holds"
-    close = [row("stem-1/3", 4.50, 0.0, 1), row("stem_gate-1/3", 4.55, 0.0, 1)]  # 0.05 apart < 2 x 0.03
-    assert _ablation({"d128": two_seeds, "d256": close})["verdict"] == "mixed"
-    far = [row("stem-1/3", 4.50, 0.0, 1), row("stem_gate-1/3", 4.60, 0.0, 1)]
-    assert _ablation({"d128": two_seeds, "d256": far})["verdict"] == "holds"
+    one_seed = [arm("dense", "dense", "zero", "off", 0, 3.00, [3.0, 3.1, 2.9, 3.0]),
+                arm("calibrated", "stem", "calibrate", "off", 0, 2.90, [2.9, 3.0, 2.8, 2.9]),
+                arm("blend", "stem_dagger", "calibrate", "blend", 0, 3.30, [3.3, 3.4, 3.2, 3.3])]
+    row = next(r for r in claim_rows(one_seed, {}) if r["key"] == "midtrain")
+    verdicts = {p["label"].split(" ")[0]: p["verdict"] for p in row["parts"]}
+    assert verdicts == {"calibrated": "holds", "blend": "contradicted"} and row["verdict"] == "contradicted"
+    assert "paired by validation batch; 1 seed" in row["measured"] and "anneal blend" in row["measured"]
+    seeds = [arm("dense", "dense", "zero", "off", s, 3.0 + 0.1 * s, []) for s in range(3)]
+    seeds += [arm("cal", "stem", "calibrate", "off", s, 3.0 + 0.1 * s + d, []) for s, d in enumerate((-0.1, 0.1, 0.0))]
+    row = next(r for r in claim_rows(seeds, {}) if r["key"] == "midtrain")
+    assert row["verdict"] == "inconclusive" and "(n=3 paired)" in row["measured"]
 
 
 def test_checkpoints_are_found_in_the_scratch_dir_given_now(data_dir, tmp_path):

@@ -1,14 +1,18 @@
-"""Run the STEM study (matched-budget comparison, stability, context extension, mid-training
-insertion, optional evaluation) and write its report; or regenerate the report from result JSON.
+"""Run the STEM study (lr sweep per variant, matched-budget comparison at the tuned lrs, stability,
+context extension, the probes' positive controls, mid-training insertion, optional evaluation) and
+write its report, which holds each of the paper's claims against the measurements; or regenerate
+the report from result JSON.
 
 A study is a spec in studies/*.yaml. Finished runs (result JSON with the same spec hash) are
 skipped and a stopped run continues from its newest checkpoint, so `stemlm study run` resumes.
+The comparison runs wait for the sweep to pick each variant's lr.
 
 examples:
   stemlm study run --quick                       # the whole pipeline at tiny sizes (<= 10 min on 2 cores)
-  stemlm study run --spec full --skip-eval       # the full study (~2 h on 2 cores, see docs/study.md)
-  stemlm study run --spec full --stages midtrain,eval
-  stemlm study plan --spec full                  # the runs, their spec hashes and whether they are done
+  stemlm study run --spec full                   # the full study (~3 h on 2 quiet cores, see docs/study.md)
+  stemlm study run --spec full --stages sweep,compare
+  stemlm study run --spec gpu                    # the comparison at the 350M shape on one GPU (<= 10 min)
+  stemlm study plan --spec full                  # the runs, their hashes, done or not, and the time estimate
   stemlm study report results/study/full         # report.md + PNGs from the JSON alone
 """
 
@@ -24,15 +28,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, text in (("run", "train (or resume) the selected stages, evaluate, write the report"),
                        ("plan", "list the runs of a spec and whether each is finished")):
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--spec", default="full", help="study spec: a YAML file, or a name in studies/ (quick, full); default: full")
+        p.add_argument("--spec", default="full", help="study spec: a YAML file, or a name in studies/ (quick, full, gpu); "
+                                                      "default: full")
         p.add_argument("--quick", action="store_true", help="the 'quick' spec (same as --spec quick)")
         p.add_argument("--results", default=None, help="results dir (default: results/study/<spec name>)")
         p.add_argument("--scratch", default=None, help="run dirs and checkpoints (default: runs/study/<spec name>)")
         if name == "run":
             p.add_argument("--stages", default=None,
-                           help="comma-separated subset of compare,stability,context,midtrain,timing,eval (default: "
-                                "all; timing measures each comparison variant's step time side by side)")
-            p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` subprocesses)")
+                           help="comma-separated subset of sweep,compare,context,controls,midtrain,timing,eval "
+                                "(default: all; stability is part of sweep; timing measures each comparison variant's "
+                                "step time side by side)")
+            p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` on each checkpoint)")
             p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
     p = sub.add_parser("report", help="write report.md and PNGs from a results dir",
                        description="write report.md and PNGs from a results dir (reads its JSON only)")
@@ -50,15 +56,27 @@ def run(args) -> int:
     results, scratch = default_dirs(spec)
     results, scratch = args.results or results, args.scratch or scratch
     if args.action == "plan":
+        from ..study.timing import estimate
+
         study = Study(spec, results, scratch)
         for r in study.runs:
             done = study.result(r)
-            print(f"{r.name:<48} {r.spec_hash}  {done['status'] if done else 'to do'}")
+            state = done["status"] if done else f"pending: {r.pending}" if r.pending else "to do"
+            print(f"{r.name:<52} {r.spec_hash or '-':<16}  {state}")
+        if study.tuned:
+            print("tuned lrs: " + ", ".join(f"{v} {b['lr']:g}" + (f" ({b['edge']} edge)" if b["edge"] else "")
+                                            for v, b in study.tuned.items()))
+        est = estimate(study)
+        if est["stages"]:
+            total = sum(est["stages"].values())
+            print("estimate (step times of timing.json): " + ", ".join(f"{k} {v / 60:.0f} min" for k, v in est["stages"].items())
+                  + f"; total {total / 60:.0f} min" + (f" ({len(est['untimed'])} runs not timed)" if est["untimed"] else ""))
         return 0
     log = lambda msg: print(f"stemlm study: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     out = run_study(spec, results, scratch, parse_stages(args.stages), args.skip_eval, not args.no_report, log)
     c = out["runs"]
     print(f"study {spec['name']}: {c['trained']} runs trained ({c['diverged']} diverged), {c['skipped']} skipped"
+          + (f", {c['pending']} waiting for the sweep" if c.get("pending") else "")
           + (f"; eval {out['eval']}" if out["eval"] else "") + f"; {out['seconds']:.0f}s")
     if out["report"]:
         print(f"report: {out['report']}")

@@ -1,9 +1,11 @@
-"""The STEM study: matched-budget comparison, stability, context extension and mid-training insertion.
+"""The STEM study: lr sweep, best-vs-best comparison, stability, context extension, probes and their
+controls, mid-training insertion; each of the paper's claims judged by one rule.
 
-A spec (``studies/*.yaml``) expands into runs (``spec.plan``) that the trainer executes through its
-library API (``runner.Study``); each run writes one result JSON, the optional eval stage calls
-``stemlm eval`` (``evalstage``), and ``report.write_report`` draws tables and plots from the JSON
-alone. See docs/study.md.
+A spec (``studies/*.yaml``) expands into runs (``spec.plan``, ``stages``) that the trainer executes
+through its library API (``runner.Study``); each run writes one result JSON, the optional eval stage
+evaluates checkpoints (``evalstage``), ``claims`` holds the paper's numbers (``paper``) against the
+measurements by the rule of ``stats``, and ``report.write_report`` draws tables and plots from the
+JSON alone. See docs/study.md.
 """
 
 from .measures import loss_roi

@@ -1,14 +1,14 @@
-"""The optional eval stage: ``stemlm eval`` run as a subprocess on the study's checkpoints.
+"""The optional eval stage: ``stemlm eval`` on the study's checkpoints, in this process.
 
-The study does not evaluate by itself; it calls
+Each target is evaluated as
 
     stemlm eval --model CKPT --tasks T1,T2 --limit N --output OUT.json
 
-whose JSON is ``{"model": {...}, "stemlm": ..., "tasks": {TASK: {"acc", "acc_norm", "acc_stderr", "n", ...}}}``,
+would do it (``stemlm.eval.run.evaluate_paths``, called in-process), whose JSON is ``{"model": {...}, "stemlm": ..., "tasks": {TASK: {"acc", "acc_norm", "acc_stderr", "n", ...}}}``,
 and stores it wrapped as ``<results>/eval/<run>.<point>.json`` with the run's spec hash, the tasks
 and the limit (``point``: ``final``, or ``init`` for the model a mid-training run starts from). An
-evaluation whose file matches is skipped. The command can be replaced by the spec's
-``eval.command`` (a list of arguments, e.g. another environment's ``stemlm``).
+evaluation whose file matches is skipped. The spec's ``eval.command`` (a list of arguments, e.g.
+another environment's ``stemlm eval``) runs that command as a subprocess instead.
 """
 
 from __future__ import annotations
@@ -75,13 +75,29 @@ def run_evals(study: Study) -> dict:
         raw.parent.mkdir(parents=True, exist_ok=True)
         args = [*command, "--model", str(ckpt), "--tasks", ",".join(tasks), "--limit", str(limit), "--output", str(raw)]
         study.log(f"eval {name} ({point}): {' '.join(args[len(command):])}")
-        proc = subprocess.run(args, capture_output=True, text=True)
-        data = read_json(raw) if proc.returncode == 0 else None
+        data, error = _evaluate(command, args, tasks, ckpt, limit, raw)
         if data is None or not isinstance(data.get("tasks"), dict):
-            last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no JSON"])[-1]
-            study.log(f"eval {name} ({point}) failed: {last}")
+            study.log(f"eval {name} ({point}) failed: {error}")
             counts["failed"] += 1
             continue
         write_json(out, {"run": name, **key, "checkpoint": str(ckpt), "result": data})
         counts["done"] += 1
     return counts
+
+
+def _evaluate(command: list[str], args: list[str], tasks: list[str], ckpt, limit: int, raw: Path) -> tuple[dict | None, str]:
+    """``(result JSON, error line)``: in this process for the default command, else as a subprocess."""
+    if tuple(command) == DEFAULT_COMMAND:
+        import torch
+
+        from ..eval.run import evaluate_paths
+
+        try:
+            evaluate_paths([str(ckpt)], ",".join(tasks), limit=limit, output=raw, progress=False,
+                           device="cuda" if torch.cuda.is_available() else "cpu")
+        except (ValueError, FileNotFoundError, RuntimeError, OSError) as e:
+            return None, f"{type(e).__name__}: {e}"
+        return read_json(raw), "no JSON written"
+    proc = subprocess.run(args, capture_output=True, text=True)
+    data = read_json(raw) if proc.returncode == 0 else None
+    return data, (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}, no JSON"])[-1]

@@ -42,22 +42,26 @@ def accounting_summary(cfg: ModelConfig, seq_len: int) -> dict:
             "seq_len": seq_len}
 
 
-def curves(records: list[dict], max_train_points: int = 200) -> dict:
-    """Validation and (subsampled) training loss against step, tokens, FLOPs and wall time.
+def curves(records: list[dict]) -> dict:
+    """Validation loss against step, tokens, FLOPs and wall time, and every training step's loss.
 
     Wall time is the running sum of the steps' ``step_time`` (training only: evaluation and
-    checkpoint writing are excluded, so runs are comparable whatever their eval settings).
+    checkpoint writing are excluded, so runs are comparable whatever their eval settings). ``train``
+    holds ``[step, loss, wall, grad_norm, lr]`` for every step (5 significant digits).
     """
     wall = list(accumulate(r.get("step_time", 0.0) for r in records))
     val = [{"step": r["step"], "tokens": r["tokens_seen"], "flops": r["flops_seen"], "wall": w, "val_loss": r["val_loss"]}
            for r, w in zip(records, wall) if r.get("val_loss") is not None]
-    every = max(1, len(records) // max_train_points)
-    train = [[r["step"], r["loss"], w] for i, (r, w) in enumerate(zip(records, wall))
-             if i % every == 0 or i == len(records) - 1]
+    train = [[r["step"], _sig(r["loss"]), _sig(w), _sig(r.get("grad_norm")), _sig(r.get("lr"))]
+             for r, w in zip(records, wall)]
     losses = [r["loss"] for r in records]
     return {"val": val, "train": train, "train_seconds": wall[-1] if wall else 0.0,
             "max_train_loss": max(losses) if losses else None,
             "spike_steps": [r["step"] for r in records if r.get("spike")]}
+
+
+def _sig(x, digits: int = 5):
+    return None if x is None else float(f"{x:.{digits}g}")
 
 
 def capacity_summary(stream: np.ndarray, cfg: ModelConfig, seq_len: int) -> dict | None:
@@ -86,3 +90,47 @@ def geometry_summary(model, ids: torch.Tensor, max_points: int = 300) -> dict | 
                **{f"{k}_mean_abs_cos": v["mean_abs"] for k, v in layer.items() if isinstance(v, dict)}}
               for layer in g["layers"]]
     return {"random_mean_abs_cos": g["random_mean_abs"], "n_positions": g["n_positions"], "layers": layers}
+
+
+@torch.no_grad()
+def val_batch_losses(model, ds, batch_size: int, seq_len: int, batches: int, dtype: str = "float32",
+                     doc_masking: bool = False) -> list[float]:
+    """The mean loss of each of the first ``batches`` validation batches (the eval-batch noise of one run)."""
+    from ..data import iter_eval_batches
+    from ..train.evaluate import autocast, compute_loss
+
+    was = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for batch in iter_eval_batches(ds, batch_size, seq_len, batches):
+        batch = batch.to(device)
+        with autocast(device, dtype):
+            out.append(float(compute_loss(model, batch, doc_masking)))
+    model.train(was)
+    return out
+
+
+def run_probes(model, data_dir, probes: dict, log=print) -> dict:
+    """The probes of ``probes`` (``{"knowledge": {limit}, "needle": {trials, lengths, depths}}``) on an
+    in-memory model whose tokenizer is in ``data_dir``; a probe whose data is missing is skipped (noted)."""
+    from pathlib import Path
+
+    from ..data import load_facts
+    from .probes import knowledge_probe, lm_for, needle_probe
+
+    if not (Path(data_dir) / "tokenizer.json").exists():
+        return {kind: {"skipped": f"{data_dir} holds no tokenizer.json"} for kind in probes}
+    out, lm = {}, lm_for(model, data_dir)
+    if (k := probes.get("knowledge")) is not None:
+        try:
+            facts = load_facts(Path(data_dir))
+        except FileNotFoundError:
+            out["knowledge"] = {"skipped": f"{data_dir} holds no facts"}
+        else:
+            out["knowledge"] = knowledge_probe(lm, facts, k.get("limit"))
+    if (n := probes.get("needle")) is not None:
+        out["needle"] = needle_probe(lm, int(n.get("trials", 4)), int(n.get("seed", 0)), n.get("lengths"),
+                                     tuple(n["depths"]) if n.get("depths") else None)
+    model.train()
+    return out

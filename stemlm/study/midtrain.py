@@ -1,4 +1,9 @@
-"""Mid-training insertion on a real model: the converted checkpoints and a corpus in their tokenizer.
+"""Mid-training insertion on a real model: its arms, the converted checkpoints, a corpus in their tokenizer.
+
+The arms (``midtrain.arms``: name -> {ffn, init, stem_layers, dagger_rows, anneal, anneal_ratio})
+all start from the same converted source and train on the same tokens, lr and schedule, for each
+of ``midtrain.seeds`` (default: ``[midtrain.seed]``, 0); the claim reads arms by their labels
+(``ffn``, ``init``, ``anneal``) and compares each STEM arm with the dense one.
 
 A converted model keeps its own vocabulary (SmolLM2: 49,152 ids), so it cannot train on the
 default corpus as prepared for the 4,096-id BPE: the same documents are tokenized again with the
@@ -13,7 +18,61 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from .spec import slug
+from ..config import ConfigError
+from .spec import RunSpec, slug
+
+MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio"}
+
+
+def midtrain_arms(m: dict) -> dict[str, dict]:
+    """The arms of a ``midtrain`` stage: ``m["arms"]`` (name -> {ffn, init, stem_layers, dagger_rows,
+    anneal, anneal_ratio}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
+    if "arms" not in m:
+        ffn, layers = m.get("ffn", "stem"), m.get("stem_layers", "1/3")
+        return {"dense": {"ffn": "dense"}, f"{ffn}-{layers}": {"ffn": ffn, "init": m.get("init", "project")}}
+    arms = m["arms"]
+    if not isinstance(arms, dict) or not arms:
+        raise ConfigError("study spec: midtrain.arms must map arm names to {ffn, init, ...}")
+    for name, arm in arms.items():
+        unknown = set(arm or {}) - MIDTRAIN_ARM_KEYS
+        if unknown:
+            raise ConfigError(f"study spec: midtrain arm {name!r} has unknown keys {sorted(unknown)}; "
+                              f"allowed: {sorted(MIDTRAIN_ARM_KEYS)}")
+        if (arm or {}).get("anneal", "off") != "off" and arm.get("ffn") != "stem_dagger":
+            raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs ffn: stem_dagger")
+    return arms
+
+
+def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
+    """The converted real model in every arm (dense continued, STEM with each table init, gradual
+    insertion) and seed, all on the same tokens, lr and schedule."""
+    from .stages import _eval_tasks, budget, seeded
+
+    out = []
+    data = {"dir": m["data_dir"]} if m.get("data_dir") else {"tokenizer_of_init": True}
+    source = str(m.get("source", "smollm2"))
+    seeds = m.get("seeds", [m.get("seed", 0)])
+    for seed in seeds:
+        for name, arm in midtrain_arms(m).items():
+            ffn = arm.get("ffn", "stem")
+            layers = None if ffn == "dense" else arm.get("stem_layers", m.get("stem_layers", "1/3"))
+            init = "zero" if ffn == "dense" else arm.get("init", m.get("init", "project"))
+            convert = {"source": source, "ffn": ffn, "stem_layers": layers, "init": init}
+            if init == "calibrate":
+                convert["calibration"] = {**(m.get("calibration") or {}),
+                                          **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
+                convert["calib_data"] = m.get("calib_data")
+            anneal = arm.get("anneal", "off")
+            ov = (list(spec.get("train") or []) + budget(spec, m) + seeded(seed)
+                  + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}"] + list(m.get("train") or [])
+                  + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else []))
+            suffix = f"-seed{seed}" if len(seeds) > 1 else ""
+            out.append(RunSpec(f"midtrain-{slug(Path(source).name)}-{slug(name)}{suffix}", "midtrain", ov,
+                               {"source": source, "variant": name, "ffn": ffn, "init": init, "anneal": anneal,
+                                "seed": seed},
+                               convert=convert, data=data, eval_tasks=_eval_tasks(spec), eval_init=anneal == "off",
+                               measures={"val_batches": True}))
+    return out
 
 
 def converted_model(convert: dict, root: Path, log: Callable[[str], None] = print) -> Path:

@@ -17,10 +17,10 @@ def default_dirs(spec: dict) -> tuple[Path, Path]:
 
 
 def parse_stages(text: str | None) -> tuple[str, ...]:
-    """``'compare,eval'`` -> ``('compare', 'eval')``; None -> every stage."""
+    """``'compare,eval'`` -> ``('compare', 'eval')``; None -> every stage (``stability`` is the sweep's)."""
     if not text:
         return ALL_STAGES
-    stages = tuple(s.strip() for s in text.split(",") if s.strip())
+    stages = tuple("sweep" if s.strip() == "stability" else s.strip() for s in text.split(",") if s.strip())
     unknown = [s for s in stages if s not in ALL_STAGES]
     if unknown:
         raise ValueError(f"unknown stage {unknown[0]!r}; choose from {', '.join(ALL_STAGES)}")

@@ -58,7 +58,7 @@ def roi_bars(rows_by_size: dict, out_dir: Path) -> Path | None:
 
 
 def spikes_vs_lr(rows: list[dict], out_dir: Path) -> Path | None:
-    """Loss spikes and final loss against the peak learning rate; diverged runs marked with x."""
+    """Robust-detector spikes and final loss against the peak learning rate; x = diverged, ▽ = collapsed."""
     if not rows:
         return None
     plt = pyplot()
@@ -66,40 +66,137 @@ def spikes_vs_lr(rows: list[dict], out_dir: Path) -> Path | None:
     for i, variant in enumerate(sorted({r["variant"] for r in rows})):
         rs = [r for r in rows if r["variant"] == variant]
         color = f"C{i % 10}"
-        a1.plot([r["lr"] for r in rs], [r["spikes"] for r in rs], "o-", color=color, label=variant)
-        ok = [r for r in rs if r["status"] == "finished"]
+        a1.plot([r["lr"] for r in rs], [len(r["spikes"]) for r in rs], "o-", color=color, label=variant)
+        ok = [r for r in rs if r["final_val_loss"] is not None]
         a2.plot([r["lr"] for r in ok], [r["final_val_loss"] for r in ok], "o-", color=color, label=variant)
         for r in rs:
-            if r["status"] == "diverged":
-                a1.plot([r["lr"]], [r["spikes"]], "x", color=color, ms=12, mew=2)
-    for ax, label in ((a1, "loss spikes (trainer's detector); x = diverged"), (a2, "final validation loss")):
+            if r["status"] != "finished":
+                a1.plot([r["lr"]], [len(r["spikes"])], "x" if r["status"] == "diverged" else "v", color=color, ms=11, mew=2)
+    if rows:
+        a2.axhline(rows[0]["unigram_entropy"], color="gray", ls=":", label="unigram entropy")
+    for ax, label in ((a1, "loss spikes (robust detector); x diverged, ▽ collapsed"), (a2, "final validation loss")):
         ax.set_xscale("log")
         ax.set_xlabel("peak learning rate")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     return save(fig, out_dir / "spikes_vs_lr.png")
 
 
+def stability_curves(rows: list[dict], out_dir: Path) -> Path | None:
+    """Every step's training loss of each sweep run, one panel per variant, each spike circled."""
+    rows = [r for r in rows if r["train"]]
+    if not rows:
+        return None
+    plt = pyplot()
+    variants = sorted({r["variant"] for r in rows})
+    cols = min(3, len(variants))
+    fig, axes = plt.subplots(-(-len(variants) // cols), cols, figsize=(5 * cols, 3.6 * -(-len(variants) // cols)),
+                             squeeze=False)
+    for ax, variant in zip(axes.flat, variants):
+        for i, r in enumerate(r for r in rows if r["variant"] == variant):
+            steps, losses = [p[0] for p in r["train"]], [p[1] for p in r["train"]]
+            ax.plot(steps, losses, "-", lw=0.8, color=f"C{i % 10}", label=f"lr {r['lr']:g} ({r['status']})")
+            if r["spikes"]:
+                ax.plot([s["step"] for s in r["spikes"]], [s["loss"] for s in r["spikes"]], "o", mfc="none",
+                        color=f"C{i % 10}", ms=9, mew=1.5)
+        ax.axhline(rows[0]["unigram_entropy"], color="gray", ls=":", lw=1)
+        ax.set_ylim(top=min(ax.get_ylim()[1], rows[0]["unigram_entropy"] + 4))
+        ax.set_title(variant, fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(variants):]:
+        ax.axis("off")
+    fig.suptitle("every step of every sweep run; circles: spikes (robust detector); dotted: unigram entropy", fontsize=9)
+    return save(fig, out_dir / "stability_curves.png")
+
+
+def gap_vs_tokens(trends: dict[str, dict[str, dict]], out_dir: Path) -> Path | None:
+    """Per size: each placement's validation-loss gap to dense against tokens (thin: seeds, thick: mean)
+    and the trend line fitted over the second half of training, extended to where it crosses zero."""
+    import math
+
+    sizes = [s for s, t in trends.items() if t]
+    if not sizes:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(sizes), figsize=(6 * len(sizes), 4.2), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        for i, (variant, t) in enumerate(trends[size].items()):
+            color = f"C{i % 10}"
+            for pairs in t["seeds"].values():
+                ax.plot([p[0] for p in pairs], [p[1] for p in pairs], "-", lw=0.6, alpha=0.5, color=color)
+            xs, ys = zip(*t["mean_curve"])
+            ax.plot(xs, ys, "o-", ms=3, color=color, label=f"{variant} (n={len(t['seeds'])})")
+            slope = t["slope"]["mean"]
+            x0, y0 = t["tokens_end"], t["mean_curve"][-1][1]
+            x1 = min(t["cross_tokens"] or 4 * x0, 16 * x0)
+            tx = [x0 * (x1 / x0) ** (j / 20) for j in range(21)]
+            ax.plot(tx, [y0 + slope * math.log2(x / x0) for x in tx], "--", color=color, lw=1)
+        ax.axhline(0, color="gray", lw=1)
+        ax.set_xscale("log")
+        ax.set_xlabel("training tokens (dashed: trend of the second half, extrapolated)")
+        ax.set_ylabel("val loss − dense (nats/token)")
+        ax.set_title(f"size {size}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    return save(fig, out_dir / "gap_vs_tokens.png")
+
+
 def loss_by_position(rows: list[dict], out_dir: Path) -> Path | None:
-    """Validation loss by position (bucketed to 32 points) before and after context extension."""
+    """Validation loss by position (bucketed to 32 points, mean over seeds) before and after context extension."""
     rows = [r for r in rows if r["final"]]
     if not rows:
         return None
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for i, r in enumerate(rows):
-        n = len(r["final"])
+    for i, variant in enumerate(dict.fromkeys(r["variant"] for r in rows)):
+        rs = [r for r in rows if r["variant"] == variant]
+        n = min(len(r["final"]) for r in rs)
         step = max(1, n // 32)
-        xs = [min(n - 1, j * step + step // 2) for j in range(len(bucket(r["final"], n // step)))]
-        ax.plot(xs, bucket(r["final"], n // step), "-", color=f"C{i}", label=f"{r['variant']} extended")
-        if r["init"]:
-            ax.plot(xs, bucket(r["init"], n // step), "--", color=f"C{i}", label=f"{r['variant']} before")
+        for key, style, label in (("final", "-", "extended"), ("init", "--", "before")):
+            if not all(r[key] for r in rs):
+                continue
+            curve = [sum(r[key][j] for r in rs) / len(rs) for j in range(n)]
+            ys = bucket(curve, n // step)
+            ax.plot([min(n - 1, j * step + step // 2) for j in range(len(ys))], ys, style, color=f"C{i}",
+                    label=f"{variant} {label} (n={len(rs)})")
     ax.set_xlabel("position in the window (tokens of preceding text)")
     ax.set_ylabel("validation loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return save(fig, out_dir / "loss_by_position.png")
+
+
+def needle_gain_grid(rows: list[dict], out_dir: Path) -> Path | None:
+    """The needle probe's gain (key log-prob with − without the needle, nats), depth × length, mean over
+    seeds, one panel per variant (and one per positive control)."""
+    import numpy as np
+
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("needle"):
+            groups.setdefault(r["variant"], []).append(r["needle"])
+    if not groups:
+        return None
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.4 * len(groups), 3.8), squeeze=False)
+    vmax = max(abs(float(np.mean([p["gain"] for p in ps], axis=0).max())) for ps in groups.values()) or 1.0
+    for ax, (variant, probes) in zip(axes[0], groups.items()):
+        grid = np.mean([p["gain"] for p in probes], axis=0)
+        im = ax.imshow(grid, cmap="RdBu", vmin=-vmax, vmax=vmax, aspect="auto")
+        ax.set_xticks(range(len(probes[0]["lengths"])), probes[0]["lengths"])
+        ax.set_yticks(range(len(probes[0]["depths"])), [f"{d:.0%}" for d in probes[0]["depths"]])
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, f"{v:+.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth")
+        ax.set_title(f"{variant} (n={len(probes)})", fontsize=9)
+    fig.colorbar(im, ax=axes[0, -1], label="key log-prob gain (nats)")
+    return save(fig, out_dir / "needle_gain.png")
 
 
 def niah_grid(rows: list[dict], out_dir: Path) -> Path | None:

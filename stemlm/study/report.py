@@ -5,21 +5,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from . import plots
+from . import plots, sections
 from .claims import claim_rows
-from .tables import (bucket, compare_rows, context_rows, curve_groups, load_results, midtrain_rows,
-                     stability_rows)
+from .dynamics import gap_curves, gap_trend, val_curves
+from .evidence import PLACEMENTS
+from .paper import TABLE2
+from .sections import f as _f, table as _table
+from .stability import DEFAULTS as SPIKE_DEFAULTS
+from .stats import RULE
+from .tables import compare_rows, context_rows, control_rows, curve_groups, load_results, midtrain_rows, stability_rows
 from .timing import load_timing
+from .tuning import best_lrs, sweep_table
 from ..accounting import human
 from .measures import __doc__ as MEASURES_DOC
-
-
-def _f(x, fmt: str = ".3f") -> str:
-    return "–" if x is None else format(x, fmt)
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows), ""]
 
 
 def _img(path: Path | None, alt: str) -> list[str]:
@@ -36,21 +34,22 @@ def _compare(rows_by_size: dict) -> list[str]:
                    "turn, rounds rotating), and its median ratio to dense; the wall-time curves are step × that time."
                    if timed else "Train s: each run's own training time (runs train one after another; a busy "
                    "machine moves them: run the `timing` stage for a side-by-side measurement).")
-    lines = ["## 1. Matched-budget comparison", "", timing_note, "",
-             "Same tokens, data order and seeds for every variant. Val loss: mean ± half-range over seeds. "
+    lines = ["## 2. Matched-budget comparison", "", timing_note, "",
+             "Each variant at its best sweep lr (lr column); seed s fixes the init and the data order of every variant's "
+             "run s. Val loss: mean ± half-range over seeds. "
              "Loss ROI = ((H − L)/F) / ((H − L_dense)/F_dense), H = unigram entropy of the corpus, F = training "
              "FLOPs per token; accuracy ROI = (acc/F) / (acc_dense/F_dense) with the mean eval accuracy (Table 3).", ""]
     for size, rows in rows_by_size.items():
         lines += [f"### size {size} (unigram entropy {rows[0]['unigram_entropy']:.3f} nats/token)", ""]
         lines += _table(
-            ["variant", "total params", "active params", "train FLOPs/token", "decode bytes (bf16)", "val loss",
-             "Δ vs dense", "loss ROI", "acc ROI", "mean acc", "spikes", "step s (× dense)" if timed else "train s"],
-            [[r["variant"], human(r["total_params"]), human(r["active_params"]), human(r["train_flops_per_token"]),
-              human(r["decode_bytes"], "B"),
+            ["variant", "lr", "total params", "active params", "train FLOPs/token", "decode bytes (bf16)", "val loss",
+             "Δ vs dense", "loss ROI", "acc ROI", "mean acc", "step s (× dense)" if timed else "train s"],
+            [[r["variant"], _f(r["lr"], "g"), human(r["total_params"]), human(r["active_params"]),
+              human(r["train_flops_per_token"]), human(r["decode_bytes"], "B"),
               (f"{_f(r['val_loss'])} ± {_f(r['val_loss_spread'])} (n={r['n']})" if r["n"] > 1
                else f"{_f(r['val_loss'])} (n=1)") + (f", {r['diverged']} diverged" if r["diverged"] else ""),
               _f(r["delta_vs_dense"], "+.3f"), _f(r["loss_roi"]), _f(r["paper_roi"]), _f(r["mean_acc"]),
-              str(r["spikes"]), _step_cell(r) if timed else _f(r["train_seconds"], ".0f")] for r in rows])
+              _step_cell(r) if timed else _f(r["train_seconds"], ".0f")] for r in rows])
         matched = [r for r in rows if r["match"]]
         if matched:
             lines += ["Parameter matching (total parameters, `stemlm.accounting`):", ""]
@@ -71,7 +70,8 @@ def _compare(rows_by_size: dict) -> list[str]:
         tasks = sorted({t for r in rows for t in r["acc"]})
         if tasks:
             lines += ["Eval accuracy (`stemlm eval`): mean over seeds ± its standard error; **bold** = above chance "
-                      "(mean − 2 se > chance); chance in the last row.", ""]
+                      "(mean − 2 se > chance); chance in the last row. Where every score is at chance the accuracy "
+                      "ROI above only restates the FLOP ratio.", ""]
             lines += _table(["variant", *tasks], [[r["variant"], *(_acc_cell(r["acc_detail"].get(t)) for t in tasks)]
                                                   for r in rows])
             chance = {t: next((r["acc_detail"][t]["chance"] for r in rows if t in r["acc_detail"]), None) for t in tasks}
@@ -92,53 +92,6 @@ def _layer_mean(geometry: dict, key: str) -> float | None:
     return sum(vals) / len(vals) if vals else None
 
 
-def _stability(rows: list[dict]) -> list[str]:
-    if not rows:
-        return []
-    return ["## 2. Stability under stress (peak learning-rate sweep)", "",
-            "Spikes: steps whose loss exceeds the trainer's threshold (`run.spike_factor` × running median). "
-            "Diverged: the trainer stopped on a non-finite loss or gradient norm.", "",
-            *_table(["variant", "peak lr", "status", "steps", "spikes", "max train loss", "final val loss"],
-                    [[r["variant"], f"{r['lr']:g}", r["status"], f"{r['steps']}/{r['total_steps']}", str(r["spikes"]),
-                      _f(r["max_train_loss"]), _f(r["final_val_loss"])] for r in rows])]
-
-
-def _context(rows: list[dict]) -> list[str]:
-    if not rows:
-        return []
-    lines = ["## 3. Context extension", "",
-             "`run.stage=context_extend` with document masking, from the comparison run of the same variant. "
-             "Validation loss by position (window quarters, plain causal attention over the whole window), "
-             "before (the starting checkpoint at the long length) and after the extension:", ""]
-    body = []
-    for r in rows:
-        for point in ("init", "final"):
-            if r[point]:
-                body.append([r["variant"], "before" if point == "init" else "after", str(r["seq_len"]),
-                             *(_f(x) for x in bucket(r[point])), _f(sum(r[point]) / len(r[point]))])
-    lines += _table(["variant", "", "length", "Q1", "Q2", "Q3", "Q4", "mean"], body)
-    niah = [(r, t, s) for r in rows for t, s in r["eval"].items()]
-    if niah:
-        lines += _table(["variant", "task", "acc", "n"], [[r["variant"], t, _f(s.get("acc")), str(s.get("n", "–"))]
-                                                          for r, t, s in niah])
-    return lines
-
-
-def _midtrain(rows: list[dict]) -> list[str]:
-    if not rows:
-        return []
-    tasks = sorted({t for r in rows for t in (*r["acc_init"], *r["acc_final"])})
-    lines = ["## 4. Mid-training insertion on a real model", "",
-             "The converted model (STEM tables initialised by `project`) and its dense original, trained with "
-             "the same tokens and learning rate on the default corpus in the model's own tokenizer.", ""]
-    lines += _table(["variant", "total params", "train FLOPs/token", "status", "steps", "val loss step 0", "val loss end",
-                     *(f"{t} 0 → end" for t in tasks)],
-                    [[r["variant"], human(r["total_params"]), human(r["train_flops_per_token"]), r["status"], str(r["steps"]),
-                      _f(r["val_loss_init"]), _f(r["final_val_loss"]),
-                      *(f"{_acc_cell(r['detail_init'].get(t))} → {_acc_cell(r['detail_final'].get(t))}" for t in tasks)] for r in rows])
-    return lines
-
-
 def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write ``report.md`` and the PNGs into ``out_dir`` (default: the results dir); returns the report path."""
     results_dir = Path(results_dir)
@@ -148,22 +101,33 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
         raise FileNotFoundError(f"{results_dir}/runs holds no run results")
     meta_file = results_dir / "study.json"
     meta = json.loads(meta_file.read_text()) if meta_file.exists() else {}
+    settings = report_settings(meta.get("spec") or {})
     timing = load_timing(results_dir)
     compare = compare_rows(runs, evals, timing)
-    stab, ctx, mid = stability_rows(runs), context_rows(runs, evals), midtrain_rows(runs, evals)
+    stab, ctx, mid = stability_rows(runs, settings["spikes"]), context_rows(runs, evals), midtrain_rows(runs, evals)
+    controls = control_rows(runs)
     commits = sorted({r.get("git_commit") or "unknown" for r in runs})
     lines = [f"# Study {meta.get('name', results_dir.name)}", "",
              f"Generated by `stemlm study report` from {len(runs)} run results and {len(evals)} eval results "
              f"(git commit{'s' if len(commits) > 1 else ''} {', '.join(c[:10] for c in commits)}). "
              f"Runs by status: {_status_counts(runs)}.", ""]
-    lines += _claims(claim_rows(runs, evals, timing))
+    lines += _claims(claim_rows(runs, evals, timing, settings))
+    sweep_steps = next((r["config"]["run"]["steps"] for r in runs if r["stage"] == "sweep"), None)
+    lines += sections.tuning(sweep_table(runs), best_lrs([r for r in runs if r["stage"] == "sweep"],
+                                                          settings["grid"] or None), sweep_steps)
     lines += _compare(compare)
     for path in plots.loss_curves(curve_groups(runs, timing=timing), out, timed=timing is not None):
         lines += _img(path, path.stem)
     lines += _img(plots.roi_bars(compare, out), "ROI")
-    lines += _stability(stab) + _img(plots.spikes_vs_lr(stab, out), "spikes vs lr")
-    lines += _context(ctx) + _img(plots.loss_by_position(ctx, out), "loss by position") + _img(plots.niah_grid(ctx, out), "NIAH")
-    lines += _midtrain(mid) + _img(plots.midtrain_curves(mid, out), "mid-training loss")
+    lines += _dynamics(runs, out)
+    lines += sections.stability(stab, settings["spikes"]) + _img(plots.spikes_vs_lr(stab, out), "spikes vs lr")
+    lines += _img(plots.stability_curves(stab, out), "every step of the sweep")
+    lines += sections.knowledge(compare, controls)
+    lines += sections.context(ctx, controls) + _img(plots.loss_by_position(ctx, out), "loss by position")
+    needle_rows = ctx + [{"variant": f"control {c['name']}", "needle": c["probes"].get("needle")} for c in controls]
+    lines += _img(plots.needle_gain_grid(needle_rows, out), "needle gain")
+    lines += _img(plots.niah_grid(ctx, out), "NIAH")
+    lines += sections.midtrain(mid, _acc_cell) + _img(plots.midtrain_curves(mid, out), "mid-training loss")
     lines += ["## Definitions", "", "```", MEASURES_DOC.strip(), "```", ""]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.md"
@@ -171,12 +135,51 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
     return path
 
 
+def report_settings(spec: dict) -> dict:
+    """What the report needs of the spec: spike settings, the paper's lr, the tuning grid."""
+    from .stability import spike_settings
+
+    return {"spikes": spike_settings(spec) if spec else dict(SPIKE_DEFAULTS), "paper_lr": TABLE2["lr"],
+            "grid": [float(x) for x in (spec.get("sweep") or {}).get("lrs") or []]}
+
+
+def _dynamics(runs: list[dict], out: Path) -> list[str]:
+    """The gap to dense against tokens, per placement, with its trend."""
+    epoch = next((r["data"].get("train_tokens") for r in runs if r["stage"] == "compare"), None)
+    trends = {}
+    for size, curves in val_curves(runs).items():
+        trends[size] = {}
+        for p in PLACEMENTS:
+            gaps = gap_curves(curves, p)
+            if gaps and (t := gap_trend(gaps, epoch_tokens=epoch)) is not None:
+                trends[size][p] = {**t, "seeds": gaps}
+    if not any(trends.values()):
+        return []
+    lines = ["### Training dynamics: the gap to dense", "",
+             "Validation loss of each placement minus dense's (same seed) at every evaluation; slope of a line on "
+             "log₂ tokens over the second half of training, per seed, mean with its 95 % interval.", ""]
+    lines += _table(["size", "variant", "gap first", "at tokens", "gap end", "at tokens", "slope (nats/doubling)",
+                     "crosses 0 at"],
+                    [[size, v, _f(t["gap_first"], "+.3f"), human(t["tokens_first"]), _f(t["gap_end"], "+.3f"),
+                      human(t["tokens_end"]), _slope_cell(t["slope"]),
+                      (human(t["cross_tokens"]) + (f" ({t['cross_epochs']:.1f} epochs)" if t["cross_epochs"] else ""))
+                      if t["cross_tokens"] else "never (on this trend)"] for size, ts in trends.items() for v, t in ts.items()])
+    return lines + _img(plots.gap_vs_tokens(trends, out), "gap vs tokens")
+
+
+def _slope_cell(d: dict) -> str:
+    return (f"{d['mean']:+.3f} [{d['ci'][0]:+.3f}, {d['ci'][1]:+.3f}]" if d.get("ci") else f"{d['mean']:+.3f} (n={d['n']})")
+
+
 def _claims(rows: list[dict]) -> list[str]:
     if not rows:
         return []
-    return ["## The paper's claims", "", "Each verdict follows the rule in its row (`stemlm/study/claims.py`).", "",
-            *_table(["claim", "paper", "measured here", "verdict", "rule"],
-                    [[r["claim"], r["paper"], r["measured"], f"**{r['verdict']}**", r["rule"]] for r in rows])]
+    return ["## The paper's claims", "",
+            f"Verdict rule (`stemlm/study/stats.py`): {RULE}. Each row's comparison and its intervals are in "
+            "`measured`; the per-claim rule says what is compared (`stemlm/study/claims.py`).", "",
+            *_table(["claim", "paper (source)", "measured here: difference [95 % interval], MDE", "verdict", "compared"],
+                    [[r["claim"], r["paper"], r["measured"], f"**{r['verdict']}**", r["rule"].split(". ")[0]]
+                     for r in rows])]
 
 
 def _status_counts(runs: list[dict]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 
 from ..version import git_dirty, git_head
-from .measures import accounting_summary, capacity_summary, curves, geometry_summary
+from .measures import accounting_summary, capacity_summary, curves, geometry_summary, run_probes, val_batch_losses
 from .spec import STAGES, RunSpec, plan
 
 Log = Callable[[str], None]
@@ -60,6 +61,22 @@ class Study:
         self.results, self.scratch = Path(results_dir), Path(scratch_dir)
         self.runs = plan(spec)
         self.by_name = {r.name: r for r in self.runs}
+        self.tuned: dict = {}
+        self.replan()
+
+    def replan(self) -> None:
+        """Plan again with the lrs the finished sweep runs pick (``tuning.best_lrs``)."""
+        from .tuning import best_lrs
+
+        runs = [r for r in self.runs if r.stage == "sweep"]
+        results = {r.name: self.result(r) for r in runs}
+        grid = [float(x) for x in (self.spec.get("sweep") or {}).get("lrs") or []]
+        # a variant is tuned once every run of its grid has finished (a partial sweep picks nothing)
+        unfinished = {r.labels["variant"] for r in runs if "tune" in r.labels["roles"] and results[r.name] is None}
+        done = [res for res in results.values() if res is not None and res["labels"]["variant"] not in unfinished]
+        self.tuned = best_lrs(done, grid) if done else {}
+        self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()})
+        self.by_name = {r.name: r for r in self.runs}
 
     # -- paths ------------------------------------------------------------------------------
     def result_path(self, run: RunSpec) -> Path:
@@ -85,17 +102,31 @@ class Study:
 
     # -- the study --------------------------------------------------------------------------
     def run(self, stages: tuple[str, ...] = STAGES) -> dict:
-        """Train every run of the selected stages (and the runs they continue); returns counts."""
-        counts = {"trained": 0, "skipped": 0, "diverged": 0}
+        """Train every run of the selected stages (and the runs they continue); returns counts.
+
+        The sweep goes first; then the study is planned again with the lrs it picked. A selected
+        run that waits for the sweep has its sweep runs trained first."""
+        counts = {"trained": 0, "skipped": 0, "diverged": 0, "pending": 0}
         for stage in STAGES:
             if stage in stages and not any(r.stage == stage for r in self.runs):
                 why = (self.spec.get("skipped") or {}).get(stage, "")
                 self.log(f"stage {stage}: not in study spec {self.spec['name']!r}, skipped" + (f": {why}" if why else ""))
+        waiting = any(r.pending for r in self.runs if r.stage in stages)
+        if waiting and "sweep" not in stages:
+            self.log("the runs selected wait for the sweep's lrs: training the sweep first")
         for run in self.runs:
-            if run.stage in stages:
+            if run.stage == "sweep" and ("sweep" in stages or waiting):
+                self.ensure(run, counts)
+        self.replan()
+        for run in self.runs:
+            if run.stage in stages and run.stage != "sweep":
+                if run.pending:
+                    counts["pending"] += 1
+                    self.log(f"{run.name}: not trained, it {run.pending}")
+                    continue
                 self.ensure(run, counts)
         write_json(self.results / "study.json", {"name": self.spec["name"], "spec": self.spec,
-                                                 "runs": [r.name for r in self.runs], **provenance()})
+                                                 "runs": [r.name for r in self.runs], "tuned": self.tuned, **provenance()})
         return counts
 
     def ensure(self, run: RunSpec, counts: dict, as_parent: bool = False) -> dict:
@@ -131,6 +162,10 @@ class Study:
         return None
 
     def data_dir(self, run: RunSpec, init: str | None) -> str | None:
+        """The run's data: the spec's, a corpus in a converted model's tokenizer, or a control's corpus."""
+        if run.data.get("control"):
+            from .controls import control_corpus
+            return str(control_corpus(run.data, self.spec.get("data_dir"), self.scratch / "data", self.log))
         if run.data.get("tokenizer_of_init"):
             from .midtrain import corpus_for_tokenizer
             return str(corpus_for_tokenizer(Path(init), self.scratch / "data", run.convert["source"], self.log))
@@ -172,7 +207,8 @@ class Study:
             "spec": asdict(run), "config": cfg.to_dict(), "status": status, "diverged_message": message,
             "seeds": {"run.seed": cfg.run.seed, "data.seed": cfg.data.seed},
             "data": {"dir": str(trainer.data_dir), "unigram_entropy": unigram_entropy(trainer.data_dir),
-                     "vocab_size": trainer.train_ds.vocab_size},
+                     "vocab_size": trainer.train_ds.vocab_size, "train_tokens": int(trainer.train_ds.n_tokens),
+                     "epochs": trainer.tokens_seen / max(1, int(trainer.train_ds.n_tokens))},
             "init_from": init, "run_dir": str(self.run_dir(run)), "checkpoint": str(ckpt) if ckpt else None,
             "accounting": accounting_summary(model_cfg, cfg.data.seq_len),
             "metrics": {"val_loss_init": (read_json(init_file) or {}).get("val_loss"), "final_val_loss": final_val,
@@ -185,12 +221,23 @@ class Study:
         result["timings"] = {"started": started, "total_seconds": time.perf_counter() - t0,
                              "train_and_measure_seconds": train_seconds}
         result.update(provenance())
+        if ckpt and not self.keeps_checkpoint(run):
+            for path in {self.run_dir(run) / "checkpoints", Path(ckpt)}:
+                shutil.rmtree(path, ignore_errors=True)
+            result["checkpoint_removed"] = True
         write_json(self.result_path(run), result)
         return result
 
+    def keeps_checkpoint(self, run: RunSpec) -> bool:
+        """Whether ``run``'s checkpoints stay on disk: always, unless the spec says ``keep_checkpoints: false``
+        (large models on a small disk); then only where a later run continues it or the eval stage reads it."""
+        if self.spec.get("keep_checkpoints", True):
+            return True
+        return bool(run.eval_tasks) or any(r.parent == run.name for r in self.runs)
+
     def measure(self, run: RunSpec, trainer) -> dict:
-        """The run's optional measures: loss by position (also of the model it started from),
-        geometry and capacity of its tables."""
+        """The run's optional measures: loss by position (also of the model it started from), the
+        final eval batches' losses, geometry and capacity of its tables, the probes."""
         from ..data import iter_eval_batches
         from ..train.evaluate import loss_by_position
         from ..train.loop import build_model
@@ -202,9 +249,16 @@ class Study:
             if m.get("position_loss_parent"):
                 start = build_model(cfg, trainer.train_ds.vocab_size).to(trainer.device)
                 out["position_loss"]["init"] = loss_by_position(start, *args)
+        if m.get("val_batches"):
+            out["val_batches"] = val_batch_losses(trainer.model, trainer.val_ds, cfg.data.batch_size, cfg.data.seq_len,
+                                                  cfg.run.eval_batches, cfg.run.dtype, cfg.data.doc_masking)
         if m.get("geometry"):
             ids = next(iter(iter_eval_batches(trainer.val_ds, 2, cfg.data.seq_len, 1))).inputs.to(trainer.device)
             out["geometry"] = geometry_summary(trainer.model, ids)
             stream = np.asarray(trainer.val_ds.tokens[:50_000], dtype=np.int64)
             out["capacity"] = capacity_summary(stream, trainer.model.cfg, cfg.data.seq_len)
+        if m.get("probes"):
+            t0 = time.perf_counter()
+            out["probes"] = run_probes(trainer.model, trainer.data_dir, m["probes"], self.log)
+            out["probes"]["seconds"] = time.perf_counter() - t0
         return out

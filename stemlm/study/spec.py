@@ -1,14 +1,21 @@
 """Study specifications: a YAML file in ``studies/`` expanded into an ordered list of runs.
 
-A spec names backbone sizes, a shared token budget and four training stages (``compare``,
-``stability``, ``context``, ``midtrain``) plus the optional ``eval`` stage; ``plan(spec)``
-turns it into ``RunSpec``s, parents before children. Every run has a ``spec_hash`` over all
-that determines its result (its training overrides, measures, the hash of the run it continues
-and ``STUDY_VERSION``): a run is finished when its result JSON carries the same hash.
+A spec names backbone sizes, a token budget, the optimizer setting (``optim: paper`` is Table 2's:
+one lr and one weight decay for every parameter, tables included) and the training stages:
 
-Variants are named ``KIND`` or ``KIND-PLACEMENT`` (``dense``, ``stem-1/3``, ``stem_dagger-1/3``,
-``hash_moe-1/3``), plus ``dense-wide``: a dense model whose FFN width is chosen so that its total
-parameters match ``stem-1/3`` of the same size (``stemlm.study.variants``).
+* ``sweep``: every variant at several peak lrs (the tuning grid; one seed, shorter runs), plus the
+  higher lrs of ``stability`` for the variants it names (the stress test shares the sweep's runs);
+* ``compare``: every variant at its best sweep lr (``lr: tuned``), several seeds, each seed fixing
+  both the model init (``run.seed``) and the data order (``data.seed``);
+* ``context``: comparison runs continued at a longer context; ``controls``: the probes' positive
+  controls; ``midtrain``: insertion into a pretrained model (its arms may live in another spec,
+  ``midtrain: {from: NAME}``).
+
+``plan(spec, tuned)`` turns a spec into ``RunSpec``s, parents before children. ``tuned`` maps a
+variant to the lr the sweep picked; without it, runs that need it are returned as ``pending``.
+Every run has a ``spec_hash`` over all that determines its result (training overrides, measures,
+the hash of the run it continues and ``STUDY_VERSION``): a run is finished when its result JSON
+carries the same hash.
 """
 
 from __future__ import annotations
@@ -23,9 +30,10 @@ import yaml
 
 from ..config import ConfigError
 
-STUDY_VERSION = 1
-STAGES = ("compare", "stability", "context", "midtrain")
-SPEC_KEYS = {"name", "description", "skipped", "data_dir", "train", "sizes", "budget", "eval", "timing", *STAGES}
+STUDY_VERSION = 2
+STAGES = ("sweep", "compare", "context", "controls", "midtrain")
+SPEC_KEYS = {"name", "description", "skipped", "data_dir", "optim", "train", "sizes", "budget", "eval", "timing",
+             "stability", "probes", "keep_checkpoints", *STAGES}
 STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
 
 
@@ -39,10 +47,11 @@ class RunSpec:
     labels: dict[str, Any]                        # size, variant, seed, lr, ... (for the report)
     parent: str | None = None                     # run whose newest checkpoint starts this one (run.init_from)
     convert: dict | None = None                   # midtrain: convert_from_hf arguments for run.init_from
-    data: dict = field(default_factory=dict)      # {"dir": path} or {"tokenizer_of_init": True}; {} = the spec's data
-    measures: dict = field(default_factory=dict)  # position_loss: {seq_len, batches}; geometry: bool
+    data: dict = field(default_factory=dict)      # {"dir": path}, {"tokenizer_of_init": True}, {"control": kind}
+    measures: dict = field(default_factory=dict)  # position_loss, geometry, probes: {knowledge: {...}, needle: {...}}
     eval_tasks: list[str] = field(default_factory=list)
     eval_init: bool = False                       # also evaluate the model the run starts from (step 0)
+    pending: str | None = None                    # why the run cannot be planned yet (it waits for the sweep)
     spec_hash: str = ""
 
     def hash_input(self, parent_hash: str | None) -> dict:
@@ -51,13 +60,11 @@ class RunSpec:
 
 
 def load_spec(path_or_name: str | Path) -> dict:
-    """A study spec from a YAML path, or by name from the repo's ``studies/`` (``quick``, ``full``)."""
-    path = Path(path_or_name)
-    if not path.exists() and (STUDIES_DIR / f"{path_or_name}.yaml").exists():
-        path = STUDIES_DIR / f"{path_or_name}.yaml"
-    if not path.is_file():
-        raise FileNotFoundError(f"study spec {path_or_name} not found (a YAML file, or one of "
-                                f"{', '.join(sorted(p.stem for p in STUDIES_DIR.glob('*.yaml')))})")
+    """A study spec from a YAML path, or by name from the repo's ``studies/`` (``quick``, ``full``, ``gpu``).
+
+    ``midtrain: {from: NAME}`` takes the ``midtrain`` section of another spec (a name in ``studies/``
+    or a path); when that spec does not exist the stage is skipped with a note."""
+    path = _find(path_or_name)
     spec = yaml.safe_load(path.read_text()) or {}
     unknown = set(spec) - SPEC_KEYS
     if unknown:
@@ -65,9 +72,39 @@ def load_spec(path_or_name: str | Path) -> dict:
     for key in ("sizes", "budget"):
         if key not in spec:
             raise ConfigError(f"study spec {path}: missing '{key}'")
+    if spec.get("optim") not in (None, "paper") and not isinstance(spec.get("optim"), list):
+        raise ConfigError(f"study spec {path}: optim must be 'paper' or a list of optim.* overrides, got {spec['optim']!r}")
     spec.setdefault("name", path.stem)
+    _include_midtrain(spec, path)
     _check_eval_tasks(spec, path)
     return spec
+
+
+def _find(path_or_name: str | Path) -> Path:
+    path = Path(path_or_name)
+    if not path.exists() and (STUDIES_DIR / f"{path_or_name}.yaml").exists():
+        path = STUDIES_DIR / f"{path_or_name}.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"study spec {path_or_name} not found (a YAML file, or one of "
+                                f"{', '.join(sorted(p.stem for p in STUDIES_DIR.glob('*.yaml')))})")
+    return path
+
+
+def _include_midtrain(spec: dict, path: Path) -> None:
+    """Replace ``midtrain: {from: NAME}`` by that spec's ``midtrain`` section (or skip the stage)."""
+    m = spec.get("midtrain")
+    if not isinstance(m, dict) or "from" not in m:
+        return
+    try:
+        other = yaml.safe_load(_find(m["from"]).read_text()) or {}
+    except FileNotFoundError:
+        spec["midtrain"] = None
+        spec.setdefault("skipped", {})["midtrain"] = (f"its arms come from the spec {m['from']!r}, which does not "
+                                                      "exist yet (the insertion study fills it in)")
+        return
+    if not isinstance(other.get("midtrain"), dict):
+        raise ConfigError(f"study spec {path}: midtrain.from={m['from']!r} names a spec without a midtrain section")
+    spec["midtrain"] = {**other["midtrain"], **{k: v for k, v in m.items() if k != "from"}}
 
 
 def _check_eval_tasks(spec: dict, path: Path) -> None:
@@ -89,142 +126,31 @@ def slug(text: str) -> str:
     return str(text).replace("/", "_").replace(",", "+").replace("=", "")
 
 
-def _size_overrides(spec: dict, size: str) -> list[str]:
-    sizes = spec["sizes"]
-    if size not in sizes:
-        raise ConfigError(f"study spec: unknown size {size!r}; defined: {', '.join(sizes)}")
-    s = sizes[size]
-    return [f"model.preset={s.get('preset', 'tiny')}"] + [f"model.{k}={v}" for k, v in (s.get("model") or {}).items()]
+def plan(spec: dict, tuned: dict[str, float] | None = None) -> list[RunSpec]:
+    """Every run of ``spec`` in execution order (parents first), with ``spec_hash`` filled in.
 
-
-def _budget(spec: dict, stage: dict) -> list[str]:
-    b = {**spec["budget"], **{k: stage[k] for k in ("steps", "batch_size", "seq_len") if k in stage}}
-    return [f"run.steps={b['steps']}", f"data.batch_size={b['batch_size']}", f"data.seq_len={b['seq_len']}"]
-
-
-def _base(spec: dict, stage: dict, size: str, seed: int) -> list[str]:
-    return (list(spec.get("train") or []) + _size_overrides(spec, size) + _budget(spec, stage)
-            + [f"run.seed={seed}", f"data.seed={spec['budget'].get('data_seed', 0)}"])
-
-
-def _eval_tasks(spec: dict, key: str = "tasks") -> list[str]:
-    return list((spec.get("eval") or {}).get(key) or [])
-
-
-def plan(spec: dict) -> list[RunSpec]:
-    """Every run of ``spec`` in execution order (parents first), with ``spec_hash`` filled in."""
-    from .variants import parameter_match, size_config, variant_overrides
+    ``tuned``: ``{variant: lr}`` picked by the sweep (``tuning.best_lrs``); runs that need a tuned lr
+    it does not hold come back with ``pending`` set and no hash."""
+    from . import stages
 
     runs: list[RunSpec] = []
-    geometry = bool((spec.get("compare") or {}).get("geometry", True))
-    if (c := spec.get("compare")):
-        lr = c.get("lr")
-        for size in c["sizes"]:
-            for seed in _compare_seeds(c, size):
-                for variant in c["variants"]:
-                    ov = _base(spec, c, size, seed) + variant_overrides(spec, size, variant) + ([f"optim.lr={lr}"] if lr else [])
-                    match = parameter_match(size_config(spec, size), variant)
-                    runs.append(RunSpec(f"compare-{size}-{slug(variant)}-seed{seed}", "compare", ov,
-                                        {"size": size, "variant": variant, "seed": seed, "match": match},
-                                        measures={"geometry": geometry}, eval_tasks=_eval_tasks(spec)))
-    if (s := spec.get("stability")):
-        for variant in s["variants"]:
-            for lr in map(float, s["lrs"]):  # YAML reads 1e-3 (no dot) as a string
-                ov = (_base(spec, s, s["size"], s.get("seed", 0)) + variant_overrides(spec, s["size"], variant)
-                      + [f"optim.lr={lr}", f"optim.warmup_ratio={s.get('warmup_ratio', 0.05)}"])
-                runs.append(RunSpec(f"stability-{s['size']}-{slug(variant)}-lr{lr:g}", "stability", ov,
-                                    {"size": s["size"], "variant": variant, "seed": s.get("seed", 0), "lr": lr}))
-    if (x := spec.get("context")):
-        runs += _context_runs(spec, x, runs)
+    runs += stages.sweep_runs(spec)
+    runs += stages.compare_runs(spec, tuned or {})
+    runs += stages.context_runs(spec, runs)
+    runs += stages.control_runs(spec, runs)
     if (m := spec.get("midtrain")):
-        runs += _midtrain_runs(spec, m)
+        runs += stages.midtrain_runs(spec, m)
     for r in runs:
         r.data = r.data or {"dir": spec.get("data_dir")}
     by_name = {r.name: r for r in runs}
     if len(by_name) != len(runs):
         raise ConfigError("study spec: two runs share a name (a variant, size, seed or lr listed twice?)")
     for r in runs:
-        parent_hash = by_name[r.parent].spec_hash if r.parent else None
-        r.spec_hash = hashlib.sha256(json.dumps(r.hash_input(parent_hash), sort_keys=True).encode()).hexdigest()[:16]
+        parent = by_name[r.parent] if r.parent else None
+        if parent is not None and parent.pending:
+            r.pending = r.pending or f"continues {parent.name}, which waits for the sweep"
+        if r.pending:
+            continue
+        blob = json.dumps(r.hash_input(parent.spec_hash if parent else None), sort_keys=True)
+        r.spec_hash = hashlib.sha256(blob.encode()).hexdigest()[:16]
     return runs
-
-
-def _compare_seeds(c: dict, size: str) -> list[int]:
-    """``compare.seeds`` is one list for every size, or a mapping size -> list (fewer seeds where runs cost more)."""
-    seeds = c["seeds"]
-    if isinstance(seeds, dict):
-        if size not in seeds:
-            raise ConfigError(f"study spec: compare.seeds gives no seeds for size {size!r} (it lists {sorted(seeds)})")
-        seeds = seeds[size]
-    if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
-        raise ConfigError(f"study spec: compare.seeds must be a non-empty list of integers (or size -> list), got {seeds!r}")
-    return seeds
-
-
-def _context_runs(spec: dict, x: dict, runs: list[RunSpec]) -> list[RunSpec]:
-    """Continue the ``compare`` runs of ``x.variants`` (size ``x.size``, seed ``x.seed``) at ``x.seq_len``."""
-    out, names = [], {r.name for r in runs}
-    pos = {"seq_len": x["seq_len"], "batches": x.get("position_batches", 4)}
-    for variant in x["variants"]:
-        parent = f"compare-{x['size']}-{slug(variant)}-seed{x.get('seed', 0)}"
-        if parent not in names:
-            raise ConfigError(f"study spec: context continues {parent}, which compare does not train "
-                              "(list its size, seed and variant under compare)")
-        ov = (list(spec.get("train") or []) + _budget(spec, x)
-              + [f"model.max_seq_len={x['seq_len']}", "run.stage=context_extend", "data.doc_masking=true",
-                 f"optim.lr={x.get('lr', 1e-3)}", f"run.seed={x.get('seed', 0)}",
-                 f"data.seed={spec['budget'].get('data_seed', 0)}"])
-        out.append(RunSpec(f"context-{x['size']}-{slug(variant)}-L{x['seq_len']}", "context", ov,
-                           {"size": x["size"], "variant": variant, "seed": x.get("seed", 0), "seq_len": x["seq_len"]},
-                           parent=parent, measures={"position_loss": pos, "position_loss_parent": True},
-                           eval_tasks=_eval_tasks(spec, "niah_tasks")))
-    return out
-
-
-MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio"}
-
-
-def midtrain_arms(m: dict) -> dict[str, dict]:
-    """The arms of a ``midtrain`` stage: ``m["arms"]`` (name -> {ffn, init, stem_layers, dagger_rows,
-    anneal, anneal_ratio}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
-    if "arms" not in m:
-        ffn, layers = m.get("ffn", "stem"), m.get("stem_layers", "1/3")
-        return {"dense": {"ffn": "dense"}, f"{ffn}-{layers}": {"ffn": ffn, "init": m.get("init", "project")}}
-    arms = m["arms"]
-    if not isinstance(arms, dict) or not arms:
-        raise ConfigError("study spec: midtrain.arms must map arm names to {ffn, init, ...}")
-    for name, arm in arms.items():
-        unknown = set(arm or {}) - MIDTRAIN_ARM_KEYS
-        if unknown:
-            raise ConfigError(f"study spec: midtrain arm {name!r} has unknown keys {sorted(unknown)}; "
-                              f"allowed: {sorted(MIDTRAIN_ARM_KEYS)}")
-        if (arm or {}).get("anneal", "off") != "off" and arm.get("ffn") != "stem_dagger":
-            raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs ffn: stem_dagger")
-    return arms
-
-
-def _midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
-    """The converted real model in every arm (dense continued, STEM with each table init, gradual
-    insertion), all on the same tokens, lr and schedule."""
-    out = []
-    data = {"dir": m["data_dir"]} if m.get("data_dir") else {"tokenizer_of_init": True}
-    source = str(m.get("source", "smollm2"))
-    for name, arm in midtrain_arms(m).items():
-        ffn = arm.get("ffn", "stem")
-        layers = None if ffn == "dense" else arm.get("stem_layers", m.get("stem_layers", "1/3"))
-        init = "zero" if ffn == "dense" else arm.get("init", m.get("init", "project"))
-        convert = {"source": source, "ffn": ffn, "stem_layers": layers, "init": init}
-        if init == "calibrate":
-            convert["calibration"] = {**(m.get("calibration") or {}),
-                                      **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
-            convert["calib_data"] = m.get("calib_data")
-        anneal = arm.get("anneal", "off")
-        ov = (list(spec.get("train") or []) + _budget(spec, m)
-              + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}", f"run.seed={m.get('seed', 0)}",
-                 f"data.seed={spec['budget'].get('data_seed', 0)}"] + list(m.get("train") or [])
-              + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else []))
-        out.append(RunSpec(f"midtrain-{slug(Path(source).name)}-{slug(name)}", "midtrain", ov,
-                           {"source": source, "variant": name, "ffn": ffn, "init": init, "anneal": anneal,
-                            "seed": m.get("seed", 0)},
-                           convert=convert, data=data, eval_tasks=_eval_tasks(spec), eval_init=anneal == "off"))
-    return out

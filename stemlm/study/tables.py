@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .. import accounting as acc
 from .measures import loss_roi
+from .probes import probe_of
 from .timing import wall_from_timing
 
 
@@ -103,7 +104,9 @@ def compare_rows(runs: list[dict], evals: dict, timing: dict | None = None) -> d
             "acc_detail": combine_seeds([eval_details(evals, r["name"]) for r in rs]),
             "mean_acc": mean_spread([_mean_acc(s) for s in scores])[0],
             "geometry": rs[0].get("geometry"), "capacity": rs[0].get("capacity"),
-            "match": rs[0]["labels"].get("match"), "n_experts": a.get("n_experts"), "d_ff": a.get("d_ff")})
+            "match": rs[0]["labels"].get("match"), "n_experts": a.get("n_experts"), "d_ff": a.get("d_ff"),
+            "lr": rs[0]["labels"].get("lr") or rs[0]["config"]["optim"]["lr"],
+            "knowledge": _probe_means(rs, "knowledge", ("train", "heldout", "question"))})
     for size, rows in out.items():
         rows.sort(key=lambda row: order.index(row["variant"]))
         dense = next((row for row in rows if row["variant"] == "dense"), None)
@@ -118,6 +121,19 @@ def compare_rows(runs: list[dict], evals: dict, timing: dict | None = None) -> d
                 row["paper_roi"] = acc.roi(row["mean_acc"], row["train_flops_per_token"], dense["mean_acc"],
                                            dense["train_flops_per_token"])
     return dict(out)
+
+
+def _probe_means(rs: list[dict], kind: str, families: tuple[str, ...]) -> dict[str, float]:
+    """Mean over seeds of the knowledge probe's seen − unseen contrast per family (empty without probes)."""
+    from .probes import knowledge_score, probe_of
+
+    out = {}
+    for family in families:
+        vals = [knowledge_score(probe_of(r, kind), family) for r in rs]
+        vals = [v for v in vals if v is not None]
+        if vals:
+            out[family] = sum(vals) / len(vals)
+    return out
 
 
 def curve_groups(runs: list[dict], stage: str = "compare", timing: dict | None = None) -> dict[str, dict[str, list[list[dict]]]]:
@@ -141,32 +157,47 @@ def mean_curve(curves: list[list[dict]], x_key: str) -> tuple[list[float], list[
     return xs, ys
 
 
-def stability_rows(runs: list[dict]) -> list[dict]:
-    """One row per (variant, lr) of the learning-rate sweep."""
+def stability_rows(runs: list[dict], settings: dict | None = None) -> list[dict]:
+    """One row per (variant, lr) of the sweep (and of a version-1 ``stability`` stage): status
+    (finished, collapsed or diverged), the robust detector's spikes, max train loss, final loss."""
+    from .stability import DEFAULTS, run_stability
+
+    st = {**DEFAULTS, **(settings or {})}
     rows = []
     for r in runs:
-        if r["stage"] != "stability":
+        if r["stage"] not in ("sweep", "stability"):
             continue
-        m = r["metrics"]
-        rows.append({"variant": r["labels"]["variant"], "lr": r["labels"]["lr"], "status": r["status"],
-                     "spikes": m["loss_spikes"], "steps": m["steps"], "max_train_loss": m.get("max_train_loss"),
-                     "final_val_loss": m["final_val_loss"], "final_train_loss": m["final_train_loss"],
-                     "total_steps": r["config"]["run"]["steps"]})
-    return sorted(rows, key=lambda row: (row["variant"], row["lr"]))
+        m, s = r["metrics"], run_stability(r, st)
+        rows.append({"variant": r["labels"]["variant"], "lr": r["labels"]["lr"], "seed": r["labels"].get("seed", 0),
+                     "roles": r["labels"].get("roles", ["stress"]), "status": s["status"], "spikes": s["spikes"],
+                     "steps": m["steps"], "max_train_loss": m.get("max_train_loss"), "final_val_loss": m["final_val_loss"],
+                     "total_steps": r["config"]["run"]["steps"], "warmup_steps": s["warmup_steps"],
+                     "train": m["train"], "unigram_entropy": s["unigram_entropy"]})
+    return sorted(rows, key=lambda row: (row["variant"], row["lr"], row["seed"]))
 
 
 def context_rows(runs: list[dict], evals: dict) -> list[dict]:
-    """Per extended model: loss by position before/after extension and NIAH-like eval scores."""
+    """Per extended model (variant and seed): loss by position before/after extension, the needle
+    probe and NIAH-like eval scores."""
     rows = []
     for r in runs:
         if r["stage"] != "context" or r["status"] != "finished":
             continue
         pos = r.get("position_loss") or {}
-        rows.append({"variant": r["labels"]["variant"], "size": r["labels"]["size"], "seq_len": pos.get("seq_len"),
-                     "init": pos.get("init"), "final": pos.get("final"), "val_loss_init": r["metrics"]["val_loss_init"],
-                     "final_val_loss": r["metrics"]["final_val_loss"], "name": r["name"],
+        rows.append({"variant": r["labels"]["variant"], "size": r["labels"]["size"], "seed": r["labels"].get("seed", 0),
+                     "seq_len": pos.get("seq_len"), "init": pos.get("init"), "final": pos.get("final"),
+                     "val_loss_init": r["metrics"]["val_loss_init"], "final_val_loss": r["metrics"]["final_val_loss"],
+                     "name": r["name"], "needle": probe_of(r, "needle"),
                      "eval": evals.get((r["name"], "final"), {}).get("result", {}).get("tasks", {})})
     return rows
+
+
+def control_rows(runs: list[dict]) -> list[dict]:
+    """The positive controls: which probe, the run, and its probe result."""
+    return [{"control": r["labels"]["control"], "name": r["name"], "status": r["status"],
+             "final_val_loss": r["metrics"]["final_val_loss"],
+             "probes": {k: p for k in ("knowledge", "needle") if (p := probe_of(r, k))}}
+            for r in runs if r["stage"] == "controls"]
 
 
 def midtrain_rows(runs: list[dict], evals: dict) -> list[dict]:
@@ -177,6 +208,8 @@ def midtrain_rows(runs: list[dict], evals: dict) -> list[dict]:
             continue
         m = r["metrics"]
         rows.append({"variant": r["labels"]["variant"], "source": r["labels"]["source"], "status": r["status"],
+                     "ffn": r["labels"].get("ffn"), "init": r["labels"].get("init"), "anneal": r["labels"].get("anneal"),
+                     "seed": r["labels"].get("seed", 0),
                      "steps": m["steps"], "val_loss_init": m["val_loss_init"], "final_val_loss": m["final_val_loss"],
                      "total_params": r["accounting"]["total_params"],
                      "train_flops_per_token": r["accounting"]["train_flops_per_token"],

@@ -42,14 +42,27 @@ def run_timing(study, log=print) -> dict | None:
         return done
     sizes = {}
     for size in settings["sizes"]:
-        runs = [r for r in study.runs if r.stage == "compare" and r.labels["size"] == size]
-        first_seed = min(r.labels["seed"] for r in runs)
-        runs = [r for r in runs if r.labels["seed"] == first_seed]
+        runs = timing_runs(study, size)
         log(f"timing: size {size}, {len(runs)} variants x {settings['rounds']} rounds x {settings['steps']} steps")
         sizes[size] = _time_size(study, runs, settings)
     result = {"settings": settings, "sizes": sizes, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **provenance()}
     write_json(path, result)
     return result
+
+
+def timing_runs(study, size: str) -> list:
+    """One run per comparison variant of ``size`` to time: its first-seed comparison run, or, while
+    that waits for the sweep's lr, one of its sweep runs (the step time does not depend on the lr)."""
+    runs = [r for r in study.runs if r.stage == "compare" and r.labels["size"] == size]
+    first_seed = min(r.labels["seed"] for r in runs)
+    out = []
+    for r in (r for r in runs if r.labels["seed"] == first_seed):
+        if r.pending:
+            r = next((s for s in study.runs if s.stage == "sweep" and s.labels["variant"] == r.labels["variant"]
+                      and s.labels["size"] == size), None)
+        if r is not None:
+            out.append(r)
+    return out
 
 
 def _time_size(study, runs, settings: dict) -> dict:
@@ -106,3 +119,34 @@ def load_timing(results_dir: str | Path) -> dict | None:
     from .runner import read_json
 
     return read_json(Path(results_dir) / "timing.json")
+
+
+def estimate(study, timing: dict | None = None, eval_cost: float = 0.35, run_overhead: float = 5.0) -> dict:
+    """Seconds each stage of ``study`` should take on the machine ``timing`` was measured on.
+
+    A run costs ``steps × step time × (its tokens per step ÷ the compare budget's)`` plus its
+    evaluations (``eval_batches`` forward passes per evaluation, each ``eval_cost`` of a step) and
+    ``run_overhead`` seconds (model build, checkpoints, measures). The step time of a run is its
+    variant's at its size from ``timing`` (the ``timing`` stage); a run whose variant was not timed
+    takes dense's. Returns ``{"stages": {stage: seconds}, "runs": n, "untimed": [names]}``."""
+    timing = timing or load_timing(study.results) or {}
+    budget = study.spec["budget"]
+    base_tokens = budget["batch_size"] * budget["seq_len"]
+    stages: dict[str, float] = {}
+    untimed = []
+    for run in study.runs:
+        ov = dict(o.split("=", 1) for o in run.overrides if "=" in o)
+        size = run.labels.get("size") or next(iter(study.spec["sizes"]))
+        variant = run.labels.get("variant", "dense")
+        entry = ((timing.get("sizes") or {}).get(size) or {})
+        step = (entry.get(variant) or entry.get("dense") or {}).get("step_seconds")
+        if step is None:
+            untimed.append(run.name)
+            continue
+        steps = int(ov.get("run.steps", budget["steps"]))
+        tokens = int(ov.get("data.batch_size", budget["batch_size"])) * int(ov.get("data.seq_len", budget["seq_len"]))
+        every = int(ov.get("run.eval_every", 100)) or steps
+        evals = (steps // every + 1) * int(ov.get("run.eval_batches", 8)) * eval_cost
+        seconds = step * tokens / base_tokens * (steps + evals) + run_overhead
+        stages[run.stage] = stages.get(run.stage, 0.0) + seconds
+    return {"stages": stages, "runs": len(study.runs), "untimed": untimed}

@@ -1,7 +1,9 @@
 """Model variants of a study and their parameter matching, computed by ``stemlm.accounting``.
 
 ``KIND`` or ``KIND-PLACEMENT`` (``dense``, ``stem-1/3``, ``stem_dagger-1/2``, ``stem_gate-1/3``,
-``hash_moe-1/3``) sets ``model.ffn`` and ``model.stem_layers``. Hash-MoE takes the expert count
+``hash_moe-1/3``) sets ``model.ffn`` and ``model.stem_layers``; a ``+tablex10`` suffix
+(``stem-1/3+tablex10``) trains the same model with stemlm's own table optimizer setting instead of
+the study's (``optim_overrides``). Hash-MoE takes the expert count
 whose per-layer parameters match a STEM layer (``accounting.hash_moe_match``), so with the same
 placement its total matches STEM's. ``dense-wide`` is the "just add parameters" control: a dense
 model whose FFN width ``d_ff`` makes its total parameters closest to ``stem-1/3`` of the same size.
@@ -15,6 +17,8 @@ from ..presets import model_config
 
 WIDE = "dense-wide"
 WIDE_REFERENCE = "stem-1/3"
+# Variant options (``KIND-PLACEMENT+OPTION``) and what each changes.
+OPTIONS = {"tablex10": "stemlm's table setting: sparse row AdamW at 10 × the lr, no table weight decay"}
 
 
 def size_config(spec: dict, size: str) -> ModelConfig:
@@ -23,8 +27,18 @@ def size_config(spec: dict, size: str) -> ModelConfig:
     return model_config(s.get("preset", "tiny"), **{**(s.get("model") or {}), "ffn": "dense"})
 
 
+def split_options(variant: str) -> tuple[str, list[str]]:
+    """``'stem-1/3+tablex10'`` -> ``('stem-1/3', ['tablex10'])``; unknown options are a ``ConfigError``."""
+    base, *options = variant.split("+")
+    unknown = [o for o in options if o not in OPTIONS]
+    if unknown:
+        raise ConfigError(f"study variant {variant!r}: unknown option {unknown[0]!r}; choose from {', '.join(OPTIONS)}")
+    return base, options
+
+
 def parse_variant(variant: str) -> tuple[str, str | None]:
-    """``'stem-1/3'`` -> ``('stem', '1/3')``; ``'dense'`` -> ``('dense', None)``."""
+    """``'stem-1/3'`` -> ``('stem', '1/3')``; ``'dense'`` -> ``('dense', None)`` (options ignored)."""
+    variant = split_options(variant)[0]
     if variant == WIDE:
         return "dense", None
     kind, _, placement = variant.partition("-")
@@ -38,6 +52,7 @@ def parse_variant(variant: str) -> tuple[str, str | None]:
 
 def variant_config(base: ModelConfig, variant: str) -> ModelConfig:
     """``base`` turned into ``variant`` (dense-wide: the matched FFN width)."""
+    variant = split_options(variant)[0]
     if variant == WIDE:
         return base.replace(ffn="dense", d_ff=matched_dense_width(base)["d_ff"])
     kind, placement = parse_variant(variant)
@@ -60,6 +75,7 @@ def matched_dense_width(base: ModelConfig) -> dict:
 
 def parameter_match(base: ModelConfig, variant: str) -> dict | None:
     """How ``variant``'s total parameters match ``stem-1/3`` (Hash-MoE and dense-wide), else None."""
+    variant = split_options(variant)[0]
     if variant == WIDE:
         return matched_dense_width(base)
     kind, _ = parse_variant(variant)
@@ -79,8 +95,32 @@ def variant_overrides(spec: dict, size: str, variant: str) -> list[str]:
     if cfg.ffn != "dense":
         placement = parse_variant(variant)[1]
         out.append(f"model.stem_layers={placement}")
-    if variant == WIDE:
+    if split_options(variant)[0] == WIDE:
         out.append(f"model.d_ff={cfg.d_ff}")
     if cfg.ffn == "hash_moe":
         out.append(f"model.n_experts={cfg.n_experts}")
+    return out
+
+
+def optim_overrides(setting, variant: str, lr: float) -> list[str]:
+    """The optimizer of ``variant`` at peak lr ``lr`` under the spec's ``optim`` setting.
+
+    ``'paper'``: Table 2 (``paper.TABLE2``) for every parameter: the tables train in torch AdamW at the
+    backbone's lr and weight decay, as the official pretraining does. A list: those overrides. None:
+    the trainer's defaults. The ``+tablex10`` option replaces the table part by stemlm's own setting
+    (``OPTIONS``), whatever the rest."""
+    from ..train.config import TABLE_LR_SCALE
+    from .paper import TABLE2
+
+    out = [f"optim.lr={lr:g}"]
+    if setting == "paper":
+        t = TABLE2
+        out += [f"optim.weight_decay={t['weight_decay']:g}", f"optim.betas=[{t['betas'][0]:g},{t['betas'][1]:g}]",
+                f"optim.warmup_ratio={t['warmup_ratio']:g}", f"optim.min_lr_ratio={t['min_lr_ratio']:g}"]
+        if "tablex10" not in split_options(variant)[1]:
+            out += ["optim.table_optimizer=dense", f"optim.table_lr={lr:g}", f"optim.table_weight_decay={t['weight_decay']:g}"]
+    elif setting:
+        out += [str(o) for o in setting]
+    if "tablex10" in split_options(variant)[1]:
+        out += ["optim.table_optimizer=sparse", f"optim.table_lr={TABLE_LR_SCALE * lr:g}", "optim.table_weight_decay=0"]
     return out

@@ -71,6 +71,33 @@ def fit_bytes(text: str, n_bytes: int) -> str:
     return text.encode("utf-8")[:n_bytes].decode("utf-8", errors="ignore")
 
 
+def needle_trials(lm: LanguageModel, trials: int, seed: int, depths: tuple[float, ...] = DEPTHS,
+                  lengths: list[int] | None = None) -> tuple[float, list[int], list[dict]]:
+    """``(chars per token, lengths, trials)``: ``trials`` haystacks per (length, depth) cell, each
+    ``{"length", "depth", "key", "haystack", "context"}`` (``context``: the haystack with the needle in
+    it; the question is not appended). ``lengths`` default to ``context_lengths(lm.max_length)``."""
+    passages = haystack_passages()
+    sample = fit_bytes(haystack(passages, 0, lm.max_length), lm.max_length - 8)
+    probe = NEEDLE.format(key="12345") + QUESTION + " 12345"
+    measured = lm.loglikelihood([LoglikelihoodRequest("", sample), LoglikelihoodRequest("", probe)])
+    chars_per_token, fixed = len(sample) / measured[0].n_tokens, measured[1].n_tokens + 2
+    lengths = [n for n in (lengths or context_lengths(lm.max_length)) if n - fixed >= 16 and n <= lm.max_length]
+    if not lengths:
+        raise ValueError(f"max_length={lm.max_length} leaves no room for a haystack around a "
+                         f"{fixed}-token needle and question")
+    rng = np.random.default_rng(seed)
+    items = []
+    for length in lengths:
+        n_chars = int(FILL * (length - fixed) * chars_per_token)
+        for depth in depths:
+            for _ in range(trials):
+                key, start = int(rng.integers(10000, 100000)), int(rng.integers(len(passages)))
+                hay = haystack(passages, start, n_chars)
+                items.append({"length": length, "depth": depth, "key": key, "haystack": hay,
+                              "context": insert_needle(hay, NEEDLE.format(key=key), depth)})
+    return chars_per_token, lengths, items
+
+
 class Needle(Task):
     """Pass-key retrieval accuracy over a depth x context-length grid (``grid`` in the result)."""
 
@@ -80,25 +107,9 @@ class Needle(Task):
     def evaluate(self, lm: LanguageModel, shots: int, limit: int | None, seed: int) -> dict:
         """The accuracy grid and its mean (0-shot; ``limit`` caps the trials per cell)."""
         trials = min(TRIALS, limit) if limit else TRIALS
-        passages = haystack_passages()
-        sample = fit_bytes(haystack(passages, 0, lm.max_length), lm.max_length - 8)
-        probe = NEEDLE.format(key="12345") + QUESTION + " 12345"
-        measured = lm.loglikelihood([LoglikelihoodRequest("", sample), LoglikelihoodRequest("", probe)])
-        chars_per_token, fixed = len(sample) / measured[0].n_tokens, measured[1].n_tokens + 2
-        lengths = [n for n in context_lengths(lm.max_length) if n - fixed >= 16]
-        if not lengths:
-            raise ValueError(f"max_length={lm.max_length} leaves no room for a haystack around a "
-                             f"{fixed}-token needle and question")
-        rng = np.random.default_rng(seed)
-        cells, requests = [], []
-        for length in lengths:
-            n_chars = int(FILL * (length - fixed) * chars_per_token)
-            for depth in DEPTHS:
-                for _ in range(trials):
-                    key, start = int(rng.integers(10000, 100000)), int(rng.integers(len(passages)))
-                    context = insert_needle(haystack(passages, start, n_chars), NEEDLE.format(key=key), depth)
-                    requests.append(LoglikelihoodRequest(context + QUESTION, f" {key}"))
-                    cells.append((length, depth))
+        chars_per_token, lengths, items = needle_trials(lm, trials, seed)
+        cells = [(it["length"], it["depth"]) for it in items]
+        requests = [LoglikelihoodRequest(it["context"] + QUESTION, f" {it['key']}") for it in items]
         found = [float(a.is_greedy) for a in lm.loglikelihood(requests)]
         grid = [[float(np.mean([f for f, c in zip(found, cells) if c == (n, d)])) for n in lengths] for d in DEPTHS]
         acc, err = mean_stderr(found)

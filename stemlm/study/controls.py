@@ -1,0 +1,50 @@
+"""The corpora of the probes' positive controls, in the tokenizer of the study's own corpus.
+
+A probe that reports nothing proves nothing unless it is first shown to succeed where the effect
+is there by construction:
+
+* ``facts``: the country facts alone (``prepare_default_corpus(prose=False)``) tokenized with the
+  study corpus's tokenizer: a model trained on it has stored the seen countries' facts, so the
+  knowledge probe's seen − unseen contrast must come out clearly positive;
+* ``passkey``: documents that hide a pass key in Wikipedia prose and end with the question and the
+  key (``probes.passkey_documents``): a model trained on them retrieves the key, so the needle
+  probe's gain must come out clearly positive.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+PASSKEY_DOCS = 12000
+
+
+def study_corpus(data_dir: str | None) -> Path:
+    """The study's corpus (the default corpus when the spec names none), built on first use."""
+    from ..data import prepare_default_corpus
+
+    return Path(data_dir) if data_dir else prepare_default_corpus(progress=False)
+
+
+def control_corpus(data: dict, data_dir: str | None, root: Path, log: Callable[[str], None] = print) -> Path:
+    """The prepared data dir of a control run (``data["control"]``: ``facts`` or ``passkey``)."""
+    from ..data import prepare_corpus, prepare_default_corpus
+
+    tokenizer = study_corpus(data_dir) / "tokenizer.json"
+    kind = data["control"]
+    if kind == "facts":
+        return prepare_default_corpus(Path(root) / "facts", tokenizer=tokenizer, prose=False, progress=False)
+    if kind == "passkey":
+        from .probes import passkey_documents
+
+        length = int(data.get("seq_len", 512))
+        src = Path(root) / f"passkey-{length}.jsonl"
+        if not src.exists():
+            log(f"writing {PASSKEY_DOCS} pass-key documents -> {src}")
+            src.parent.mkdir(parents=True, exist_ok=True)
+            # ~4 characters per token: haystacks of up to ~40 % of the window, several documents per window
+            docs = passkey_documents(PASSKEY_DOCS, int(1.6 * length))
+            src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+        return prepare_corpus([src], Path(root) / f"passkey-{length}", tokenizer=tokenizer, progress=False)
+    raise ValueError(f"unknown control corpus {kind!r}; choose facts or passkey")

@@ -1,0 +1,266 @@
+"""The comparisons behind each claim, from a study's result JSON: ``(parts, notes)`` per claim.
+
+A part is one judged comparison ``{"label", "text", "verdict", "difference"}`` (``stats``); a note is
+context that is not judged (an accuracy at chance, a failed positive control, a comparison that
+only describes). ``settings``: ``{"spikes": stability settings, "paper_lr": lr}`` (the report takes
+them from the study's spec).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from .dynamics import gap_curves, gap_trend, val_curves
+from .measures import loss_roi
+from .paper import TABLE2
+from .probes import knowledge_score, needle_score, probe_of
+from .stability import DEFAULTS as SPIKE_DEFAULTS, run_stability
+from .stats import (Difference, difference, fit_line, one_sample, seeds_needed, sign_test, smallest_significant_split,
+                    verdict)
+
+PLACEMENTS = ("stem-1/3", "stem-1/2", "stem-full")
+STEM, MOE, GATE = "stem-1/3", "hash_moe-1/3", "stem_gate-1/3"
+
+
+def by_seed(runs: list[dict], stage: str, value) -> dict[str, dict[str, dict[int, float]]]:
+    """``{size: {variant: {seed: value(run)}}}`` over the stage's finished runs (None values dropped)."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in runs:
+        if r["stage"] == stage and r["status"] == "finished" and (v := value(r)) is not None:
+            out[r["labels"].get("size", "-")][r["labels"]["variant"]][r["labels"]["seed"]] = v
+    return out
+
+
+def _final(r: dict) -> float | None:
+    return r["metrics"]["final_val_loss"]
+
+
+def _first(runs: list[dict], stage: str, **labels) -> dict | None:
+    return next((r for r in runs if r["stage"] == stage and all(r["labels"].get(k) == v for k, v in labels.items())), None)
+
+
+def _part(label: str, d: Difference, sign: int, unit: str = "", extra: str = "") -> dict:
+    v = verdict(d, sign)
+    need = seeds_needed(d) if v == "inconclusive" and d.kind == "paired" else None
+    if need is not None:
+        extra += f"; ~{need if need <= 100 else '> 100'} seeds would detect a difference this size"
+    return {"label": label, "text": d.text(unit) + extra, "verdict": v, "difference": d.to_dict()}
+
+
+def _common(a: dict, b: dict) -> tuple[dict, dict]:
+    keys = sorted(set(a) & set(b))
+    return {k: a[k] for k in keys}, {k: b[k] for k in keys}
+
+
+def roi_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """(a): the loss ROI of each placement against dense, per seed; the accuracy ROI as a note."""
+    parts, notes = [], []
+    losses = by_seed(runs, "compare", _final)
+    info = {(r["labels"]["size"], r["labels"]["variant"]): r for r in runs if r["stage"] == "compare"}
+    for size, variants in losses.items():
+        if "dense" not in variants:
+            continue
+        fd = info[(size, "dense")]["accounting"]["train_flops_per_token"]
+        h = info[(size, "dense")]["data"]["unigram_entropy"]
+        for p in PLACEMENTS:
+            if p not in variants:
+                continue
+            lp, ld = _common(variants[p], variants["dense"])
+            fp = info[(size, p)]["accounting"]["train_flops_per_token"]
+            rois = [loss_roi(lp[s], fp, ld[s], fd, h) for s in lp]
+            if not rois or any(x is None for x in rois):
+                notes.append(f"{size} {p}: loss ROI undefined (dense not below the unigram entropy)")
+                continue
+            d = one_sample([x - 1 for x in rois])
+            roi = (f"loss ROI {1 + d.mean:.2f} [{1 + d.ci[0]:.2f}, {1 + d.ci[1]:.2f}], MDE {d.mde:.2g} (n={d.n} {d.kind})"
+                   if d.ci else f"loss ROI {1 + d.mean:.2f} (n={d.n}, no noise estimate)")
+            part = _part(f"{size} {p.split('-')[1]}", d, +1)
+            need = part["text"].partition("; ~")[2]
+            part["text"] = (f"{roi}; Δ loss {difference(lp, ld).text(' nats')}; FLOP ratio {fd / fp:.3f}"
+                            + (f"; ~{need}" if need else ""))
+            parts.append(part)
+        notes += _accuracy_roi_notes(size, info, evals)
+    return parts, notes
+
+
+def _accuracy_roi_notes(size: str, info: dict, evals: dict) -> list[str]:
+    """The paper's accuracy ROI when evals exist; flagged when every accuracy is at chance (it then only
+    restates the FLOP ratio)."""
+    from .tables import compare_rows
+
+    if not evals:
+        return []
+    rows = {r["variant"]: r for r in compare_rows([r for (s, _), r in info.items() if s == size], evals).get(size, [])}
+    if "dense" not in rows or rows["dense"]["paper_roi"] is None:
+        return []
+    at_chance = all(not d.get("above") for r in rows.values() for d in r["acc_detail"].values())
+    cells = ", ".join(f"{p.split('-')[1]} {rows[p]['paper_roi']:.2f} (FLOP ratio "
+                      f"{rows['dense']['train_flops_per_token'] / rows[p]['train_flops_per_token']:.2f})"
+                      for p in PLACEMENTS if p in rows and rows[p]["paper_roi"] is not None)
+    why = ("every accuracy is at chance, so this ROI is the FLOP ratio times the ratio of two chance scores: "
+           "not judged" if at_chance else "accuracies of a few hundred items: not judged")
+    return [f"{size} accuracy ROI (Table 3's definition) {cells}: {why}"]
+
+
+def dynamics_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """(a′): the trend of each placement's gap to dense over the second half of training."""
+    parts = []
+    epoch = next((r["data"].get("train_tokens") for r in runs if r["stage"] == "compare"), None)
+    for size, curves in val_curves(runs).items():
+        for p in PLACEMENTS:
+            t = gap_trend(gap_curves(curves, p), epoch_tokens=epoch)
+            if t is None:
+                continue
+            d = Difference(**{**t["slope"], "ci": tuple(t["slope"]["ci"]) if t["slope"]["ci"] else None})
+            cross = (f"; at this trend the gap closes at ~{t['cross_tokens'] / 1e6:.3g}M tokens"
+                     + (f" ({t['cross_epochs']:.1f} epochs)" if t["cross_epochs"] else "") if t["cross_tokens"]
+                     else "; the gap does not close on this trend")
+            parts.append(_part(f"{size} {p.split('-')[1]} slope", d, -1, " nats/doubling",
+                               f"; gap {t['gap_first']:+.3f} at {t['tokens_first'] / 1e6:.2f}M tokens → "
+                               f"{t['gap_end']:+.3f} at {t['tokens_end'] / 1e6:.2f}M{cross}"))
+    return parts, []
+
+
+def _stem_fraction(r: dict) -> float:
+    kinds = r["accounting"]["layer_kinds"]
+    return sum(k != "dense" for k in kinds) / len(kinds)
+
+
+def _control(runs: list[dict], kind: str, score) -> tuple[bool | None, str]:
+    """Whether the positive control of ``kind`` succeeded (None: not run), and a note."""
+    r = _first(runs, "controls", control=kind)
+    if r is None or r["status"] != "finished" or not probe_of(r, kind):
+        return None, f"no positive control of the {kind} probe was run: the probe is not shown able to succeed"
+    d = score(probe_of(r, kind))
+    ok = verdict(d, +1) == "holds"
+    return ok, f"positive control ({r['name']}): {d.text()} → the probe {'can' if ok else 'could NOT'} see the effect"
+
+
+def _knowledge_diff(probe: dict) -> Difference:
+    f = probe["families"]["train"]["seen_minus_unseen"]
+    return Difference(**{**f, "ci": tuple(f["ci"]) if f["ci"] else None})
+
+
+def knowledge_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """(b): per seed, the slope of the knowledge probe against the fraction of STEM layers."""
+    ok, control = _control(runs, "knowledge", _knowledge_diff)
+    scores = by_seed(runs, "compare", lambda r: knowledge_score(probe_of(r, "knowledge")))
+    held = by_seed(runs, "compare", lambda r: knowledge_score(probe_of(r, "knowledge"), "heldout"))
+    frac = {r["labels"]["variant"]: _stem_fraction(r) for r in runs if r["stage"] == "compare"}
+    parts, notes = [], [control]
+    for size, variants in scores.items():
+        chain = [v for v in ("dense", *PLACEMENTS) if v in variants]
+        if len(chain) < 2:
+            continue
+        seeds = sorted(set.intersection(*(set(variants[v]) for v in chain)))
+        slopes = [fit_line([frac[v] for v in chain], [variants[v][s] for v in chain]).slope for s in seeds]
+        means = ", ".join(f"{v} {sum(variants[v].values()) / len(variants[v]):+.3f}" for v in chain)
+        hmeans = ", ".join(f"{v} {sum(held[size][v].values()) / len(held[size][v]):+.3f}" for v in chain if v in held[size])
+        part = _part(f"{size} slope", one_sample(slopes), +1, " nats per unit STEM fraction",
+                     f"; seen − unseen contrast (nats): training templates {means}; held-out template {hmeans}")
+        if ok is not True:
+            part["verdict"] = "inconclusive"
+        parts.append(part)
+    return parts, notes
+
+
+def stability_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """(c): robust spike counts of STEM-1/3 and Hash-MoE-1/3 at the paper's lr and above."""
+    paper_lr = settings.get("paper_lr", TABLE2["lr"])
+    st = {**SPIKE_DEFAULTS, **(settings.get("spikes") or {})}
+    table: dict = defaultdict(dict)
+    for r in runs:  # "stability": results of STUDY_VERSION 1, whose stress sweep was a stage of its own
+        if r["stage"] in ("sweep", "stability") and r["labels"]["lr"] >= paper_lr * (1 - 1e-9):
+            table[r["labels"]["variant"]][r["labels"]["lr"]] = run_stability(r, st)
+    if STEM not in table or MOE not in table:
+        return [], []
+    lrs = sorted(set(table[STEM]) & set(table[MOE]))
+    count = {v: sum(len(table[v][lr]["spikes"]) for lr in lrs) for v in (STEM, MOE, "dense") if v in table}
+    states = {v: ", ".join(f"{lr:g} {table[v][lr]['status']}" for lr in lrs if lr in table[v]) for v in count}
+    k, n = count[STEM], count[STEM] + count[MOE]
+    p = sign_test(k, n)
+    split = smallest_significant_split(n)
+    v = ("holds" if k < n - k else "contradicted") if p < 0.05 else "inconclusive"
+    power = (f"at n = {n} a split of ≤ {split} : {n - split} is significant" if split is not None
+             else f"no split of {n} spikes could be significant (≥ 6 are needed)")
+    text = (f"spikes at lr {', '.join(f'{x:g}' for x in lrs)}: " + ", ".join(f"{x} {c}" for x, c in count.items())
+            + f"; sign test p = {p:.3g} ({power})")
+    notes = [f"{x}: {s}" for x, s in states.items()]
+    return [{"label": "STEM-1/3 vs Hash-MoE-1/3", "text": text, "verdict": v, "difference": {"k": k, "n": n, "p": p}}], notes
+
+
+def _needle_diff(probe: dict) -> Difference:
+    g = probe["mean_gain"]
+    return Difference(**{**g, "ci": tuple(g["ci"]) if g["ci"] else None})
+
+
+def needle_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """(d): the needle probe's gain of STEM-1/3 against dense after context extension, per seed."""
+    ok, control = _control(runs, "needle", _needle_diff)
+    gains = by_seed(runs, "context", lambda r: needle_score(probe_of(r, "needle")))
+    tail = by_seed(runs, "context", lambda r: _last_quarter(r))
+    parts = []
+    if not gains and tail:
+        return [], ["the context runs carry no needle probe (results of an earlier study version)"]
+    for size, variants in gains.items():
+        if "dense" not in variants or STEM not in variants:
+            continue
+        a, b = _common(variants[STEM], variants["dense"])
+        qa, qb = _common(tail[size].get(STEM, {}), tail[size].get("dense", {}))
+        extra = (f"; gain dense {sum(b.values()) / len(b):+.3f}, STEM-1/3 {sum(a.values()) / len(a):+.3f} nats"
+                 + (f"; loss in the window's last quarter, STEM − dense {difference(qa, qb).text(' nats')}" if qa else ""))
+        part = _part(f"{size} needle gain, STEM − dense", difference(a, b), +1, " nats", extra)
+        if ok is not True:
+            part["verdict"] = "inconclusive"
+        parts.append(part)
+    return parts, [control] if parts else []
+
+
+def _last_quarter(r: dict) -> float | None:
+    final = (r.get("position_loss") or {}).get("final")
+    return sum(final[-len(final) // 4:]) / (len(final) // 4) if final else None
+
+
+def midtrain_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """(e): each STEM arm's final loss against the dense arm continued on the same tokens."""
+    arms: dict = defaultdict(dict)
+    for r in runs:
+        if r["stage"] == "midtrain" and r["status"] == "finished":
+            arms[r["labels"]["variant"]][r["labels"].get("seed", 0)] = r
+    dense = next((a for a, rs in arms.items() if next(iter(rs.values()))["labels"].get("ffn", a) == "dense"), None)
+    if dense is None:
+        return [], []
+    parts, notes = [], []
+    for arm, rs in arms.items():
+        if arm == dense:
+            continue
+        lab = next(iter(rs.values()))["labels"]
+        a, b = _common({s: _final(r) for s, r in rs.items()}, {s: _final(r) for s, r in arms[dense].items()})
+        if len(a) >= 2:
+            d = difference(a, b)
+        else:
+            s = next(iter(a))
+            va, vb = rs[s].get("val_batches") or [], arms[dense][s].get("val_batches") or []
+            d = difference(dict(enumerate(va)), dict(enumerate(vb))) if va and len(va) == len(vb) else difference(a, b)
+            d.kind = "paired by validation batch; 1 seed" if d.ci else d.kind
+        tags = [lab["ffn"]] if lab.get("ffn") else []
+        tags += [f"{k} {lab[k]}" for k in ("init", "anneal") if lab.get(k)]
+        label = f"{arm} ({', '.join(tags)})" if tags else arm
+        parts.append(_part(label, d, -1, " nats", f"; start {rs[next(iter(a))]['metrics']['val_loss_init']:.3f} vs "
+                                                   f"{arms[dense][next(iter(a))]['metrics']['val_loss_init']:.3f}"))
+    return parts, notes
+
+
+def ablation_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """Ablations: STEM-1/3 against the gate ablation (judged); STEM†, Hash-MoE, dense-wide and stemlm's
+    table setting against STEM-1/3 (described)."""
+    parts, notes = [], []
+    for size, variants in by_seed(runs, "compare", _final).items():
+        if STEM not in variants:
+            continue
+        if GATE in variants:
+            parts.append(_part(f"{size} STEM-1/3 − gate", difference(*_common(variants[STEM], variants[GATE])), -1, " nats"))
+        for other in sorted(v for v in variants if v not in (STEM, GATE, "dense", *PLACEMENTS)):
+            d = difference(*_common(variants[other], variants[STEM]))
+            notes.append(f"{size} {other} − STEM-1/3: {d.text(' nats')}")
+    return parts, notes

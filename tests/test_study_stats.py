@@ -1,0 +1,165 @@
+"""The study's verdict rule on synthetic results: intervals, MDE arithmetic, the three verdicts, spikes,
+trends, and the paper's numbers (its published ROIs follow from its accuracies and FLOPs)."""
+
+import math
+
+import pytest
+
+from stemlm.study.claims import claim_rows
+from stemlm.study.dynamics import gap_curves, gap_trend
+from stemlm.study.paper import QUOTES, TABLE3, table3_roi
+from stemlm.study.stability import find_spikes
+from stemlm.study.stats import (combine, difference, fit_line, mde, one_sample, sign_test, smallest_significant_split,
+                                t_quantile, verdict)
+
+
+def test_t_quantiles_match_the_tables():
+    assert t_quantile(0.975, 1) == pytest.approx(12.7062, abs=1e-3)
+    assert t_quantile(0.975, 2) == pytest.approx(4.3027, abs=1e-3)
+    assert t_quantile(0.80, 2) == pytest.approx(1.0607, abs=1e-3)
+    assert t_quantile(0.975, 30) == pytest.approx(2.0423, abs=1e-3)
+    assert t_quantile(0.975, math.inf) == pytest.approx(1.95996, abs=1e-4)
+    assert t_quantile(0.025, 5) == pytest.approx(-t_quantile(0.975, 5))
+
+
+def test_mde_is_the_sum_of_two_quantiles_times_se():
+    # n = 3 paired seeds: df = 2, MDE = (4.303 + 1.061) * se
+    assert mde(0.1, 2) == pytest.approx((4.3027 + 1.0607) * 0.1, abs=1e-3)
+    d = one_sample([-0.5, -0.4, -0.6])
+    se = 0.1 / math.sqrt(3)
+    assert (d.mean, d.se, d.df) == (pytest.approx(-0.5), pytest.approx(se), 2)
+    assert d.ci == (pytest.approx(-0.5 - 4.3027 * se, abs=1e-3), pytest.approx(-0.5 + 4.3027 * se, abs=1e-3))
+    assert d.mde == pytest.approx(5.3634 * se, abs=1e-3)
+
+
+def test_paired_by_seed_removes_the_shared_noise():
+    stem = {0: 4.70, 1: 4.90, 2: 4.50}     # seeds differ a lot ...
+    dense = {0: 5.00, 1: 5.21, 2: 4.79}    # ... in the same way for dense
+    paired, unpaired = difference(stem, dense), difference(list(stem.values()), list(dense.values()))
+    assert paired.kind == "paired" and unpaired.kind == "welch"
+    assert paired.mean == pytest.approx(unpaired.mean)
+    assert verdict(paired, -1) == "holds" and verdict(unpaired, -1) == "inconclusive"
+
+
+def test_three_verdicts():
+    assert verdict(one_sample([0.30, 0.32, 0.28]), +1) == "holds"
+    assert verdict(one_sample([-0.30, -0.32, -0.28]), +1) == "contradicted"
+    assert verdict(one_sample([0.30, -0.20, 0.05]), +1) == "inconclusive"
+    assert verdict(one_sample([0.30]), +1) == "inconclusive"  # one seed: no noise estimate
+    assert one_sample([0.3]).ci is None and "no noise estimate" in one_sample([0.3]).text()
+    assert combine(["holds", "holds"]) == "holds"
+    assert combine(["holds", "inconclusive"]) == "inconclusive"
+    assert combine(["holds", "contradicted"]) == "contradicted"
+
+
+def test_sign_test_and_its_power():
+    assert sign_test(0, 6) == pytest.approx(2 / 64)
+    assert sign_test(3, 6) == 1.0
+    assert smallest_significant_split(6) == 0 and smallest_significant_split(5) is None
+    assert smallest_significant_split(20) == 5  # 5 : 15 has p = 0.041
+
+
+def test_line_fit_and_root():
+    line = fit_line([0, 1, 2, 3], [-1.0, -0.8, -0.6, -0.4])
+    assert line.slope == pytest.approx(0.2) and line.root() == pytest.approx(5.0) and line.slope_se == pytest.approx(0)
+
+
+def test_spikes_are_found_against_a_moving_average_and_a_robust_spread():
+    # the old study's STEM-1/3 at lr 3e-3 (300 steps, 3 warm-up steps): 6.83 -> 8.76 -> 6.83 at step 16
+    losses = [8.33, 8.24, 8.02, 7.79, 7.60, 7.37, 7.21, 7.20, 7.00, 6.89, 6.92, 6.89, 6.89, 6.80, 6.83, 8.76,
+              6.83, 6.77, 6.74, 6.74] + [6.7 - 0.005 * i + 0.03 * (-1) ** i for i in range(60)]
+    spikes = find_spikes(losses, warmup_steps=3)
+    assert [s["step"] for s in spikes] == [16] and spikes[0]["z"] > 6
+    assert find_spikes(losses, warmup_steps=20) == []  # counted only after warm-up + settle steps
+    smooth = [5 + 0.05 * ((i * 7) % 5) for i in range(100)]  # batch-to-batch noise only
+    assert find_spikes(smooth, 0) == []
+
+
+def test_gap_trend_says_where_a_shrinking_gap_would_close():
+    # mean gap = -0.999 + 0.1 * log2(t / 1000): closes at t = 1000 * 2**9.99
+    points = [1000 * k for k in range(1, 21)]  # evenly spaced evaluations, as in training
+    curves = {"dense": {s: [{"tokens": t, "val_loss": 5.0} for t in points] for s in (0, 1, 2)},
+              "stem-1/3": {s: [{"tokens": t, "val_loss": 4.0 + 0.1 * math.log2(t / 1000) + 0.001 * s} for t in points]
+                           for s in (0, 1, 2)}}
+    t = gap_trend(gap_curves(curves, "stem-1/3"), epoch_tokens=1000 * 2 ** 9)
+    assert t["slope"]["mean"] == pytest.approx(0.1) and t["cross_tokens"] == pytest.approx(1000 * 2 ** 9.99, rel=1e-6)
+    assert t["cross_epochs"] == pytest.approx(2 ** 0.99, rel=1e-6)
+
+
+def test_paper_rois_follow_from_table3():
+    for variant in ("stem-1/3", "stem-1/2", "stem-full"):
+        assert round(table3_roi(variant), 2) == TABLE3[variant]["roi"]
+    assert "1.08× / 1.20× / 1.33×" in QUOTES["roi"].text and QUOTES["roi"].source.startswith("Table 3")
+    assert "8.4% to 13%" in QUOTES["long_context"].text and "Fig. 1b" in QUOTES["long_context"].source
+    assert "peak lr 0.002" in QUOTES["stability"].text and "Table 2" in QUOTES["stability"].source
+
+
+def _run(stage, variant, seed, loss, size="d", **extra):
+    kinds = {"dense": ["dense"] * 3, "stem-1/3": ["dense", "dense", "stem"], "stem-1/2": ["dense", "stem", "stem"],
+             "stem-full": ["stem"] * 3, "stem_gate-1/3": ["dense", "dense", "stem_gate"]}
+    flops = {"dense": 100.0}.get(variant, 90.0)
+    return {"name": f"{stage}-{variant}-{seed}", "stage": stage, "status": "finished",
+            "labels": {"size": size, "variant": variant, "seed": seed, **extra.pop("labels", {})},
+            "metrics": {"final_val_loss": loss, "val": [], "train": [], "steps": 10, "val_loss_init": 8.0},
+            "accounting": {"train_flops_per_token": flops, "layer_kinds": kinds.get(variant, ["dense"] * 3)},
+            "data": {"unigram_entropy": 6.0}, "config": {"optim": {"warmup_ratio": 0.0}, "run": {"steps": 10}}, **extra}
+
+
+def test_claims_hold_are_contradicted_or_stay_inconclusive_by_the_rule():
+    noise = [0.01, -0.02, 0.015]
+    clear = [_run("compare", "dense", s, 5.0 + n) for s, n in enumerate(noise)]
+    clear += [_run("compare", v, s, 4.5 + n + 0.003 * s) for v in ("stem-1/3", "stem-1/2", "stem-full") for s, n in enumerate(noise)]
+    clear += [_run("compare", "stem_gate-1/3", s, 4.5 + n - 0.004 * s) for s, n in enumerate(noise)]
+    rows = {r["key"]: r for r in claim_rows(clear, {})}
+    assert rows["roi"]["verdict"] == "holds" and "loss ROI" in rows["roi"]["measured"]
+    assert rows["ablation"]["verdict"] == "inconclusive"  # STEM and gate equal: inside the noise, not "does not hold"
+    worse = [_run("compare", "dense", s, 5.0 + n) for s, n in enumerate(noise)]
+    worse += [_run("compare", v, s, 5.6 + n) for v in ("stem-1/3", "stem-1/2", "stem-full") for s, n in enumerate(noise)]
+    assert {r["key"]: r for r in claim_rows(worse, {})}["roi"]["verdict"] == "contradicted"
+    one_seed = [_run("compare", "dense", 0, 5.0), _run("compare", "stem-1/3", 0, 4.0)]
+    assert {r["key"]: r for r in claim_rows(one_seed, {})}["roi"]["verdict"] == "inconclusive"
+    assert all(r["verdict"] in ("holds", "contradicted", "inconclusive") for r in claim_rows(clear + worse, {}))
+
+
+def test_knowledge_claim_needs_its_positive_control():
+    runs = []
+    for s in range(3):
+        for v, k in (("dense", 0.1), ("stem-1/3", 0.2), ("stem-1/2", 0.3), ("stem-full", 0.5)):
+            fam = {"train": {"seen": k + 0.01 * s, "unseen": 0.0}}
+            runs.append(_run("compare", v, s, 5.0, probes={"knowledge": {"families": fam}}))
+    rows = {r["key"]: r for r in claim_rows(runs, {})}
+    assert rows["knowledge"]["verdict"] == "inconclusive" and "no positive control" in rows["knowledge"]["measured"]
+    ok = {"mean": 2.0, "se": 0.1, "df": 100, "n": 100, "kind": "welch", "ci": [1.8, 2.2], "mde": 0.3}
+    control = _run("controls", "dense", 0, 3.0, labels={"control": "knowledge"},
+                   probes={"knowledge": {"families": {"train": {"seen": 2.0, "unseen": 0.0, "seen_minus_unseen": ok}}}})
+    rows = {r["key"]: r for r in claim_rows(runs + [control], {})}
+    assert rows["knowledge"]["verdict"] == "holds" and "the probe can see the effect" in rows["knowledge"]["measured"]
+    failed = {**ok, "mean": 0.01, "ci": [-0.1, 0.12]}
+    control["probes"]["knowledge"]["families"]["train"]["seen_minus_unseen"] = failed
+    assert {r["key"]: r for r in claim_rows(runs + [control], {})}["knowledge"]["verdict"] == "inconclusive"
+
+
+def test_stability_claim_counts_spikes_at_the_paper_lr_and_above():
+    def sweep(variant, lr, jumps):
+        losses = [6.0 - 0.001 * i + (0.02 if i % 2 else 0.0) for i in range(200)]
+        for step in jumps:
+            losses[step - 1] += 2.0
+        return _run("sweep", variant, 0, 5.0, labels={"lr": lr},
+                    metrics={"final_val_loss": 5.0, "steps": 200, "train": [[i + 1, x] for i, x in enumerate(losses)]})
+    runs = [sweep("stem-1/3", lr, []) for lr in (2e-3, 2e-2)]
+    runs += [sweep("hash_moe-1/3", lr, list(range(30, 200, 40))) for lr in (2e-3, 2e-2)]
+    runs += [sweep("hash_moe-1/3", 1e-3, list(range(30, 200, 20)))]  # below the paper's lr: not counted
+    row = {r["key"]: r for r in claim_rows(runs, {})}["stability"]
+    assert row["verdict"] == "holds" and "stem-1/3 0, hash_moe-1/3 10" in row["measured"]
+    calm = [sweep(v, 2e-3, []) for v in ("stem-1/3", "hash_moe-1/3")]
+    assert {r["key"]: r for r in claim_rows(calm, {})}["stability"]["verdict"] == "inconclusive"
+
+
+def test_seeds_needed_to_settle_an_inconclusive_difference():
+    from stemlm.study.stats import seeds_needed
+
+    d = one_sample([0.10, -0.02, 0.07])  # mean 0.05, sd 0.062
+    n = seeds_needed(d)
+    sd = d.se * math.sqrt(3)
+    assert mde(sd / math.sqrt(n), n - 1) <= 0.05 < mde(sd / math.sqrt(n - 1), n - 2)
+    assert seeds_needed(one_sample([0.3])) is None and seeds_needed(one_sample([1.0, -1.0, 0.01])) == 101
