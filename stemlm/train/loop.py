@@ -6,9 +6,15 @@ gradients, the global norm over backbone *and* table gradients is clipped, and b
 step. The loop never asks where table rows live: ``SparseRowAdamW`` talks to every table object
 through the lookup protocol, so host/disk tables installed in ``model.tables`` train unchanged.
 
+The table path (``run.table_path``, ``run.tables``; ``stemlm.fused``) is applied to the built
+model from outside: with it, ``model.tables`` is told each step's ids before the forward passes
+(``begin_step``) and, for tables in host RAM, the next step's while backward runs
+(``prefetch_step``). A step reads values back to the host once: ids are checked on the host before
+they move, and the losses and the gradient norm are fetched together after backward.
+
 Everything that depends on where the model runs is a seam a subclass overrides, so the loop is
 written once: ``prepare_model`` (install sharded or off-device tables before the optimizers are
-built), ``wrap_forward`` (DDP/FSDP), ``batch`` (a rank's slice of ``get_batch``), ``reduce_loss``
+built), ``wrap_forward`` (DDP/FSDP), ``host_batch`` (a rank's slice of ``get_batch``), ``step_values``
 and ``clip_gradients`` (cross-process reductions), ``is_main`` (who writes files). See
 ``stemlm.dist.trainer`` for the torchrun implementation.
 """
@@ -30,8 +36,10 @@ from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corp
 from ..runtime.devices import resolve_device
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
+from ..fused.apply import apply_table_path, resolve_table_path
 from ..model.decoder import StemLM
 from ..model.quant import codec_of
+from ..model.tables import check_ids, ids_checked
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
 from .config import TrainConfig, config_from_yaml_text, resume_changes
@@ -130,6 +138,9 @@ class Trainer:
         self.val_ds = TokenDataset.open(self.data_dir, "val")
         self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size).to(self.device).train())
         self._check_shapes()
+        self.table_path = resolve_table_path(cfg.run.table_path, cfg.run.tables, cfg.optim.table_optimizer,
+                                             self.device, self.model)
+        apply_table_path(self.model, self.table_path, cfg.run.tables, self.device)
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
@@ -215,35 +226,61 @@ class Trainer:
         """The loss value to log and check (the mean over processes when distributed)."""
         return loss.item()
 
+    def step_values(self, losses: list[torch.Tensor], norm: torch.Tensor) -> tuple[list[float], float]:
+        """The micro-batch losses and the gradient norm as numbers: one read back from the device."""
+        values = torch.stack([*(l.float() for l in losses), norm.to(losses[0].device, torch.float32)]).tolist()
+        return values[:-1], values[-1]
+
     def clip_gradients(self, params: list[torch.Tensor], table_grads: list[torch.Tensor]) -> torch.Tensor:
         """Global gradient norm over backbone and table gradients, clipped in place."""
         return clip_grad_norm(params, table_grads, self.cfg.optim.grad_clip)
 
     # -- one step --------------------------------------------------------------------------
-    def batch(self, micro_step: int):
-        """Micro-batch number ``micro_step`` of the run (the seam for a rank/world_size slice)."""
+    def host_batch(self, micro_step: int):
+        """Micro-batch number ``micro_step`` of the run in host memory (the seam for a rank/world_size slice)."""
         d = self.cfg.data
-        return get_batch(self.train_ds, micro_step, d.batch_size, d.seq_len, seed=d.seed).to(self.device)
+        return get_batch(self.train_ds, micro_step, d.batch_size, d.seq_len, seed=d.seed)
+
+    def batch(self, micro_step: int):
+        """Micro-batch number ``micro_step`` on the run's device."""
+        return self.host_batch(micro_step).to(self.device)
+
+    def step_batches(self, step: int) -> list:
+        """The host micro-batches of optimizer step ``step`` (the last two steps' are kept)."""
+        cache = self.__dict__.setdefault("_step_batches", {})
+        if step not in cache:
+            accum = self.cfg.optim.grad_accum
+            cache[step] = [self.host_batch(step * accum + i) for i in range(accum)]
+            for old in [k for k in cache if k < step - 1]:
+                del cache[old]
+        return cache[step]
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics record."""
         cfg, t0 = self.cfg, time.perf_counter()
         factor = lr_factor(self.step, cfg.run.steps, cfg.optim.warmup_ratio, cfg.optim.decay, cfg.optim.min_lr_ratio)
         set_lr(self.opt, self.table_opt, factor, cfg.optim.table_peak_lr)
-        accum, losses, seen_ids = cfg.optim.grad_accum, [], []
-        for i in range(accum):
-            batch = self.batch(self.step * accum + i)
-            seen_ids.append(batch.inputs)
-            with evaluate_mod.autocast(self.device, cfg.run.dtype):
-                loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
-            value = self.reduce_loss(loss.detach())
-            if not is_finite(value):
-                self._diverged(f"loss is {value}")
-            (loss / accum).backward()
-            losses.append(value)
+        accum, losses, tables = cfg.optim.grad_accum, [], self.model.tables
+        host = self.step_batches(self.step)
+        ids = torch.cat([b.inputs.reshape(-1) for b in host])
+        check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
+        if hasattr(tables, "begin_step"):
+            tables.begin_step([b.inputs for b in host])
+        with ids_checked():
+            for b in host:
+                batch = b.to(self.device)
+                with evaluate_mod.autocast(self.device, cfg.run.dtype):
+                    loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
+                (loss / accum).backward()
+                losses.append(loss.detach())
+        if hasattr(tables, "prefetch_step") and self.step + 1 < cfg.run.steps:  # while backward runs
+            tables.prefetch_step([b.inputs for b in self.step_batches(self.step + 1)])
         table_grads = self.table_opt.collect() if self.table_opt is not None else []
         params = [p for g in self.opt.param_groups for p in g["params"]]
-        norm = float(self.clip_gradients(params, table_grads))
+        values, norm = self.step_values(losses, self.clip_gradients(params, table_grads))
+        for value in values:
+            if not is_finite(value):
+                self._diverged(f"loss is {value}")
         if not is_finite(norm):
             self._diverged(f"gradient norm is {norm}")
         self.opt.step()
@@ -255,11 +292,11 @@ class Trainer:
         step_flops = self.flops_per_token * self.tokens_per_step
         self.flops_seen += step_flops
         dt = time.perf_counter() - t0
-        loss = sum(losses) / accum
+        loss = sum(values) / accum
         spike = self.spikes.update(loss)
         return {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
                 "tokens_per_s": self.tokens_per_step / dt, "mfu": step_flops / dt / self.peak_flops if self.peak_flops else None,
-                "unique_tokens": int(torch.unique(torch.cat([s.reshape(-1) for s in seen_ids])).numel()),
+                "unique_tokens": int(torch.unique(ids).numel()),
                 "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "loss_spikes": self.spikes.count,
                 "spike": spike, "step_time": dt}
 
@@ -295,6 +332,7 @@ class Trainer:
 
         NaN/inf weights or optimizer state stop the run as a divergence: nothing is written.
         """
+        self.model.tables.flush()  # rows updated off their home tier (host tables) are written back first
         try:
             self.last_ckpt = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.opt, self.table_opt,
                                                      self.trainer_state(), self.config_yaml(), self.data_dir,
