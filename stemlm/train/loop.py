@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
 from ..interop.checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
@@ -358,6 +357,7 @@ class Trainer:
             write_run_config(self.run_dir, self.model.cfg)  # from_pretrained(run_dir) finds the newest checkpoint
         self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
+        from tqdm import tqdm  # here, not at import: the GPU suite imports the loop where only torch & co. exist
         bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not (r.progress and self.is_main),
                    dynamic_ncols=True)
         start, rec, val = time.perf_counter(), None, None
