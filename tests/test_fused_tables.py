@@ -63,8 +63,10 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
         opt.step()
         table_opt.step()
         opt.zero_grad()
-    tensors, meta = table_opt.state_dict()
     tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
+    tensors, meta = table_opt.state_dict()
+    if path == "host":
+        train.traffic = dict(model.tables.traffic)
     return losses, tables, tensors, meta
 
 
@@ -113,6 +115,12 @@ def test_padded_and_host_training_equal(setup, path):
     got = train(cfg, state, batches, "fused" if path == "padded" else "host", "catchup",
                 **({"exact": False} if path == "padded" else {}))
     _assert_same(got, want, exact=path == "host")
+    if path == "host":  # only rows the previous step did not hold come in; rows leave when no longer used
+        sets = [set(torch.cat([ids[:, :-1].reshape(-1) for ids in micro]).tolist()) for micro in batches]
+        rows_in = len(sets[0]) + sum(len(b - a) for a, b in zip(sets, sets[1:]))
+        rows_out = sum(len(a - b) for a, b in zip(sets, sets[1:])) + len(sets[-1])  # + the final write-back
+        assert train.traffic == {"rows_in": rows_in, "rows_out": rows_out}
+        assert rows_in < sum(len(x) for x in sets)  # rows used by consecutive steps stayed on the device
 
 
 def test_compiled_update_equals_reference(setup):

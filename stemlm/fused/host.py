@@ -45,6 +45,7 @@ class Window:
     ids: torch.Tensor
     slot_of: torch.Tensor
     parts: dict[str, torch.Tensor]
+    dirty: bool = False  # holds updates host RAM does not have yet
 
     def __getattr__(self, name):  # win.rows, win.m, ... (dataclass fields are found first)
         try:
@@ -90,6 +91,10 @@ class HostTables(FusedTables):
         self.staged: Staged | None = None
         self.pending: list[tuple[torch.Tensor, list[torch.Tensor], object]] = []  # evictions in flight
         self.traffic = {"rows_in": 0, "rows_out": 0}
+        # model.state_dict() reads host RAM: write the window back first; model.load_state_dict()
+        # replaced the rows there: refresh the window's rows (its moments stay)
+        self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
+        self.register_load_state_dict_post_hook(lambda module, keys: module._reload_rows())
 
     tier = "host"
 
@@ -153,11 +158,11 @@ class HostTables(FusedTables):
             if old is not None:
                 out.index_copy_(1, carry_pos, old.parts[name].detach().index_select(1, carry_src))
             parts[name] = out
-        if old is not None:
+        if old is not None and old.dirty:
             kept = torch.zeros(len(old.ids), dtype=torch.bool)
             kept[staged.carry_src] = True
             self._evict(old, (~kept).nonzero()[:, 0])
-        return Window(d.uniq, d.slot_of, parts)
+        return Window(d.uniq, d.slot_of, parts, dirty=old is not None and old.dirty and len(staged.carry_pos) > 0)
 
     def _evict(self, win: Window, pos: torch.Tensor) -> None:
         """Start copying the rows of ``win`` at positions ``pos`` back to host RAM."""
@@ -182,12 +187,21 @@ class HostTables(FusedTables):
     def apply_update(self, opt, step: StepRows) -> None:
         """Update the window in place (every slot holds an id of the step)."""
         opt.update_window(step.rows.detach(), step.rows.grad, self.window)
+        self.window.dirty = True
 
     def flush(self) -> None:
-        """Write every row of the window back to host RAM and wait for it (a host sync)."""
-        if self.window is not None:
+        """Write the window's updated rows back to host RAM and wait for them (a host sync)."""
+        if self.window is not None and self.window.dirty:
             self._evict(self.window, torch.arange(len(self.window.ids)))
+            self.window.dirty = False
         self._land_evictions()
+
+    def _reload_rows(self) -> None:
+        self._land_evictions()
+        self.staged = None
+        if self.window is not None:
+            rows = self.storage.index_select(1, self.window.ids).to(self.compute)
+            self.window.parts["rows"].data.copy_(rows)
 
     def state_loaded(self) -> None:
         """The host state was replaced (a resume): forget the window and anything in flight."""
