@@ -30,7 +30,7 @@ import torch.nn as nn
 
 from ..model.tables import LayerRows, StemTable, check_ids
 from .dedup import Dedup, dedup
-from .mover import Mover
+from .mover import Mover, to_device_async
 from .stacked import FusedTables, StepRows
 
 PARTS = ("rows", "m", "v", "step", "last")  # what travels with a row
@@ -117,7 +117,8 @@ class HostTables(FusedTables):
             self.window = None
             staged = self._stage(d.uniq)
         self.window = self._assemble(d, staged)
-        dev = Dedup(d.uniq.to(self.compute), d.count.to(self.compute), d.slot_of.to(self.compute), padded=False)
+        put = lambda t: to_device_async(t, self.compute)  # noqa: E731
+        dev = Dedup(put(d.uniq), put(d.count), put(d.slot_of), padded=False)
         self.step_rows = StepRows(dev, self.window.rows.requires_grad_(True))
         return self.step_rows
 
@@ -149,7 +150,7 @@ class HostTables(FusedTables):
         """The window of ``d``: carried rows from the current window, fresh ones from ``staged``;
         the current window's other rows are evicted."""
         self.mover.ready(staged.parts, staged.event)
-        old, to = self.window, lambda t: t.to(self.compute, non_blocking=True)  # noqa: E731
+        old, to = self.window, lambda t: to_device_async(t, self.compute)  # noqa: E731
         carry_pos, carry_src, fresh_pos = to(staged.carry_pos), to(staged.carry_src), to(staged.fresh_pos)
         parts = {}
         for name, fresh in zip(PARTS, staged.parts):
@@ -168,7 +169,7 @@ class HostTables(FusedTables):
         """Start copying the rows of ``win`` at positions ``pos`` back to host RAM."""
         if len(pos) == 0:
             return
-        idx = pos.to(self.compute, non_blocking=True)
+        idx = to_device_async(pos, self.compute)
         host, event = self.mover.to_host([win.parts[p].detach().index_select(1, idx) for p in PARTS])
         self.pending.append((win.ids[pos], host, event))
         self.traffic["rows_out"] += len(pos)

@@ -11,6 +11,15 @@ from __future__ import annotations
 import torch
 
 
+def to_device_async(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device`` without the host waiting: a host tensor is pinned first (a copy from
+    pageable memory would wait for the device's queue to drain)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 class Mover:
     """Asynchronous copies for one compute ``device``."""
 

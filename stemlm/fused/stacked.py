@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..model.tables import LayerRows, StemTable, Tables, check_ids
 from .dedup import Dedup, dedup
+from .mover import to_device_async
 
 
 @dataclass
@@ -76,7 +77,7 @@ class FusedTables(Tables):
     # -- a step -----------------------------------------------------------------------------
     def begin_step(self, ids: Sequence[torch.Tensor]) -> StepRows:
         """Dedup the ids of every micro-batch of the coming optimizer step and gather their rows."""
-        flat = torch.cat([i.reshape(-1) for i in ids]).to(self.device, non_blocking=True)
+        flat = to_device_async(torch.cat([i.reshape(-1).to(ids[0].device) for i in ids]), self.device)
         check_ids(flat, self.num_rows)
         d = dedup(flat, self.num_rows, self.exact)
         self.step_rows = StepRows(d, self.load_rows(d).requires_grad_(True))

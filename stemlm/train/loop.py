@@ -267,7 +267,7 @@ class Trainer:
             tables.begin_step([b.inputs for b in host])
         with ids_checked():
             for b in host:
-                batch = b.to(self.device)
+                batch = b.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else b.to(self.device)
                 with evaluate_mod.autocast(self.device, cfg.run.dtype):
                     loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
                 (loss / accum).backward()
