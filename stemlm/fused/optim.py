@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from .kernels import Kernel, indexed_update_, row_factors, window_update_
+from .kernels import Kernel, indexed_update_, native_indexed_update_, row_factors, window_update_
 from .stacked import FusedTables
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "last_step")
@@ -26,7 +26,8 @@ class FusedRowAdamW:
 
     def __init__(self, tables: FusedTables, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, decay_untouched: str = "lazy", compile: bool = False):
-        """``compile``: run the update as ``torch.compile``-d kernels (falls back to eager with a warning)."""
+        """``compile``: run the update as compiled kernels (on the CPU the C++ loop of ``cpu_kernel``;
+        falls back to eager with a warning)."""
         if decay_untouched not in ("lazy", "catchup"):
             raise ValueError(f"decay_untouched must be 'lazy' or 'catchup', got {decay_untouched!r}")
         self.container = tables
@@ -35,7 +36,7 @@ class FusedRowAdamW:
         self.decay_untouched = decay_untouched
         self.global_step = 0
         self._pending = None  # the closed step whose gradients were collected
-        self.indexed = Kernel(indexed_update_, compile)
+        self.indexed = Kernel(indexed_update_, compile, native=native_indexed_update_)
         self.window = Kernel(window_update_, compile)
         for t in self.tables.values():
             t.sparse_grad = True
