@@ -42,6 +42,38 @@ class StepRows:
     used: bool = False
 
 
+class ExpandRows(torch.autograd.Function):
+    """Every table's rows at every position in one gather: ``rows (n, P, d)``, ``inverse (N,)`` ->
+    ``n`` tensors ``(N, d)``. Backward accumulates each table's position gradients straight into
+    its slice of one ``(n, P, d)`` gradient (no per-table gradient tensors stacked afterwards)."""
+
+    @staticmethod
+    def forward(ctx, rows, inverse):
+        ctx.save_for_backward(inverse)
+        ctx.rows_shape = rows.shape
+        return tuple(rows.index_select(1, inverse).unbind(0))  # n x (N, d), views of one (n, N, d) gather
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (inverse,) = ctx.saved_tensors
+        n, P, d = ctx.rows_shape
+        out = grads[0].new_zeros(n, P, d) if grads[0] is not None else None
+        for i, g in enumerate(grads):
+            if g is not None:
+                if out is None:
+                    out = g.new_zeros(n, P, d)
+                out[i].index_add_(0, inverse, g.reshape(-1, d))  # as index_select's backward does
+        return out, None
+
+
+class ExpandedRows(LayerRows):
+    """``LayerRows`` whose rows are already one per position (``(N, d)`` each)."""
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        rows = self._gathers[key]()
+        return rows.view(*self.shape, rows.shape[-1])
+
+
 def assert_on_device(cond: torch.Tensor, message: str) -> None:
     """Raise ``message`` when ``cond`` (0-d bool) is false: at once on the CPU, asynchronously
     (a device-side assert, no host sync) on an accelerator."""
@@ -108,9 +140,9 @@ class FusedTables(Tables):
             assert_on_device(step.dedup.contains(ids.to(self.device)),
                              "a forward pass used token ids that begin_step was not given")
         step.used = True
-        inverse = step.dedup.inverse(ids.to(self.device))
-        per_table = step.rows.unbind(0)  # n x (P, d): unbind's backward stacks the grads into (n, P, d) once
-        return LayerRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
+        inverse = step.dedup.inverse(ids.to(self.device)).reshape(-1)  # (N,)
+        per_table = ExpandRows.apply(step.rows, inverse)  # n x (N, d)
+        return ExpandedRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
 
     def _rows_no_grad(self, ids: torch.Tensor) -> LayerRows:
         ids = ids.to(self.device)
