@@ -15,6 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
+from ..train.sparse_adam import load_scalars, table_state_dict
 from .kernels import Kernel, indexed_update_, native_indexed_update_, row_factors, window_update_
 from .stacked import FusedTables
 
@@ -117,17 +118,11 @@ class FusedRowAdamW:
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """``(tensors, scalars)`` in the format of ``SparseRowAdamW.state_dict``."""
         self.container.flush()
-        tensors = {f"{t}.{k}": v for t, st in self.state.items() for k, v in st.items()}
-        meta = {"global_step": self.global_step, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                "weight_decay": self.weight_decay, "decay_untouched": self.decay_untouched,
-                "tables": sorted(self.state)}
-        return tensors, meta
+        return table_state_dict(self)
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
         """Restore what ``state_dict`` (of either table optimizer) wrote."""
-        self.global_step = int(meta["global_step"])
-        self.lr, self.betas, self.eps = float(meta["lr"]), tuple(meta["betas"]), float(meta["eps"])
-        self.weight_decay, self.decay_untouched = float(meta["weight_decay"]), meta["decay_untouched"]
+        load_scalars(self, meta)
         for name in meta["tables"]:
             if name not in self.tables:
                 raise ValueError(f"optimizer state has table {name!r} but the model has tables {sorted(self.tables)}")
