@@ -151,11 +151,6 @@ class FusedTables(Tables):
         per_table = self.load_rows(d).unbind(0)
         return LayerRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, d.inverse(ids), ids.shape)
 
-    def lookup_all(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Each layer's rows for ``ids`` as a dict (tests and benchmarks)."""
-        rows = self.rows(ids)
-        return {k: rows[k] for k in rows}
-
     # -- where the optimizer state lives -------------------------------------------------------
     def optim_state(self) -> dict[str, torch.Tensor]:
         """The stacked optimizer state beside the rows (zeroed on first use): moments

@@ -6,11 +6,9 @@ gradients, the global norm over backbone *and* table gradients is clipped, and b
 step. The loop never asks where table rows live: ``SparseRowAdamW`` talks to every table object
 through the lookup protocol, so host/disk tables installed in ``model.tables`` train unchanged.
 
-The table path (``run.table_path``, ``run.tables``; ``stemlm.fused``) is applied to the built
-model from outside: with it, ``model.tables`` is told each step's ids before the forward passes
-(``begin_step``) and, for tables in host RAM, the next step's while backward runs
-(``prefetch_step``). A step reads values back to the host once: ids are checked on the host before
-they move, and the losses and the gradient norm are fetched together after backward.
+The table path (``run.table_path``, ``run.tables``; ``stemlm.fused``) is applied to the built model
+from outside; ``model.tables`` may take each step's ids ahead (``begin_step``, ``prefetch_step``).
+A step reads back from the device once (the losses and the gradient norm, after backward).
 
 Everything that depends on where the model runs is a seam a subclass overrides, so the loop is
 written once: ``prepare_model`` (install sharded or off-device tables before the optimizers are
