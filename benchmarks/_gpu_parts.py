@@ -71,22 +71,28 @@ def train_section(s, preset: str) -> dict:
 
 def host_section(s, preset: str, arm: str = "stem-full") -> dict:
     """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``):
-    step times interleaved, and the device memory held between steps and at a step's peak."""
+    the device memory each holds (between steps, and at a step's peak: the device run measured
+    first, the host run above what the device run keeps), then step times interleaved."""
+    from stemlm.accounting import param_breakdown
+    from stemlm.planner import train_window_bytes
+
     arms = {"device": ARMS[arm] + ["run.table_path=fused"], "host": ARMS[arm] + ["run.tables=host"]}
-    trainers = trainers_for(s, preset, arms)
-    samples: dict = {}
-    med = time_interleaved({a: step_fn(t) for a, t in trainers.items()}, s["steps"], s["warmup"], samples)
-    out = {"preset": preset, "arm": arm, "step_s": med, "host_over_device": paired_ratio(samples["host"], samples["device"])}
-    if s["device"].startswith("cuda"):
-        for name, t in trainers.items():  # one step at a time, alone on the device
-            other = [x for x in trainers.values() if x is not t]
+    trainers, out, base = {}, {"preset": preset, "arm": arm}, 0
+    for name, overrides in arms.items():
+        trainers[name] = trainers_for(s, preset, {name: overrides})[name]
+        run = step_fn(trainers[name])
+        for _ in range(s["warmup"]):
+            run()
+        if s["device"].startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
             held = torch.cuda.memory_allocated()
-            step_fn(t)()
-            out[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() - _bytes_of(other)
-            out[f"{name}_between_steps_bytes"] = held - _bytes_of(other)
-    from stemlm.planner import train_window_bytes
-    from stemlm.accounting import param_breakdown
+            run()
+            out[f"{name}_between_steps_bytes"] = held - base
+            out[f"{name}_peak_bytes"] = torch.cuda.max_memory_allocated() - base
+            base = torch.cuda.memory_allocated()  # what the device run keeps while the host run is measured
+    samples: dict = {}
+    med = time_interleaved({a: step_fn(t) for a, t in trainers.items()}, s["steps"], 1, samples)
+    out.update(step_s=med, host_over_device=paired_ratio(samples["host"], samples["device"]))
     cfg = trainers["host"].model.cfg
     parts = param_breakdown(cfg)
     backbone = sum(parts.values()) - parts["tables"]
@@ -96,21 +102,6 @@ def host_section(s, preset: str, arm: str = "stem-full") -> dict:
     del trainers
     free(s)
     return out
-
-
-def _bytes_of(trainers) -> int:
-    """Device bytes of the parameters, gradients and optimizer states other trainers keep alive."""
-    seen, total = set(), 0
-    for t in trainers:
-        tensors = [*t.model.parameters(), *(st for s in t.opt.state.values() for st in s.values()
-                                            if isinstance(st, torch.Tensor))]
-        if t.table_opt is not None:
-            tensors += [v for v in t.table_opt.stacked.values()] if hasattr(t.table_opt, "stacked") else []
-        for x in tensors:
-            if x.device.type == "cuda" and x.data_ptr() not in seen:
-                seen.add(x.data_ptr())
-                total += x.numel() * x.element_size()
-    return total
 
 
 def hf_section(s, preset: str) -> dict | None:
