@@ -5,9 +5,9 @@ operations in the same order (so the eager fused path equals the reference bit f
 ``indexed_update_`` applies it to rows picked by an index from stacked ``(rows, dim)`` state
 (gather, update, masked write-back), ``window_update_`` to a compact window of rows in place.
 Either runs eager or as one ``torch.compile``-d function: on CUDA inductor turns it into Triton
-kernels, on the CPU into OpenMP C++ loops (``compiled``); on the CPU the indexed update runs as
-one hand-written C++ loop instead where it can be built (``cpu_kernel.py``: one pass over the rows
-where inductor needs two). The per-row factors (bias corrections,
+kernels, on the CPU into OpenMP C++ loops (``compiled``). On the CPU the optimizer uses the
+hand-written loop of ``cpu_kernel.py`` instead where it can be built (one pass over the rows where
+inductor needs two, the factors computed per row inside it). The per-row factors (bias corrections,
 catch-up decay) are computed by ``row_factors`` on ``(n, P)`` counters: tiny tensors, eager.
 """
 
@@ -65,19 +65,6 @@ def indexed_update_(weight, exp_avg, exp_avg_sq, flat, w_rows, g, decay, neg_ste
     weight.index_copy_(0, flat, w)
 
 
-def native_indexed_update_(weight, exp_avg, exp_avg_sq, flat, w_rows, g, decay, neg_step, eps_r, valid,
-                           b1: float, b2: float) -> bool:
-    """``indexed_update_`` as the C++ loop of ``cpu_kernel`` when it applies (CPU, every row valid,
-    contiguous operands) and can be built; False otherwise."""
-    from . import cpu_kernel
-
-    operands = (weight, exp_avg, exp_avg_sq, flat, w_rows, g, decay, neg_step, eps_r)
-    if valid is not None or not cpu_kernel.applies(*operands) or cpu_kernel.load() is None:
-        return False
-    cpu_kernel.indexed_update_cpu_(*operands, b1, b2)
-    return True
-
-
 def window_update_(w, m, v, g, decay, neg_step, eps_r, b1: float, b2: float) -> None:
     """``adamw_math_`` on a compact window of rows (every row valid), in place."""
     adamw_math_(w, m, v, g, decay, neg_step, eps_r, b1, b2)
@@ -90,13 +77,10 @@ class Kernel:
 
     _compiled: dict = {}
 
-    def __init__(self, fn, compiled: bool, native=None):
-        """``native(*args) -> bool``: a faster implementation tried first when compiled (True: done)."""
-        self.fn, self.compiled, self.native = fn, compiled, native
+    def __init__(self, fn, compiled: bool):
+        self.fn, self.compiled = fn, compiled
 
     def __call__(self, *args) -> None:
-        if self.compiled and self.native is not None and self.native(*args):
-            return None
         if self.compiled:
             try:
                 fn = Kernel._compiled.get(self.fn.__name__)

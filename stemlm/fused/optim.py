@@ -16,7 +16,8 @@ from collections.abc import Mapping
 import torch
 
 from ..train.sparse_adam import load_scalars, table_state_dict
-from .kernels import Kernel, indexed_update_, native_indexed_update_, row_factors, window_update_
+from . import cpu_kernel
+from .kernels import Kernel, indexed_update_, row_factors, window_update_
 from .stacked import FusedTables
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "last_step")
@@ -37,7 +38,7 @@ class FusedRowAdamW:
         self.decay_untouched = decay_untouched
         self.global_step = 0
         self._pending = None  # the closed step whose gradients were collected
-        self.indexed = Kernel(indexed_update_, compile, native=native_indexed_update_)
+        self.indexed = Kernel(indexed_update_, compile)
         self.window = Kernel(window_update_, compile)
         for t in self.tables.values():
             t.sparse_grad = True
@@ -88,10 +89,20 @@ class FusedRowAdamW:
         return row_factors(counts, last, self.lr, self.weight_decay, self.global_step, self.betas, self.eps,
                            self.decay_untouched == "catchup")
 
+    def _native(self, weight, m, v, counts, last, flat, w_rows, grad) -> bool:
+        """The whole update as the CPU's C++ loop (``compile`` on the CPU), if it applies."""
+        return self.compile and cpu_kernel.row_adamw_(
+            weight, m, v, counts, last, flat, w_rows, grad, lr=self.lr, weight_decay=self.weight_decay,
+            global_step=self.global_step, betas=self.betas, eps=self.eps, catchup=self.decay_untouched == "catchup")
+
     def update_indexed(self, step, flat: torch.Tensor, valid: torch.Tensor | None) -> None:
         """Update the rows ``flat`` of the stacked state (device tier) from the step's leaf."""
         st = self.stacked
         n, P, d = step.rows.shape
+        if valid is None and self._native(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d),
+                                          st["exp_avg_sq"].view(-1, d), st["step"].view(-1), st["last_step"].view(-1),
+                                          flat, step.rows.detach().view(-1, d), step.rows.grad.view(-1, d)):
+            return
         counts = st["step"].view(-1).index_select(0, flat)  # (n·P,)
         last = st["last_step"].view(-1).index_select(0, flat)
         new_n, decay, neg_step, eps_r = self.factors(counts, last)
@@ -109,6 +120,10 @@ class FusedRowAdamW:
     def update_window(self, rows: torch.Tensor, grad: torch.Tensor, win) -> None:
         """Update a compact window of rows (host tier) in place: ``rows``/``grad`` ``(n, U, d)``,
         ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``."""
+        d = rows.shape[-1]
+        if self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1), win.last.view(-1),
+                        torch.arange(win.step.numel()), rows.view(-1, d), grad.view(-1, d)):
+            return
         new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
         win.step.copy_(new_n)
         win.last.fill_(self.global_step)
