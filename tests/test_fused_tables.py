@@ -42,9 +42,10 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
     if path == "reference":
         table_opt = SparseRowAdamW(model.tables, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched)
     else:
-        tables = install_host_tables(model, "cpu") if path == "host" else install_fused_tables(model, kw.get("exact"))
+        host = path.startswith("host")
+        tables = install_host_tables(model, "cpu") if host else install_fused_tables(model, kw.get("exact"))
         table_opt = FusedRowAdamW(tables, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched,
-                                  compile=path == "compiled")
+                                  compile=path.endswith("compiled"))
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     opt = torch.optim.AdamW(backbone, lr=1e-2)
     losses = []
@@ -56,7 +57,7 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
             loss = model(ids[:, :-1], targets=ids[:, 1:])
             (loss / accum).backward()
             losses.append(loss.item())
-        if path == "host" and step + 1 < len(batches):
+        if path.startswith("host") and step + 1 < len(batches):
             model.tables.prefetch_step([ids[:, :-1] for ids in batches[step + 1][:accum]])
         clip_grad_norm(backbone, table_opt.collect(), clip)
         table_opt.lr = 0.05 * (step + 1) / len(batches)  # a schedule
@@ -123,11 +124,12 @@ def test_padded_and_host_training_equal(setup, path):
         assert rows_in < sum(len(x) for x in sets)  # rows used by consecutive steps stayed on the device
 
 
-@pytest.mark.parametrize("exact", [True, False])  # the CPU's C++ loop; torch.compile with padded slots (CUDA's graph)
-def test_compiled_update_equals_reference(setup, exact):
+# the CPU's C++ loop (device tier, host window); torch.compile with padded slots (the graph CUDA runs)
+@pytest.mark.parametrize("path, exact", [("compiled", True), ("host_compiled", True), ("compiled", False)])
+def test_compiled_update_equals_reference(setup, path, exact):
     cfg, state, batches = setup
     want = train(cfg, state, batches, "reference", "catchup")
-    got = train(cfg, state, batches, "compiled", "catchup", exact=exact)
+    got = train(cfg, state, batches, path, "catchup", exact=exact)
     _assert_same(got, want, exact=False, tol=1e-4)
 
 
