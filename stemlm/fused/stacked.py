@@ -109,8 +109,9 @@ class FusedTables(Tables):
     # -- a step -----------------------------------------------------------------------------
     def begin_step(self, ids: Sequence[torch.Tensor]) -> StepRows:
         """Dedup the ids of every micro-batch of the coming optimizer step and gather their rows."""
-        flat = to_device_async(torch.cat([i.reshape(-1).to(ids[0].device) for i in ids]), self.device)
-        check_ids(flat, self.num_rows)
+        flat = torch.cat([i.reshape(-1).to(ids[0].device) for i in ids])
+        check_ids(flat, self.num_rows)  # where the ids are: on the host (the trainer's) no device waits
+        flat = to_device_async(flat, self.device)
         d = dedup(flat, self.num_rows, self.exact)
         self.step_rows = StepRows(d, self.load_rows(d).requires_grad_(True))
         return self.step_rows

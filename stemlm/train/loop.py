@@ -261,9 +261,9 @@ class Trainer:
         host = self.step_batches(self.step)
         ids = torch.cat([b.inputs.reshape(-1) for b in host])
         check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
-        if hasattr(tables, "begin_step"):
-            tables.begin_step([b.inputs for b in host])
         with ids_checked():
+            if hasattr(tables, "begin_step"):
+                tables.begin_step([b.inputs for b in host])
             for b in host:
                 batch = b.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else b.to(self.device)
                 with evaluate_mod.autocast(self.device, cfg.run.dtype):
