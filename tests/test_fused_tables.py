@@ -100,8 +100,7 @@ def test_forward_logits_bit_identical(setup):
     assert sorted(model.state_dict()) == sorted(ref.state_dict())  # checkpoint keys unchanged
 
 
-@pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
-@pytest.mark.parametrize("accum", [1, ACCUM])
+@pytest.mark.parametrize("accum, decay_untouched", [(1, "lazy"), (ACCUM, "catchup")])
 def test_eager_fused_training_bit_identical(setup, decay_untouched, accum):
     cfg, state, batches = setup
     want = train(cfg, state, batches, "reference", decay_untouched, accum=accum)
