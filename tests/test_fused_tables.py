@@ -168,3 +168,30 @@ def test_cpu_loop_equals_eager_update():
     torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
     strided = torch.zeros(U, 2 * d)[:, ::2]  # not contiguous: the torch path takes it
     assert not cpu_kernel.row_adamw_(*got, ids, strided, g, **hyper)
+
+
+def test_fallbacks_when_nothing_can_be_built(monkeypatch):
+    """No C++ loop and no compiler: the update warns once and runs eager, with the eager result."""
+    from stemlm.fused import cpu_kernel, kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(cpu_kernel, "_kernel", [None])
+    monkeypatch.setattr(kernels.Kernel, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", broken)
+    gen = torch.Generator().manual_seed(0)
+    W, M, S = torch.randn(9, 4, generator=gen), torch.zeros(9, 4), torch.zeros(9, 4)
+    ids, g = torch.tensor([1, 4, 7]), torch.randn(3, 4, generator=gen)
+    factors = (torch.ones(3, 1), torch.full((3, 1), -0.1), torch.full((3, 1), 1e-8))
+    want = [x.clone() for x in (W, M, S)]
+    kernels.indexed_update_(*want, ids, W[ids].clone(), g, *factors, None, 0.9, 0.95)
+    assert not cpu_kernel.row_adamw_(W, M, S, torch.zeros(9, dtype=torch.long), torch.zeros(9, dtype=torch.long), ids,
+                                     W[ids].clone(), g, lr=0.1, weight_decay=0.0, global_step=1, betas=(0.9, 0.95),
+                                     eps=1e-8, catchup=False)
+    k = kernels.Kernel(kernels.indexed_update_, compiled=True)
+    with pytest.warns(UserWarning, match="no compiler here"):
+        k(W, M, S, ids, W[ids].clone(), g, *factors, None, 0.9, 0.95)
+    assert not k.compiled
+    for got, ref in zip((W, M, S), want):
+        assert torch.equal(got, ref)
