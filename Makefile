@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install run demo demo-real test test-slow test-latest bench
+.PHONY: install run demo demo-real test test-slow test-latest bench gpu-check
 install: $(STAMP)
 
 run: $(STAMP)
@@ -48,3 +48,10 @@ test-latest:
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+# Every GPU figure of issue 27 side by side (docs/gpu.md): run on the GPU machine from this source
+# tree, with no install (only torch, numpy, safetensors, tokenizers and pyyaml need importing).
+# GPU_ARGS=--dry-run runs it on the CPU at tiny shapes.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) benchmarks/gpu_suite.py $(GPU_ARGS)

@@ -6,8 +6,10 @@ coalesces and updates only those U rows; torch AdamW updates all V rows from a d
 (the official code's setup). Each side is timed in two parts, interleaved in the same run:
 
 * ``step``: the optimizer step alone — ``SparseRowAdamW.step()`` (coalesce + row update; eager,
-  and with ``compile=True``: one compiled gather-update-scatter kernel) against
-  ``AdamW.step()`` + ``zero_grad(set_to_none=False)``. This is the P2 metric.
+  and with ``compile=True``: one compiled gather-update-scatter kernel), and the fused table path's
+  ``FusedRowAdamW.step()`` (``sparse_fused``: the step's rows are one leaf whose gradient needs no
+  coalescing, the update is compiled; docs/gpu.md) against ``AdamW.step()`` +
+  ``zero_grad(set_to_none=False)``. This is the P2 metric.
 * ``lookup_backward``: the table lookup of the 8192 positions and its backward (for dense, this
   writes the V × d_ff gradient). Reported so the whole table cost per step is visible too.
 
@@ -29,8 +31,12 @@ import time
 import torch
 from _train_bench import write_result, zipf_tokens
 
+from stemlm.fused import FusedRowAdamW, install_fused_tables
 from stemlm.model.tables import StemTable
+from stemlm.runtime.malloc import keep_freed_memory
 from stemlm.train.sparse_adam import SparseRowAdamW
+
+SPARSE = ("sparse", "sparse_compiled", "sparse_fused")
 
 
 class TableSide:
@@ -41,7 +47,13 @@ class TableSide:
         torch.nn.init.normal_(self.table.weight, std=0.02)
         self.ids = ids
         self.grad_out = None
-        if optimizer.startswith("sparse"):
+        self.fused = optimizer == "sparse_fused"
+        if self.fused:  # the table as the only member of a FusedTables
+            holder = torch.nn.Module()
+            holder.tables = {"0": self.table}
+            self.tables = install_fused_tables(holder)
+            self.opt = FusedRowAdamW(self.tables, lr=1e-3, weight_decay=0.1, compile=True)
+        elif optimizer.startswith("sparse"):
             self.opt = SparseRowAdamW({"0": self.table}, lr=1e-3, weight_decay=0.1,
                                       compile=optimizer == "sparse_compiled")
         else:
@@ -50,7 +62,11 @@ class TableSide:
         self.sparse = optimizer.startswith("sparse")
 
     def lookup_backward(self) -> None:
-        rows = self.table.lookup(self.ids)  # (N, d)
+        if self.fused:
+            self.tables.begin_step([self.ids])
+            rows = self.tables.rows(self.ids)["0"]  # (N, d)
+        else:
+            rows = self.table.lookup(self.ids)  # (N, d)
         if self.grad_out is None:
             self.grad_out = torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)) * 1e-3
         rows.backward(self.grad_out)
@@ -87,7 +103,7 @@ def ids_with_unique(n_tokens: int, vocab: int, unique: int | None, seed: int = 0
 
 
 def measure(V: int, d: int, ids: torch.Tensor, steps: int, dense: tuple[str, ...] = ("dense", "dense_fused"),
-            sparse: tuple[str, ...] = ("sparse", "sparse_compiled")) -> dict:
+            sparse: tuple[str, ...] = SPARSE) -> dict:
     """Times of the sparse sides and the given dense sides on one table shape and one id draw."""
     sides = {k: TableSide(V, d, ids, k) for k in sparse + dense}
     t = time_sides(sides, steps)
@@ -111,6 +127,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="small table, 1 step, writes sparse_optim.quick.json")
     args = ap.parse_args()
+    keep_freed_memory()  # as training does: no page faults on the scratch tensors of every step
     if args.quick:
         args.vocab, args.d_ff, args.tokens, args.steps = 4000, 128, 1024, 1
     V, d = args.vocab, args.d_ff
@@ -119,10 +136,10 @@ def main() -> None:
     print(f"V={V} d_ff={d}, Zipf draw of {args.tokens} tokens -> U={main_row['unique']} unique rows "
           f"({torch.get_num_threads()} threads)")
     print(f"{'':24}{'step':>10}{'lookup+bwd':>13}")
-    for name in ("sparse", "sparse_compiled", "dense", "dense_fused"):
+    for name in (*SPARSE, "dense", "dense_fused"):
         print(f"  {name:<22}{ms(main_row[f'{name}_step_s'])}{ms(main_row[f'{name}_lookup_backward_s'])}")
     for name, label in (("dense", "torch AdamW (defaults)"), ("dense_fused", "torch AdamW fused=True")):
-        for sp in ("sparse", "sparse_compiled"):
+        for sp in SPARSE:
             print(f"  {label} / {sp}: step {main_row[f'{name}_over_{sp}_step']:.1f}x, "
                   f"lookup+backward+step {main_row[f'{name}_over_{sp}_total']:.1f}x")
     sweep_v = [measure(v, d, ids_with_unique(args.tokens, v, None), args.steps, dense=("dense",), sparse=("sparse",))

@@ -143,6 +143,14 @@ def step_plan(cfg: ModelConfig, n_tokens: int, seq_len: int, *, tier: str, cache
     }
 
 
+def train_window_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimizer_bytes: int, zipf_s: float) -> float:
+    """Accelerator bytes of host-RAM tables in training (``run.tables=host``, ``stemlm.fused.host``):
+    the rows of two steps (the current window and the next step's staged rows), each row with its
+    gradient and optimizer state, for the expected distinct tokens of a step."""
+    unique = acc.unique_rows_estimate(n_tokens, cfg.vocab_size, zipf_s)
+    return 2 * len(cfg.table_layers) * unique * cfg.d_ff * (2 * dtype_bytes + optimizer_bytes)
+
+
 def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, batch: int = 1,
          seq_len: int | None = None, dtype_bytes: int = 2, train: bool = False, zipf_s: float = 1.0,
          optimizer_bytes: int = 8, hardware: Hardware = Hardware(), table_dtype: str | None = None) -> dict:
@@ -171,6 +179,9 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
              "row_cache": n_layers_t * cache_rows * cfg.d_ff * table_value_bytes}
     if train:
         accel["backbone_grads_and_optimizer"] = backbone * (dtype_bytes + optimizer_bytes)
+        window = train_window_bytes(cfg, batch * seq_len, dtype_bytes, optimizer_bytes, zipf_s)
+        if tables != "device":
+            accel["step_window"] = window
     else:
         accel["kv_cache"] = acc.kv_cache_bytes(cfg, batch, seq_len, dtype_bytes)
     stored = n_layers_t * cfg.vocab_size * row_bytes + (parts["tables"] * optimizer_bytes if train else 0)
@@ -182,8 +193,13 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
     steps = {"train" if train else "prefill": step_plan(cfg, batch * seq_len, seq_len, decode=False, **common)}
     if not train:
         steps["decode"] = step_plan(cfg, batch, seq_len, decode=True, **common)
+    train_memory = None
+    if train:  # the accelerator with the tables trained on it, and with run.tables=host (no cache)
+        base = accel["backbone_weights"] + accel["backbone_grads_and_optimizer"]
+        train_memory = {"device": base + n_layers_t * cfg.vocab_size * cfg.d_ff * table_value_bytes,
+                        "host": base + window}
     return {
-        "config": cfg.to_dict(), "tables": tables, "cache_frac": cache_frac, "cache_rows": cache_rows,
+        "config": cfg.to_dict(), "tables": tables, "train_memory": train_memory, "cache_frac": cache_frac, "cache_rows": cache_rows,
         "batch": batch, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "train": train, "zipf_s": zipf_s,
         "optimizer_bytes": optimizer_bytes, "hardware": dataclasses.asdict(hardware),
         "table_layers": list(cfg.table_layers), "row_bytes": row_bytes, "table_dtype": table_dtype,

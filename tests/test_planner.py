@@ -118,3 +118,16 @@ def test_quantized_tables_store_and_move_fewer_bytes():
         assert q["steps"]["decode"]["bytes_to_move"] == pytest.approx(plain["steps"]["decode"]["bytes_to_move"] * row / (4 * cfg.d_ff))
     with pytest.raises(ValueError, match="int8 tables are for inference"):
         plan(cfg, train=True, table_dtype="int8")
+
+
+def test_train_plan_shows_memory_with_and_without_host_tables():
+    from stemlm.planner import plan, resolve_model_config, train_window_bytes
+
+    cfg = resolve_model_config("7b-class", "stem", "1/3")
+    p = plan(cfg, tables="host", batch=4, seq_len=2048, train=True, dtype_bytes=4)
+    window = train_window_bytes(cfg, 4 * 2048, 4, 8, 1.0)
+    assert p["accelerator_bytes"]["step_window"] == window
+    mem = p["train_memory"]
+    assert mem["host"] - window == mem["device"] - len(cfg.table_layers) * cfg.vocab_size * cfg.d_ff * 12
+    assert mem["host"] < mem["device"]  # 128k-row tables: two steps' rows are a small part of them
+    assert plan(cfg, tables="host", batch=1, seq_len=64)["train_memory"] is None  # inference plans have none

@@ -74,6 +74,9 @@ def format_plan(p: dict) -> str:
         "",
         "accelerator memory: " + ", ".join(f"{k} {human(v, 'B')}" for k, v in p["accelerator_bytes"].items()),
         f"host memory: tables{' + optimizer state' if p['train'] else ''} {human(p['host_bytes']['tables_and_state'], 'B')}",
+        *([f"training accelerator memory: tables + optimizer state on the accelerator {human(p['train_memory']['device'], 'B')}; "
+           f"in host RAM (run.tables=host: rows of two steps on the accelerator) {human(p['train_memory']['host'], 'B')}"]
+          if p.get("train_memory") else []),
         f"disk: tables{' + optimizer state' if p['train'] else ''} {human(p['disk_bytes']['tables_and_state'], 'B')}",
     ]
     for name, s in p["steps"].items():

@@ -205,6 +205,10 @@ class Batch:
         """The same batch on ``device``."""
         return Batch(*(t.to(device, non_blocking=non_blocking) for t in (self.inputs, self.targets, self.doc_ids)))
 
+    def pin_memory(self) -> "Batch":
+        """The same batch in pinned host memory (so ``to(cuda, non_blocking=True)`` does not wait)."""
+        return Batch(*(t.pin_memory() for t in (self.inputs, self.targets, self.doc_ids)))
+
 
 def batch_offsets(n_tokens: int, step: int, batch_size: int, seq_len: int, seed: int = 0) -> np.ndarray:
     """Start offsets of the global batch of ``step``: uniform over all windows of seq_len+1 tokens."""

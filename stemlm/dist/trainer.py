@@ -97,15 +97,18 @@ class DistributedTrainer(Trainer):
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, shards)
         return DistributedDataParallel(model, device_ids=ids)
 
-    def batch(self, micro_step: int):
+    def host_batch(self, micro_step: int):
         d = self.cfg.data
         return get_batch(self.train_ds, micro_step, d.batch_size, d.seq_len, seed=d.seed,
-                         rank=self.rank, world_size=self.world_size).to(self.device)
+                         rank=self.rank, world_size=self.world_size)
 
     def reduce_loss(self, loss: torch.Tensor) -> float:
         total = loss.detach().float().clone()
         dist.all_reduce(total)
         return total.item() / self.world_size
+
+    def step_values(self, losses, norm):
+        return [self.reduce_loss(loss) for loss in losses], float(norm)
 
     @torch.no_grad()
     def clip_gradients(self, params, table_grads):

@@ -21,6 +21,8 @@ Lookups deduplicate: each unique row is gathered once and scattered back to ever
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -46,9 +48,23 @@ def expand_rows(rows: torch.Tensor, inverse: torch.Tensor, shape: torch.Size) ->
     return rows.index_select(0, inverse.reshape(-1)).view(*shape, rows.shape[-1])
 
 
+_IDS_CHECKED = contextvars.ContextVar("stemlm_ids_checked", default=False)
+
+
+@contextlib.contextmanager
+def ids_checked():
+    """Inside this context ``check_ids`` trusts its ids: the caller checked them on the host
+    before moving them to an accelerator, where checking again would make the host wait."""
+    token = _IDS_CHECKED.set(True)
+    try:
+        yield
+    finally:
+        _IDS_CHECKED.reset(token)
+
+
 def check_ids(ids: torch.Tensor, num_rows: int) -> None:
-    """Raise a one-line error when a token id is outside ``[0, num_rows)``."""
-    if ids.numel() == 0:
+    """Raise a one-line error when a token id is outside ``[0, num_rows)`` (skipped inside ``ids_checked``)."""
+    if ids.numel() == 0 or _IDS_CHECKED.get():
         return
     lo, hi = int(ids.min()), int(ids.max())
     if lo < 0 or hi >= num_rows:

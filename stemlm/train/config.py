@@ -29,6 +29,8 @@ from ..presets import PRESETS, model_config
 STAGES = ("pretrain", "midtrain", "context_extend")
 DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
+TABLE_PATHS = ("auto", "fused", "reference")
+TRAIN_TABLE_TIERS = ("device", "host")
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
 # (the backbone in every step); the scale was chosen on the default run (docs/training.md).
@@ -110,7 +112,7 @@ class OptimSection:
     table_optimizer: str = _f("sparse", f"{' | '.join(TABLE_OPTIMIZERS)}: row-sparse AdamW, or torch AdamW on whole tables")
     decay_untouched: str = _f("lazy", "sparse tables: 'lazy' (decay touched rows only) or 'catchup' (apply missed decay on next touch)")
     table_compile: bool = _f(False, "sparse tables: torch.compile the row update (one fused kernel; compiled at the "
-                                    "first step, eager with a warning if compiling fails)")
+                                    "first step, eager with a warning if compiling fails; the fused path on CUDA always compiles)")
 
     def __post_init__(self):
         if isinstance(self.betas, (list, tuple)) and len(self.betas) == 2 and all(
@@ -173,6 +175,11 @@ class RunSection:
     anneal: str = _f("off", "gradual insertion of a stem_dagger model: off | dagger (tables start at zero) | blend "
                      "(tables start calibrated); the up-projection is annealed out (docs/insertion.md)")
     anneal_ratio: float = _f(0.5, "fraction of run.steps over which run.anneal takes the up-projection from 1 to 0")
+    table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
+                                 "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
+                                 "both compute the same steps, so it may change on resume")
+    tables: str = _f("device", f"{' | '.join(TRAIN_TABLE_TIERS)}: where the STEM tables and their optimizer state live while "
+                     "training; host = pinned host RAM, the accelerator holds the rows of the current and next step (docs/gpu.md)")
 
     def __post_init__(self):
         _positive(self, "run", ("steps", "ckpt_every", "keep_last", "eval_batches", "log_every", "spike_window"))
@@ -185,6 +192,8 @@ class RunSection:
             raise ConfigError(f"run.anneal_ratio must be in (0, 1], got {self.anneal_ratio!r}")
         if self.anneal != "off" and self.compile:
             raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
+        _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
+        _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
         _non_negative(self, "run", ("eval_every", "seed"))
         if not self.out.strip():

@@ -6,9 +6,13 @@ gradients, the global norm over backbone *and* table gradients is clipped, and b
 step. The loop never asks where table rows live: ``SparseRowAdamW`` talks to every table object
 through the lookup protocol, so host/disk tables installed in ``model.tables`` train unchanged.
 
+The table path (``run.table_path``, ``run.tables``; ``stemlm.fused``) is applied to the built model
+from outside; ``model.tables`` may take each step's ids ahead (``begin_step``, ``prefetch_step``).
+A step reads back from the device once (the losses and the gradient norm, after backward).
+
 Everything that depends on where the model runs is a seam a subclass overrides, so the loop is
 written once: ``prepare_model`` (install sharded or off-device tables before the optimizers are
-built), ``wrap_forward`` (DDP/FSDP), ``batch`` (a rank's slice of ``get_batch``), ``reduce_loss``
+built), ``wrap_forward`` (DDP/FSDP), ``host_batch`` (a rank's slice of ``get_batch``), ``step_values``
 and ``clip_gradients`` (cross-process reductions), ``is_main`` (who writes files). See
 ``stemlm.dist.trainer`` for the torchrun implementation.
 """
@@ -21,7 +25,6 @@ import time
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
 from ..interop.checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
@@ -30,9 +33,11 @@ from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corp
 from ..runtime.devices import resolve_device
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
+from ..fused.apply import apply_table_path, resolve_table_path
 from ..model.decoder import StemLM
 from ..insert.anneal import apply_schedule, check_annealable, export_stem
 from ..model.quant import codec_of
+from ..model.tables import check_ids, ids_checked
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
 from .config import TrainConfig, config_from_yaml_text, resume_changes
@@ -136,6 +141,9 @@ class Trainer:
                 check_annealable(self.model.cfg)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+        self.table_path = resolve_table_path(cfg.run.table_path, cfg.run.tables, cfg.optim.table_optimizer,
+                                             self.device, self.model)
+        apply_table_path(self.model, self.table_path, cfg.run.tables, self.device)
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
@@ -221,15 +229,34 @@ class Trainer:
         """The loss value to log and check (the mean over processes when distributed)."""
         return loss.item()
 
+    def step_values(self, losses: list[torch.Tensor], norm: torch.Tensor) -> tuple[list[float], float]:
+        """The micro-batch losses and the gradient norm as numbers: one read back from the device."""
+        values = torch.stack([*(l.float() for l in losses), norm.to(losses[0].device, torch.float32)]).tolist()
+        return values[:-1], values[-1]
+
     def clip_gradients(self, params: list[torch.Tensor], table_grads: list[torch.Tensor]) -> torch.Tensor:
         """Global gradient norm over backbone and table gradients, clipped in place."""
         return clip_grad_norm(params, table_grads, self.cfg.optim.grad_clip)
 
     # -- one step --------------------------------------------------------------------------
-    def batch(self, micro_step: int):
-        """Micro-batch number ``micro_step`` of the run (the seam for a rank/world_size slice)."""
+    def host_batch(self, micro_step: int):
+        """Micro-batch number ``micro_step`` of the run in host memory (the seam for a rank/world_size slice)."""
         d = self.cfg.data
-        return get_batch(self.train_ds, micro_step, d.batch_size, d.seq_len, seed=d.seed).to(self.device)
+        return get_batch(self.train_ds, micro_step, d.batch_size, d.seq_len, seed=d.seed)
+
+    def batch(self, micro_step: int):
+        """Micro-batch number ``micro_step`` on the run's device."""
+        return self.host_batch(micro_step).to(self.device)
+
+    def step_batches(self, step: int) -> list:
+        """The host micro-batches of optimizer step ``step`` (the last two steps' are kept)."""
+        cache = self.__dict__.setdefault("_step_batches", {})
+        if step not in cache:
+            accum = self.cfg.optim.grad_accum
+            cache[step] = [self.host_batch(step * accum + i) for i in range(accum)]
+            for old in [k for k in cache if k < step - 1]:
+                del cache[old]
+        return cache[step]
 
     def train_step(self) -> dict:
         """One optimizer step; returns its metrics record."""
@@ -237,20 +264,27 @@ class Trainer:
         factor = lr_factor(self.step, cfg.run.steps, cfg.optim.warmup_ratio, cfg.optim.decay, cfg.optim.min_lr_ratio)
         set_lr(self.opt, self.table_opt, factor, cfg.optim.table_peak_lr)
         up_scale = self.apply_anneal()
-        accum, losses, seen_ids = cfg.optim.grad_accum, [], []
-        for i in range(accum):
-            batch = self.batch(self.step * accum + i)
-            seen_ids.append(batch.inputs)
-            with evaluate_mod.autocast(self.device, cfg.run.dtype):
-                loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
-            value = self.reduce_loss(loss.detach())
-            if not is_finite(value):
-                self._diverged(f"loss is {value}")
-            (loss / accum).backward()
-            losses.append(value)
+        accum, losses, tables = cfg.optim.grad_accum, [], self.model.tables
+        host = self.step_batches(self.step)
+        ids = torch.cat([b.inputs.reshape(-1) for b in host])
+        check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
+        with ids_checked():
+            if hasattr(tables, "begin_step"):
+                tables.begin_step([b.inputs for b in host])
+            for b in host:
+                batch = b.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else b.to(self.device)
+                with evaluate_mod.autocast(self.device, cfg.run.dtype):
+                    loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
+                (loss / accum).backward()
+                losses.append(loss.detach())
+        if hasattr(tables, "prefetch_step") and self.step + 1 < cfg.run.steps:  # while backward runs
+            tables.prefetch_step([b.inputs for b in self.step_batches(self.step + 1)])
         table_grads = self.table_opt.collect() if self.table_opt is not None else []
         params = [p for g in self.opt.param_groups for p in g["params"]]
-        norm = float(self.clip_gradients(params, table_grads))
+        values, norm = self.step_values(losses, self.clip_gradients(params, table_grads))
+        for value in values:
+            if not is_finite(value):
+                self._diverged(f"loss is {value}")
         if not is_finite(norm):
             self._diverged(f"gradient norm is {norm}")
         self.opt.step()
@@ -262,11 +296,11 @@ class Trainer:
         step_flops = self.flops_per_token * self.tokens_per_step
         self.flops_seen += step_flops
         dt = time.perf_counter() - t0
-        loss = sum(losses) / accum
+        loss = sum(values) / accum
         spike = self.spikes.update(loss)
         return {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"], "grad_norm": norm,
                 "tokens_per_s": self.tokens_per_step / dt, "mfu": step_flops / dt / self.peak_flops if self.peak_flops else None,
-                "unique_tokens": int(torch.unique(torch.cat([s.reshape(-1) for s in seen_ids])).numel()),
+                "unique_tokens": int(torch.unique(ids).numel()),
                 "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "loss_spikes": self.spikes.count,
                 "spike": spike, "step_time": dt, **({"up_scale": up_scale} if cfg.run.anneal != "off" else {})}
 
@@ -308,6 +342,7 @@ class Trainer:
 
         NaN/inf weights or optimizer state stop the run as a divergence: nothing is written.
         """
+        self.model.tables.flush()  # rows updated off their home tier (host tables) are written back first
         try:
             self.last_ckpt = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.opt, self.table_opt,
                                                      self.trainer_state(), self.config_yaml(), self.data_dir,
@@ -333,6 +368,7 @@ class Trainer:
             write_run_config(self.run_dir, self.model.cfg)  # from_pretrained(run_dir) finds the newest checkpoint
         self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
+        from tqdm import tqdm  # here, not at import: the GPU suite imports the loop where only torch & co. exist
         bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not (r.progress and self.is_main),
                    dynamic_ncols=True)
         start, rec, val = time.perf_counter(), None, None

@@ -12,7 +12,8 @@ Parameter groups (each parameter in exactly one, asserted):
 
 With ``table_optimizer="sparse"`` the tables are handled by ``SparseRowAdamW``, which works on
 every table object in ``model.tables`` through the lookup protocol, so tables held off-device
-(host RAM, disk) train the same way. Every group stores its peak lr as ``peak_lr``; the schedule
+(host RAM, disk) train the same way; when the fused table path installed a ``FusedTables`` (or
+its host tier) as ``model.tables``, ``FusedRowAdamW`` updates all tables at once. Every group stores its peak lr as ``peak_lr``; the schedule
 multiplies it.
 """
 
@@ -26,7 +27,8 @@ from .sparse_adam import SparseRowAdamW
 
 
 def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.AdamW, SparseRowAdamW | None]:
-    """``(AdamW over the backbone [+ tables in dense mode], SparseRowAdamW or None)``."""
+    """``(AdamW over the backbone [+ tables in dense mode], SparseRowAdamW | FusedRowAdamW | None)``."""
+    from ..fused import FusedRowAdamW, FusedTables  # here: stemlm.fused builds on this package
     tables = dict(model.tables.items()) if hasattr(model, "tables") else {}
     table_params = {id(p) for t in tables.values() if isinstance(t, nn.Module) for p in t.parameters()}
     backbone = [p for p in _unique_params(model) if id(p) not in table_params and p.requires_grad]
@@ -49,6 +51,11 @@ def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.A
             params += list(table.parameters())
         groups.append({"name": "tables", "params": params, "weight_decay": cfg.table_weight_decay,
                        "peak_lr": cfg.table_peak_lr})
+    elif isinstance(getattr(model, "tables", None), FusedTables):
+        on_cuda = model.tables.device.type == "cuda"  # eager: ~30 small kernels; compiled: a few
+        table_opt = FusedRowAdamW(model.tables, lr=cfg.table_peak_lr, betas=cfg.betas, eps=cfg.eps,
+                                  weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched,
+                                  compile=cfg.table_compile or on_cuda)
     elif tables:
         table_opt = SparseRowAdamW(tables, lr=cfg.table_peak_lr, betas=cfg.betas, eps=cfg.eps,
                                    weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched,
@@ -98,17 +105,24 @@ def set_lr(opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None, factor:
 def clip_grad_norm(params: list[torch.Tensor], extra_grads: list[torch.Tensor], max_norm: float) -> torch.Tensor:
     """Global L2 norm of the dense grads of ``params`` plus ``extra_grads`` (the coalesced sparse
     table grads); when ``max_norm > 0`` all of them are scaled in place so the norm is at most
-    ``max_norm``. Returns the norm before clipping."""
+    ``max_norm``. Returns the norm before clipping, on the grads' device: nothing here waits for
+    an accelerator (``torch._foreach_norm``: one kernel per device and dtype)."""
     grads = [p.grad for p in params if p.grad is not None] + list(extra_grads)
     if not grads:
         return torch.zeros(())
-    norms = torch.stack([torch.linalg.vector_norm(g.detach().float()).to("cpu") for g in grads])
-    total = torch.linalg.vector_norm(norms)
+    total = torch.nn.utils.get_total_norm([g.detach() for g in grads], 2.0)
     if max_norm > 0:
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for g in grads:
-            g.mul_(coef.to(g.device, g.dtype))
+        for group in _by_device_dtype(grads).values():
+            torch._foreach_mul_(group, coef.to(group[0].device, group[0].dtype))
     return total
+
+
+def _by_device_dtype(tensors: list[torch.Tensor]) -> dict:
+    out: dict = {}
+    for t in tensors:
+        out.setdefault((t.device, t.dtype), []).append(t)
+    return out
 
 
 def _unique_params(model: nn.Module) -> list[nn.Parameter]:

@@ -77,6 +77,22 @@ def _row_update(weight, exp_avg, exp_avg_sq, ids, grad, decay, neg_step, eps_r, 
 _compiled_row_update = None
 
 
+def table_state_dict(opt) -> tuple[dict[str, torch.Tensor], dict]:
+    """A table optimizer's ``(tensors, scalars)``: ``opt.state[table][name]`` keyed ``"<table>.<name>"``,
+    hyperparameters and the global step as json (the format of both table optimizers)."""
+    tensors = {f"{t}.{k}": v for t, st in opt.state.items() for k, v in st.items()}
+    meta = {"global_step": opt.global_step, "lr": opt.lr, "betas": list(opt.betas), "eps": opt.eps,
+            "weight_decay": opt.weight_decay, "decay_untouched": opt.decay_untouched, "tables": sorted(opt.state)}
+    return tensors, meta
+
+
+def load_scalars(opt, meta: dict) -> None:
+    """Set a table optimizer's global step and hyperparameters from ``table_state_dict``'s scalars."""
+    opt.global_step = int(meta["global_step"])
+    opt.lr, opt.betas, opt.eps = float(meta["lr"]), tuple(meta["betas"]), float(meta["eps"])
+    opt.weight_decay, opt.decay_untouched = float(meta["weight_decay"]), meta["decay_untouched"]
+
+
 class SparseRowAdamW:
     """AdamW over the touched rows of a set of named table objects (see module docstring)."""
 
@@ -207,17 +223,11 @@ class SparseRowAdamW:
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
         """``(tensors, scalars)``: tensors keyed ``"<table>.<name>"`` (safetensors), scalars as json."""
-        tensors = {f"{t}.{k}": v for t, st in self.state.items() for k, v in st.items()}
-        meta = {"global_step": self.global_step, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
-                "weight_decay": self.weight_decay, "decay_untouched": self.decay_untouched,
-                "tables": sorted(self.state)}
-        return tensors, meta
+        return table_state_dict(self)
 
     def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
         """Restore moments, per-row counters, global step and hyperparameters (as torch optimizers do)."""
-        self.global_step = int(meta["global_step"])
-        self.lr, self.betas, self.eps = float(meta["lr"]), tuple(meta["betas"]), float(meta["eps"])
-        self.weight_decay, self.decay_untouched = float(meta["weight_decay"]), meta["decay_untouched"]
+        load_scalars(self, meta)
         self.state = {}
         for name in meta["tables"]:
             if name not in self.tables:

@@ -1,0 +1,160 @@
+"""``FusedRowAdamW``: the row-sparse AdamW of ``SparseRowAdamW`` over all tables at once.
+
+It drives a ``FusedTables`` (or its host tier, ``HostTables``): the step's rows are one leaf
+``(n, P, d)`` whose gradient already holds every micro-batch's contribution, so ``collect`` is a
+view, not a coalescing pass; ``step`` computes the per-row factors on the ``(n, P)`` counters and
+updates rows and moments of every table with one fused update (``kernels.py``). The state is
+stacked (``exp_avg``/``exp_avg_sq`` ``(n, V, d)``, ``step``/``last_step`` ``(n, V)``) but reads
+and writes the per-table keys of ``SparseRowAdamW.state_dict``, so checkpoints of either path
+resume on the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from ..train.sparse_adam import load_scalars, table_state_dict
+from . import cpu_kernel
+from .kernels import Kernel, indexed_update_, row_factors, window_update_
+from .stacked import FusedTables
+
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "step", "last_step")
+
+
+class FusedRowAdamW:
+    """AdamW on the touched rows of every table of a ``FusedTables`` (see module docstring)."""
+
+    def __init__(self, tables: FusedTables, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0, decay_untouched: str = "lazy", compile: bool = False):
+        """``compile``: run the update as compiled kernels (on the CPU the C++ loop of ``cpu_kernel``;
+        falls back to eager with a warning)."""
+        if decay_untouched not in ("lazy", "catchup"):
+            raise ValueError(f"decay_untouched must be 'lazy' or 'catchup', got {decay_untouched!r}")
+        self.container = tables
+        self.tables = dict(tables.items())
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.decay_untouched = decay_untouched
+        self.global_step = 0
+        self._pending = None  # the closed step whose gradients were collected
+        self.indexed = Kernel(indexed_update_, compile)
+        self.window = Kernel(window_update_, compile)
+        for t in self.tables.values():
+            t.sparse_grad = True
+
+    @property
+    def compile(self) -> bool:
+        return self.indexed.compiled and self.window.compiled
+
+    @property
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """The stacked state, kept by the tables' container beside the rows."""
+        return self.container.optim_state()
+
+    @property
+    def state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Per-table views of the state, keyed as ``SparseRowAdamW.state``."""
+        st = self.stacked
+        return {name: {k: st[k][i] for k in STATE_KEYS} for i, name in enumerate(self.tables)}
+
+    # -- gradients ------------------------------------------------------------------------
+    def collect(self) -> list[torch.Tensor]:
+        """The step's gradients, one ``(P, d)`` view per table (clipping scales them in place)."""
+        if self._pending is None:
+            self._pending = self.container.take_step()
+        step = self._pending
+        if step is None or step.rows.grad is None:
+            return []
+        return list(step.rows.grad.unbind(0))
+
+    def zero_grad(self) -> None:
+        """Drop the step's rows and gradients."""
+        self._pending = None
+        self.container.take_step()
+
+    # -- update ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> None:
+        """One AdamW step on the rows of the step, every table at once."""
+        self.collect()
+        step, self._pending = self._pending, None
+        self.global_step += 1
+        if step is None or step.rows.grad is None:
+            return
+        self.container.apply_update(self, step)
+
+    def factors(self, counts: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(n, decay, neg_step, eps_r)`` of this step for rows with these counters."""
+        return row_factors(counts, last, self.lr, self.weight_decay, self.global_step, self.betas, self.eps,
+                           self.decay_untouched == "catchup")
+
+    def _native(self, weight, m, v, counts, last, flat, w_rows, grad) -> bool:
+        """The whole update as the CPU's C++ loop (``compile`` on the CPU), if it applies."""
+        return self.compile and cpu_kernel.row_adamw_(
+            weight, m, v, counts, last, flat, w_rows, grad, lr=self.lr, weight_decay=self.weight_decay,
+            global_step=self.global_step, betas=self.betas, eps=self.eps, catchup=self.decay_untouched == "catchup")
+
+    def update_indexed(self, step, flat: torch.Tensor, valid: torch.Tensor | None) -> None:
+        """Update the rows ``flat`` of the stacked state (device tier) from the step's leaf."""
+        st = self.stacked
+        n, P, d = step.rows.shape
+        if valid is None and self._native(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d),
+                                          st["exp_avg_sq"].view(-1, d), st["step"].view(-1), st["last_step"].view(-1),
+                                          flat, step.rows.detach().view(-1, d), step.rows.grad.view(-1, d)):
+            return
+        counts = st["step"].view(-1).index_select(0, flat)  # (n·P,)
+        last = st["last_step"].view(-1).index_select(0, flat)
+        new_n, decay, neg_step, eps_r = self.factors(counts, last)
+        mask = None if valid is None else valid.view(1, P).expand(n, P).reshape(-1, 1)  # (n·P, 1)
+        if mask is not None:
+            new_n = torch.where(mask[:, 0], new_n, counts)
+            stamp = torch.where(mask[:, 0], torch.full_like(last, self.global_step), last)
+        else:
+            stamp = torch.full_like(last, self.global_step)
+        st["step"].view(-1).index_copy_(0, flat, new_n)
+        st["last_step"].view(-1).index_copy_(0, flat, stamp)
+        self.indexed(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d), flat,
+                     step.rows.detach().view(-1, d), step.rows.grad.view(-1, d), decay, neg_step, eps_r, mask, *self.betas)
+
+    def update_window(self, rows: torch.Tensor, grad: torch.Tensor, win) -> None:
+        """Update a compact window of rows (host tier) in place: ``rows``/``grad`` ``(n, U, d)``,
+        ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``."""
+        d = rows.shape[-1]
+        if self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1), win.last.view(-1),
+                        torch.arange(win.step.numel()), rows.view(-1, d), grad.view(-1, d)):
+            return
+        new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
+        win.step.copy_(new_n)
+        win.last.fill_(self.global_step)
+        self.window(rows, win.m, win.v, grad, decay, neg_step, eps_r, *self.betas)
+
+    # -- checkpointing --------------------------------------------------------------------
+    def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """``(tensors, scalars)`` in the format of ``SparseRowAdamW.state_dict``."""
+        self.container.flush()
+        return table_state_dict(self)
+
+    def load_state_dict(self, tensors: Mapping[str, torch.Tensor], meta: dict) -> None:
+        """Restore what ``state_dict`` (of either table optimizer) wrote."""
+        load_scalars(self, meta)
+        for name in meta["tables"]:
+            if name not in self.tables:
+                raise ValueError(f"optimizer state has table {name!r} but the model has tables {sorted(self.tables)}")
+        self.container.flush()
+        stacked, names = self.stacked, list(self.tables)
+        for key, ref in stacked.items():
+            for i, name in enumerate(names):
+                if name not in meta["tables"]:
+                    ref[i].zero_()
+                    continue
+                src = tensors[f"{name}.{key}"]
+                if src.shape != ref[i].shape:
+                    raise ValueError(f"optimizer state {name}.{key} has shape {tuple(src.shape)}, "
+                                     f"table expects {tuple(ref[i].shape)}")
+                ref[i].copy_(src)
+        self.container.state_loaded()
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        """The tables' parameters (views of the stacked rows; for the coverage check)."""
+        return [p for t in self.tables.values() for p in t.parameters()]

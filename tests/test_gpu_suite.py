@@ -1,0 +1,41 @@
+"""``benchmarks/gpu_suite.py --dry-run``: the whole GPU suite runs on the CPU at tiny shapes with
+nothing importable but what a GPU machine has (torch, numpy, safetensors, tokenizers, pyyaml),
+writes its JSON, and reports every goal as unmeasured."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+# stemlm's other dependencies (and the optional ones): none may be needed on the GPU machine.
+BLOCKED = ("tqdm", "matplotlib", "transformers", "huggingface_hub", "accelerate", "gguf", "lm_eval", "pyarrow",
+           "fastapi", "uvicorn", "openai", "tenacity", "scipy", "pandas", "psutil", "requests")
+
+RUN = f"""
+import runpy, sys
+for name in {BLOCKED!r}:
+    sys.modules[name] = None  # import raises ImportError, importlib.util.find_spec says absent
+sys.argv = ["gpu_suite.py", "--dry-run", "--sections", "train,hf,host,decode"]
+sys.path.insert(0, {str(ROOT / "benchmarks")!r})
+runpy.run_path({str(ROOT / "benchmarks" / "gpu_suite.py")!r}, run_name="__main__")
+"""
+
+
+def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "STEMLM_BENCH_RESULTS": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_suite.quick.json").read_text())
+    assert out["dry_run"] and out["device"].startswith("cpu") and out["meta"]["git_commit"]
+    r = out["results"]
+    for shape in ("350m", "1b"):
+        eager = r["train"][shape]["eager"]
+        assert set(eager["ratio_to_dense"]) == {"stem-1/3", "stem-full"} and all(v > 0 for v in eager["step_s"].values())
+        assert r["train"][shape]["table_path"]["stem-full"] == "reference"  # auto on the CPU
+    assert r["hf"] is None  # transformers is not importable: the section is skipped, not failed
+    assert r["host"]["rows_moved"]["rows_in"] > 0 and r["host"]["host_over_device"] > 0
+    assert all(r["decode"][f"{tier}_b{b}_tok_s"] > 0 for tier in ("device", "host") for b in (1, 16))
+    assert out["goals"] and all(g["status"] == "unmeasured (dry run)" for g in out["goals"])
+    assert "goal" in proc.stdout and "unmeasured" in proc.stdout

@@ -1,0 +1,68 @@
+"""``run.table_path`` and ``run.tables`` in the training loop: the fused path and host-RAM
+tables give the reference run's losses and checkpoints (bit for bit on the CPU), checkpoints
+resume across paths, and bad settings fail with one-line errors."""
+
+import pytest
+import torch
+
+from stemlm.config import ConfigError
+from stemlm.fused import FusedTables, HostTables
+from stemlm.train import Trainer
+from stemlm.train.state import load_optimizer_state  # noqa: F401  (the format both paths share)
+from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
+
+COMMON = ("run.steps=6", "optim.grad_accum=2", "optim.grad_clip=0.5", "optim.decay_untouched=catchup",
+          "optim.table_weight_decay=0.1", "model.ffn=stem", "model.stem_layers=1/2", "run.ckpt_every=3",
+          "run.eval_every=3")
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return make_token_data(tmp_path_factory.mktemp("tp") / "data")
+
+
+def _run(data, out, *overrides):
+    with Trainer(debug_config(data, out, *COMMON, *overrides)) as t:
+        result = t.fit()
+        return t, result
+
+
+def test_fused_and_host_runs_equal_the_reference(data, tmp_path):
+    ref, ref_result = _run(data, tmp_path / "ref", "run.table_path=reference")
+    assert type(ref.model.tables).__name__ == "Tables"
+    for name, extra, kind in (("fused", ("run.table_path=fused",), FusedTables),
+                              ("host", ("run.tables=host",), HostTables)):
+        t, result = _run(data, tmp_path / name, *extra)
+        assert isinstance(t.model.tables, kind)
+        assert losses(tmp_path / name) == losses(tmp_path / "ref")
+        assert result.val_loss == ref_result.val_loss
+        got, want = t.model.state_dict(), ref.model.state_dict()
+        for k in want:
+            assert torch.equal(got[k].cpu(), want[k].cpu()), k
+        for k, v in ref.table_opt.state_dict()[0].items():
+            assert torch.equal(t.table_opt.state_dict()[0][k].cpu(), v.cpu()), k
+
+
+def test_checkpoints_resume_across_paths(data, tmp_path):
+    _run(data, tmp_path / "whole", "run.table_path=reference")
+    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.tables=host")) as t:
+        t.fit(stop_at=3)
+    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.table_path=reference"), resume=True) as t:
+        t.fit()
+    assert losses(tmp_path / "split")[3:] == losses(tmp_path / "whole")[3:]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("run.table_path=fast",), "run.table_path: 'fast' is not one of auto, fused, reference"),
+    (("run.tables=disk",), "run.tables: 'disk' is not one of device, host"),
+    (("run.tables=host", "run.table_path=reference"), "run.tables=host trains through the fused table path"),
+    (("run.table_path=fused", "optim.table_optimizer=dense"), "run.table_path=fused needs optim.table_optimizer=sparse"),
+])
+def test_bad_settings_fail_clearly(data, tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        Trainer(debug_config(data, tmp_path / "bad", *COMMON, *overrides))
+
+
+def test_auto_is_reference_on_cpu(data, tmp_path):
+    with Trainer(debug_config(data, tmp_path / "auto", *COMMON)) as t:
+        assert t.table_path == "reference"
