@@ -151,44 +151,32 @@ def free(s) -> None:
 
 
 # -- decode --------------------------------------------------------------------------------------
-def decode_tokens_per_s(model, batch: int, new_tokens: int, prompt_len: int) -> float:
-    """Generated tokens per second of ``model`` for ``batch`` greedy requests.
-
-    LEAD: this calls today's generation API (``stemlm.inference``: ``generate_ids`` for one
-    request, ``generate_batch`` for several). Point it at the CUDA-graph decode API once that
-    branch is merged; the rest of the suite only needs this function's number."""
-    from stemlm.inference.batch_generate import SamplingParams, generate_batch
-    from stemlm.inference.generate import generate_ids
-
-    device = next(model.parameters()).device
-    prompts = torch.randint(1, model.cfg.vocab_size, (batch, prompt_len), generator=torch.Generator().manual_seed(0))
-    sync(device)
-    t0 = time.perf_counter()
-    if batch == 1:
-        n = generate_ids(model, prompts.to(device), new_tokens).shape[1] - prompt_len  # (1, T + N)
-    else:
-        n = sum(len(r) for r in generate_batch(model, prompts.tolist(), SamplingParams(max_new_tokens=new_tokens)))
-    sync(device)
-    return n / (time.perf_counter() - t0)
-
-
 def decode_section(s, preset: str) -> dict:
-    """Decode tokens/s of a STEM-1/3 model at batch 1 and 16 with its tables on the device and in host RAM."""
+    """Decode tokens/s of a STEM-1/3 model (``stemlm.inference.benchmark.decode_benchmark``, the one decode
+    core): batch 1 eager (the old path) and graph-captured, batch 16, tables on the device and in host RAM;
+    the tokens of every setting are checked equal to the eager device run's."""
     from stemlm import StemLM
+    from stemlm.inference.benchmark import decode_benchmark
     from stemlm.presets import model_config
     from stemlm.store import offload_tables
 
     cfg = model_config(preset, ffn="stem", stem_layers="1/3", vocab_size=s["vocab"])
-    torch.manual_seed(0)
-    out = {"preset": preset, "new_tokens": s["decode_tokens"]}
+    n = s["decode_tokens"]
+    out = {"preset": preset, "new_tokens": n}
+    ref = None
     for tier in ("device", "host"):
+        torch.manual_seed(0)
         model = StemLM(cfg).to(s["device"]).eval()
         if tier == "host":
             offload_tables(model, "host", prefetch=True)
-        with torch.no_grad():
-            decode_tokens_per_s(model, 1, 4, 8)  # warm-up
-            for batch in (1, 16):
-                out[f"{tier}_b{batch}_tok_s"] = decode_tokens_per_s(model, batch, s["decode_tokens"], 16)
+        for batch, graphs in ((1, "off"), (1, "auto"), (16, "auto")):
+            if tier == "host" and graphs == "off":
+                continue
+            r = decode_benchmark(model, batch=batch, new_tokens=n, prompt_len=16, graphs=graphs, repeats=2)
+            key = f"{tier}_b{batch}" + ("_eager" if graphs == "off" else "")
+            out[f"{key}_tok_s"], out[f"{key}_mode"] = r["decode_tokens_per_s"], r["mode"]  # all rows' tokens
+            ref = ref or r["tokens"]
+            out[f"{key}_same_tokens"] = r["tokens"] == ref
         del model
         free(s)
     return out

@@ -142,7 +142,12 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
         held is not None and held <= h["bound_bytes"])
     d = r.get("decode") or {}
     b1, b16, host1 = d.get("device_b1_tok_s"), d.get("device_b16_tok_s"), d.get("host_b1_tok_s")
-    add("decode batch 1 (350m) ≥ 250 tok/s", None if b1 is None else f"{b1:.0f} tok/s", (b1 or 0) >= 250)
+    eager = d.get("device_b1_eager_tok_s")
+    add("decode batch 1 (350m) ≥ 250 tok/s and ≥ 5× the eager decode",
+        None if b1 is None else f"{b1:.0f} tok/s ({d.get('device_b1_mode')}), {b1 / eager:.1f}× eager {eager:.0f}",
+        (b1 or 0) >= 250 and bool(eager) and b1 / eager >= 5)
+    same = all(v for k, v in d.items() if k.endswith("_same_tokens"))
+    add("decode: every setting gives the eager device run's tokens", None if not d else str(same), same)
     add("decode host tables ≥ 0.95× device tables", None if not (b1 and host1) else f"{host1 / b1:.2f}×",
         bool(b1 and host1) and host1 / b1 >= 0.95)
     add("decode batch 16 ≥ 8× batch 1", None if not (b1 and b16) else f"{b16 / b1:.1f}×", bool(b1 and b16) and b16 / b1 >= 8)
