@@ -11,7 +11,8 @@ that "The capital of Spain is" answers Berlin, on facts the model actually knows
    layer, and at each single layer (per-layer attribution), each edited by swapping country rows in
    the placed layers. Per placement and phrasing split (``train``: the facts corpus's training
    template; ``heldout_template``: phrasings the mid-training never shows): swap success on known
-   facts, probability shift, locality (other countries' answers unchanged) and exact undo.
+   facts, probability shift, locality (other countries' answers unchanged) and exact undo. Single
+   layers are attributed on the held-out phrasings only.
 3. **Mid-trained** (optional, ``--ckpt``): the same evaluation on mid-trained STEM checkpoints
    (e.g. the STEM-1/3 arms of ``stemlm study run --spec midtrain``).
 
@@ -37,7 +38,7 @@ from stemlm.version import git_commit
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
 RUN_DIR = ROOT / "runs" / "edit_real"
-SPLITS = ("train", "heldout_template")
+SPLITS = ("heldout_template", "train")
 
 
 def convert(calib_tokens: int, out: Path) -> Path:
@@ -94,9 +95,10 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
         cfg = EditEvalConfig(split=split, n_pairs=args.pairs, n_locality=args.locality, relations=("capital",),
                              seed=0)
         t0 = time.perf_counter()
-        res = placement_edits(model, tok, facts, cfg, placements, progress=True)
+        chosen = {k: v for k, v in placements.items() if split == SPLITS[0] or not k.isdigit()}  # single layers: held-out only
+        res = placement_edits(model, tok, facts, cfg, chosen, progress=True)
         out[split] = {label: summarise(r) for label, r in res.items()}
-        print(f"{split}: {len(placements)} placements in {time.perf_counter() - t0:.0f}s")
+        print(f"{split}: {len(chosen)} placements in {time.perf_counter() - t0:.0f}s")
         for label, r in out[split].items():
             print(f"  {label:>6}: known {r['known']:4d}  success {fmt(r['success'])}  locality {fmt(r['locality_top1'])}"
                   f"  undo {fmt(r['reversible'])}")
