@@ -130,6 +130,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=40, help="country pairs per placement (default: %(default)s)")
     p.add_argument("--locality", type=int, default=32, help="unrelated prompts per edit (default: %(default)s)")
     p.add_argument("--layers", default="all", help="single layers to attribute: 'all', 'none' or '2,5,...'")
+    p.add_argument("--placement", action="append", default=[], metavar="LABEL=LAYERS",
+                   help="another placement to evaluate, e.g. 'early=1,2,3,4,5,6' (repeatable)")
     p.add_argument("--ckpt", action="append", default=[], help="also evaluate this mid-trained STEM checkpoint")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
@@ -151,6 +153,9 @@ def main() -> None:
         [int(x) for x in args.layers.split(",")]
     if args.quick:
         singles = singles[:3]
+    for extra in args.placement:
+        label, _, layers = extra.partition("=")
+        placements[label] = [int(x) for x in layers.split(",")]
     placements.update({str(i): [i] for i in singles})
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
               "calib_tokens": args.calib_tokens, "pairs": args.pairs, "locality": args.locality,
