@@ -44,7 +44,8 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
     """
     from tqdm import tqdm
 
-    from stemlm.interop.checkpoint import atomic_directory, write_model_files
+    from stemlm.interop.checkpoint import write_model_files
+    from stemlm.runtime.files import atomic_directory
     from stemlm.model.decoder import StemLM
     from stemlm.store import table_key, write_safetensors
 

@@ -148,9 +148,9 @@ def replot(path_json, path_png) -> None:
 
 def plot(results: dict, path, split: str = "val") -> None:
     """Hit rate vs capacity: colour = policy, line style = tokenizer; W-TinyLFU cold only without warm runs."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from stemlm.runtime.plotting import pyplot, save
+
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     styles = {"lfu_cold": ("o", "LFU cold"), "lfu_warm": ("s", "LFU warm (train counts)"),
@@ -173,9 +173,7 @@ def plot(results: dict, path, split: str = "val") -> None:
     ax.set_title(f"Hot-row cache hit rate, {stream} token stream (decode order)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def sweep(tokens: np.ndarray, counts: np.ndarray | None, vocab: int, per_lookup: int) -> list[dict]:

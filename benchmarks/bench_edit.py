@@ -238,10 +238,9 @@ def headline(name: str, res: dict) -> str:
 def plot_levers(results: dict, path: Path) -> Path:
     """Swap success on held-out and on trained phrasings for every run (in ``RUNS`` order), as
     horizontal bars with the number of known cases, and the 90 % goal."""
-    import matplotlib
+    from stemlm.runtime.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [n for n in RUNS if n in results] + [n for n in results if n not in RUNS]
     fig, ax = plt.subplots(figsize=(9, 0.38 * len(names) + 1.2))
@@ -259,9 +258,7 @@ def plot_levers(results: dict, path: Path) -> Path:
     ax.set_xlabel("swap success, all table layers edited (%)")
     ax.set_title("What moves swap success (debug shape, row swaps of two countries)", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return path
 
 

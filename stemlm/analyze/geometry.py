@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..config import TABLE_KINDS
-from .figures import pyplot, save
+from ..runtime.plotting import pyplot, save
 
 BINS = np.linspace(-1.0, 1.0, 101)
 KINDS = ("stem_rows", "up_proj", "gated")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..analyze.figures import pyplot, save
+from ..runtime.plotting import pyplot, save
 from .ops import edit
 from .rows import EditRecord
 from .tokens import contains, decode_token, encode_prompt, entity_ids

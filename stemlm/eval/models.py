@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +27,7 @@ import torch
 
 from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
 from ..config import check_tier
+from ..runtime.files import atomic_write_text
 from ..runtime.matmul import apply_matmul
 from ..model.quant import codec_of
 from .api import ReferenceLM
@@ -105,11 +105,7 @@ def file_digest(path: Path) -> str:
     digest = sha256_of_file(path)[1]
     cache[key] = digest
     try:  # best effort: a read-only cache directory only costs a re-read next time
-        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=DIGEST_CACHE.parent, prefix=".digests-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, DIGEST_CACHE)
+        atomic_write_text(DIGEST_CACHE, json.dumps(cache))
     except OSError:
         pass
     return digest

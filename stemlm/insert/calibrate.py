@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -32,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import TABLE_KINDS, ModelConfig
 from ..model.decoder import StemLM, rope_cos_sin
+from ..runtime.files import atomic_file, atomic_write_text
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, gate_and_up, refine_through_down
 
 
@@ -102,9 +102,7 @@ class _WorkDir:
 
     def save_stream(self, next_layer: int, stream: torch.Tensor) -> None:
         _atomic_save({"stream": stream}, self.root / "stream.safetensors")
-        tmp = self.root / "progress.json.tmp"
-        tmp.write_text(json.dumps({"key": self.key, "next_layer": next_layer}))
-        os.replace(tmp, self.root / "progress.json")
+        atomic_write_text(self.root / "progress.json", json.dumps({"key": self.key, "next_layer": next_layer}))
 
     def resume(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         try:
@@ -117,9 +115,8 @@ class _WorkDir:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _chunks(n: int, size: int):

@@ -18,12 +18,9 @@ that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,101 +32,12 @@ from ..config import ConfigError, ModelConfig
 from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
 from ..model.decoder import StemLM
 from ..model.quant import RowCodec, codec_of, quantized_tables
+from ..runtime.files import atomic_directory, atomic_write_text
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
-# Names of the work directories beside a final one: ".<name>.tmp-*" (being written), ".<name>.old-<pid>"
-# (the replaced version, while the new one is renamed in), ".<name>.del-<pid>" (being deleted).
-_TMP, _OLD, _DEL = ".tmp-", ".old-", ".del-"
 # Test-only: seconds to sleep between the files of a checkpoint save, so a test can kill a process
 # inside the save window reliably (benchmarks/robustness_kill_resume.py). Never set it otherwise.
 SAVE_PAUSE_ENV = "STEMLM_TEST_SAVE_PAUSE"
-
-
-@contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike):
-    """Yield a temporary directory beside ``final``; on success it replaces ``final`` by rename.
-
-    If the block raises, the temporary directory is removed and ``final`` is untouched. A process
-    killed inside the block leaves a ``.<name>.tmp-*`` directory that ``clean_interrupted_saves``
-    removes.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TMP}", dir=final.parent))
-    try:
-        yield tmp
-        for f in tmp.rglob("*"):  # make the bytes durable before the rename publishes them
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if final.exists():
-            old = final.with_name(f".{final.name}{_OLD}{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable (best effort: not every platform allows it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace the file ``path`` by ``text`` atomically (a killed process leaves old or new, never half)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def remove_directory(path: str | os.PathLike) -> None:
-    """Delete a directory so that a kill midway never leaves a half-deleted one under its name."""
-    path = Path(path)
-    doomed = path.with_name(f".{path.name}{_DEL}{os.getpid()}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def clean_interrupted_saves(parent: str | os.PathLike, names: tuple[str, ...] = ("*",)) -> list[Path]:
-    """Tidy what killed ``atomic_directory``/``remove_directory``/``atomic_write_text`` calls left in ``parent``
-    for final names matching a glob of ``names``; returns what was removed.
-
-    Half-written ``.tmp-`` directories and files and half-deleted ``.del-`` directories are removed; an
-    ``.old-`` version whose replacement never arrived (killed between the two renames) is put back.
-    Only call it while no other process writes into ``parent`` (a training run holds its lock).
-    """
-    parent, removed = Path(parent), []
-    if not parent.is_dir():
-        return removed
-    for p in sorted(parent.glob(".*")):
-        marker = next((m for m in (_TMP, _OLD, _DEL) if m in p.name), None)
-        name = p.name[1:].split(marker)[0] if marker else ""
-        if not marker or not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
-            continue
-        if marker == _OLD and not (parent / name).exists():
-            os.replace(p, parent / name)
-            continue
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
 
 
 def save_pause() -> None:
@@ -217,9 +125,7 @@ def write_run_config(run_dir: str | os.PathLike, cfg: ModelConfig) -> Path:
     ``AutoModelForCausalLM.from_pretrained(run_dir)`` recognise a training run directory; the
     model then loads from the run's newest checkpoint (``resolve_checkpoint``)."""
     file = Path(run_dir) / CONFIG_FILE
-    tmp = file.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2))
-    os.replace(tmp, file)
+    atomic_write_text(file, json.dumps(hf_config_dict(cfg), indent=2))
     return file
 
 

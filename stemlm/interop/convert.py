@@ -26,7 +26,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from .checkpoint import (CONFIG_FILE, atomic_directory, copy_tokenizer_files, hf_config_dict, load_model, read_config,
+from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, hf_config_dict, load_model, read_config,
                          resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
 from ..data.tokenizer import run_places
@@ -34,6 +34,7 @@ from .integrity import write_manifest
 from ..model.decoder import StemLM
 from ..model.quant import quantize_tables
 from ..model.tables import init_table_
+from ..runtime.files import atomic_directory
 
 INITS = ("project", "random", "zero", "calibrate")
 # `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)

@@ -24,10 +24,11 @@ import torch
 from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
-from ..interop.checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
+from ..interop.checkpoint import CheckpointError, load_model, write_run_config
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
 from ..runtime.devices import resolve_device
+from ..runtime.files import atomic_write_text, clean_interrupted_saves
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM

@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..interop.checkpoint import (CheckpointError, atomic_directory, copy_tokenizer_files, remove_directory, save_pause,
-                          write_model_files)
+from ..interop.checkpoint import CheckpointError, copy_tokenizer_files, save_pause, write_model_files
 from ..interop.integrity import check_finite, verify_checkpoint, write_manifest
+from ..runtime.files import atomic_directory, remove_directory
 from .sparse_adam import SparseRowAdamW
 
 OPT_TENSORS, OPT_META, TRAINER_STATE, RUN_CONFIG = "optimizer.safetensors", "optimizer.json", "trainer_state.json", "config.yaml"
