@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from . import accounting as acc
 from .args import parse_overrides
 from .config import ConfigError, ModelConfig, check_tier
+from .ffn import ffn_kind
 from .model.quant import RowCodec
 from .presets import PRESETS, model_config
 
@@ -78,21 +79,14 @@ def resolve_model_config(preset: str = "debug", ffn: str | None = None, stem_lay
     return model_config(preset, **fields)
 
 
-def expected_experts_touched(n_experts: int, n_tokens: float) -> float:
-    """Distinct experts hit by ``n_tokens`` tokens under a balanced hash (uniform over experts)."""
-    return n_experts * (1 - (1 - 1 / n_experts) ** n_tokens)
-
-
 def _weights_read_bytes(cfg: ModelConfig, n_tokens: float, dtype_bytes: int) -> float:
-    """Backbone bytes one step reads: dense weights, LM head, embedding rows, touched experts."""
+    """Backbone bytes one step reads: dense weights, LM head, embedding rows, the FFN weights each kind
+    reads for ``n_tokens`` tokens (a Hash-MoE layer: the experts they touch)."""
     parts = acc.param_breakdown(cfg)
-    read = sum(parts.values()) - parts["tables"]
+    read = sum(parts.values()) - parts["tables"] - parts["ffn_weights"]
     if not cfg.tie_embeddings:
         read -= parts["embedding"] - min(n_tokens, cfg.vocab_size) * cfg.d_model
-    n_moe = cfg.layer_kinds.count("hash_moe")
-    if n_moe:
-        expert = 3 * cfg.d_model * cfg.d_ff
-        read -= n_moe * expert * (cfg.n_experts - expected_experts_touched(cfg.n_experts, n_tokens))
+    read += sum(ffn_kind(k).weights_read(cfg, n_tokens) for k in cfg.layer_kinds)
     return read * dtype_bytes
 
 

@@ -12,7 +12,8 @@ from stemlm.config import ConfigError
 from stemlm.data import TokenDataset
 from stemlm.insert.anneal import scales_at, set_scales, to_stem
 from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
-from stemlm.insert.fit import LayerStats, gate_and_up, refine_through_down
+from stemlm.ffn import StemGateFFN
+from stemlm.insert.fit import LayerStats, refine_through_down
 from stemlm.interop.checkpoint import load_model
 from stemlm.interop.convert import convert_from_hf, llama_to_stem
 from test_hf import llama_dir, tiny_llama
@@ -175,7 +176,7 @@ def test_calibrated_stem_gate_rows_replace_the_gate_preactivation(tmp_path):
     model, ids = dense_model(), calib_ids()
     gate_model, _ = fit(model, ids, tmp_path, kind="stem_gate", sequential=False)
     x, _ = ffn_io(model, ids, 2)
-    target, weight = gate_and_up(model.layers[2].ffn, x, "stem_gate")
+    target, weight = StemGateFFN.calibration_target(model.layers[2].ffn, x)
     stats = LayerStats.zeros(V, model.cfg.d_ff)
     stats.add(ids.reshape(-1), target, weight)
     torch.testing.assert_close(gate_model.tables["2"].weight, stats.rows(), rtol=1e-5, atol=1e-6)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import FFN_KINDS, TABLE_INITS
+from ..config import TABLE_INITS
+from ..ffn import KINDS
 from ..insert.calibrate import CalibrationConfig
 from ..insert.fit import METHODS, UNSEEN
 from ..interop.convert import INITS
@@ -36,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ckpt", metavar="DIR", help="stemlm checkpoint or training run directory: with --to-hf, the "
                         "model to export; alone (with --table-dtype), the model whose tables to re-encode")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
-    parser.add_argument("--ffn", choices=[k for k in FFN_KINDS if k != "hash_moe"], default="dense",
+    parser.add_argument("--ffn", choices=[name for name, kind in KINDS.items() if kind.from_dense], default="dense",
                         help="FFN kind of the converted layers (default: dense, an exact copy)")
     parser.add_argument("--stem-layers", type=non_empty, metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
                         "(default with a STEM --ffn: 1/3)")

@@ -16,7 +16,7 @@ import argparse
 import json
 
 from ..accounting import human, summarize
-from ..config import FFN_KINDS
+from ..ffn import FFN_KINDS
 from .options import non_empty, positive_int
 
 

@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from ..ffn import ffn_kind
 from .kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def resolve_graphs(graphs: str, device, cfg=None) -> str:
     cuda = torch.device(device).type == "cuda"
     if graphs == "on" and not cuda:
         raise ValueError(f"graphs='on' needs a CUDA device, the model is on {device}; use 'auto', 'off' or 'static'")
-    routed = cfg is not None and "hash_moe" in cfg.layer_kinds
+    routed = cfg is not None and any(ffn_kind(k).routes_by_data for k in cfg.layer_kinds)
     if graphs == "on" and routed:
         raise ValueError("graphs='on' cannot capture Hash-MoE layers (they route by data); use 'static' or 'off'")
     if graphs == "auto":

@@ -3,8 +3,9 @@
 * ``llama_to_stem``: a ``LlamaForCausalLM`` (or its state dict) -> ``StemLM``. Every weight is
   copied exactly; the chosen layers become ``ffn`` layers whose tables start from
   ``project`` (``U_l = E · W^T``: each token's input embedding through the layer's original
-  up-projection, or its gate projection for ``stem_gate``) or ``random`` (``table_init``).
-  ``stem`` drops ``W_u``; ``stem_dagger`` keeps it; ``stem_gate`` drops ``W_g``.
+  projection its rows stand for, the kind's ``table_from``: the up-projection, or the gate for
+  ``stem_gate``) or ``random`` (``table_init``). The kind drops the projection it ``replaces``
+  (``stemlm.ffn``: ``stem`` drops ``W_u``, ``stem_dagger`` keeps it, ``stem_gate`` drops ``W_g``).
 * ``stem_to_llama``: an all-dense ``StemLM`` -> ``LlamaForCausalLM``.
 * ``convert_from_hf`` / ``convert_to_hf``: the same between directories (or a GGUF file),
   written atomically, with the tokenizer carried along.
@@ -29,6 +30,7 @@ from tqdm import tqdm
 from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, hf_config_dict, load_model, read_config,
                          resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
+from ..ffn import ffn_kind
 from ..data.tokenizer import run_places
 from .integrity import write_manifest
 from ..model.decoder import StemLM
@@ -60,8 +62,13 @@ def llama_name(stem_name: str) -> str:
 
 
 def _table_source(kind: str) -> str:
-    """The Llama projection a table replaces (and is projected from)."""
-    return "mlp.gate_proj" if kind == "stem_gate" else "mlp.up_proj"
+    """The Llama projection whose activation a table of ``kind`` stands for (and is projected from)."""
+    return _LAYER_NAMES[f"ffn.{ffn_kind(kind).table_from}"]
+
+
+def _check_from_dense(ffn: str) -> None:
+    if not ffn_kind(ffn).from_dense:
+        raise ValueError(f"ffn {ffn!r} is not supported for conversion (its layers have no Llama counterpart)")
 
 
 # -- configs ---------------------------------------------------------------------------------
@@ -86,8 +93,7 @@ def llama_config_to_stem(llama_cfg, ffn: str = "dense", stem_layers: str | list[
                          table_init: str | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a Llama config, with ``ffn`` layers placed by ``stem_layers``."""
     check_llama_supported(llama_cfg)
-    if ffn == "hash_moe":
-        raise ValueError("ffn 'hash_moe' is not supported for conversion (its experts have no Llama counterpart)")
+    _check_from_dense(ffn)
     rope = getattr(llama_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(llama_cfg, "rope_theta", 10000.0))
     extra = {"table_init": table_init} if table_init else {}
@@ -326,8 +332,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
 
 def llama_config_to_stem_of(dense: ModelConfig, ffn: str, stem_layers: str | list[int]) -> ModelConfig:
     """The converted config: ``dense`` (an all-dense stemlm config) with ``ffn`` layers at ``stem_layers``."""
-    if ffn == "hash_moe":
-        raise ValueError("ffn 'hash_moe' is not supported for conversion (its experts have no Llama counterpart)")
+    _check_from_dense(ffn)
     return dense.replace(ffn=ffn, stem_layers="none" if ffn == "dense" else stem_layers)
 
 
