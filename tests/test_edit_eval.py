@@ -146,7 +146,7 @@ def test_edits_on_offloaded_tiers_equal_in_memory(ckpt_and_data, tier):
 
     ckpt, data = ckpt_and_data
     ref, tok = load_model_and_tokenizer(ckpt)
-    off, _ = load_model_and_tokenizer(ckpt, tables=tier)
+    off, _ = load_model_and_tokenizer(ckpt, placement=tier)
     ids = torch.tensor([[0] + entity_ids(tok, "The capital of Spain is", leading_space=False)])
     with torch.no_grad():
         base = off(ids)

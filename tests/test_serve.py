@@ -16,6 +16,7 @@ from stemlm.inference.batch_generate import SamplingParams  # noqa: E402
 from stemlm.interop.checkpoint import load_model  # noqa: E402
 from stemlm.serve.responses import token_text  # noqa: E402
 from stemlm.serve.server import ServerThread, load_served  # noqa: E402
+from stemlm.store import Placement  # noqa: E402
 
 from serve_helpers import CHAT_TEMPLATE, alone, tiny_checkpoint  # noqa: E402
 
@@ -29,7 +30,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    served = load_served(ckpt, tier="host", cache_rows=32, max_batch=4, model_name="tiny",
+    served = load_served(ckpt, Placement("host", cache_rows=32), max_batch=4, model_name="tiny",
                          chat_template=ckpt.parent / "chat.jinja")
     with ServerThread(served) as url:
         yield served, url

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stemlm import StemLM, model_config
-from stemlm.store import offload_tables
+from stemlm.store import Placement, offload_tables
 from stemlm.train.sparse_adam import SparseRowAdamW
 
 STEPS = 4
@@ -30,7 +30,8 @@ def _train(cfg, state, batches, tier="device", cache_rows=0, prefetch="off", pat
     model.load_state_dict(state)
     store = None
     if tier != "device":
-        store = offload_tables(model, tier, path=path, cache_rows=cache_rows, prefetch=prefetch != "off")
+        store = offload_tables(model, Placement(tier, tables_file=path, cache_rows=cache_rows,
+                                                prefetch=prefetch != "off"))
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     opt = torch.optim.AdamW(backbone, lr=1e-2)
     table_opt = SparseRowAdamW(model.tables, lr=1e-2, weight_decay=0.1)

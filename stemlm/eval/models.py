@@ -25,11 +25,11 @@ from typing import Sequence
 
 import torch
 
-from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
-from ..config import check_tier
+from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
 from ..runtime.files import atomic_write_text
 from ..runtime.matmul import apply_matmul
 from ..model.quant import codec_of
+from ..store import Placement, open_model, placement_of
 from .api import ReferenceLM
 
 ENGINES = ("fast", "reference")
@@ -146,9 +146,9 @@ def _load_llama_source(path: str, gguf: str | None):
     return model, HFTokens(tokenizer), files
 
 
-def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, table_kw: dict):
-    """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables on
-    ``tables``; the digests are those of the checksum manifest the load verified (none unverified)."""
+def _load_stem_checkpoint(path: str, placement: Placement, tokenizer, verify: bool):
+    """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables placed;
+    the digests are those of the checksum manifest the load verified (none unverified)."""
     from ..data.tokenizer import find_tokenizer, run_places
     from ..interop.integrity import manifest_files
 
@@ -156,27 +156,25 @@ def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, tabl
     places = [tokenizer] if tokenizer is not None else run_places(ckpt)
     found = find_tokenizer(*places, prefer="hf", hint="pass tokenizer=PATH")
     tokens = HFTokens(found.tokenizer) if found.hf else StemTokens(found.tokenizer)
-    if tables == "device" and not table_kw:
-        model = load_model(ckpt, device=device, dtype=dtype)
-    else:
-        from ..store import load_model_with_tables
-
-        model, _ = load_model_with_tables(ckpt, tables, device=device, dtype=dtype, **table_kw)
-    manifest = (manifest_files(ckpt) or {}) if table_kw.get("verify", True) else {}
+    model = open_model(ckpt, placement, verify=verify)
+    manifest = (manifest_files(ckpt) or {}) if verify else {}
     known = {ckpt / name: entry["sha256"] for name, entry in manifest.items()}
     return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *found.files], known
 
 
-def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
+def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement | str = "device", device: str = "cpu",
             batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
-            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "aten", **table_kw):
+            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "aten", verify: bool = True,
+            **placement_kw):
     """A ``LanguageModel`` over the model at ``path``.
 
     ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory
     holding ``gguf`` (a GGUF file name or path), a ``.gguf`` file, or ``smollm2`` (the pinned
-    SmolLM2-135M-Instruct GGUF). ``tables``: ``device`` | ``host`` | ``disk`` (stemlm
-    checkpoints; ``table_kw`` such as ``cache_rows``, ``tables_path`` or ``prefetch`` go to
-    ``store.load_model_with_tables``). ``max_length`` defaults to the model's ``max_seq_len``.
+    SmolLM2-135M-Instruct GGUF). ``tables``: where the tables of a stemlm checkpoint live, a
+    ``stemlm.store.Placement`` or a tier name (``device`` | ``host`` | ``disk``) whose other fields
+    come as keywords (``cache_rows``, ``tables_file``, ``prefetch``, ``table_dtype`` ..., as lm-eval's
+    ``model_args`` give them); ``device`` and ``dtype`` are the compute device and dtype.
+    ``max_length`` defaults to the model's ``max_seq_len``.
     ``engine``: ``fast`` (batched, shared contexts) or ``reference`` (one forward per request).
     ``matmul``: GEMM kernels (``stemlm.runtime.matmul``). The default ``aten`` sums as the harness's ``hf``
     backend does (per-request log-likelihoods within 1e-4 of it); ``auto`` (oneDNN for fp32 on CPU)
@@ -184,10 +182,10 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    check_tier(tables)
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
+    placement = placement_of(tables, device=device, dtype=dtype, **placement_kw)
     path = str(path)
     if path.endswith(".gguf") and gguf is None:
         path, gguf = str(Path(path).parent), Path(path).name
@@ -195,10 +193,10 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
         model, tokens, files = _load_llama_source(path, gguf)
         known = {}
         model = model.to(device=device, dtype=dtype)
-        if tables != "device" and model.cfg.table_layers:
+        if placement.off_device and model.cfg.table_layers:
             raise ValueError("a converted Llama model is dense: it has no tables to offload")
     else:
-        model, tokens, files, known = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
+        model, tokens, files, known = _load_stem_checkpoint(path, placement, tokenizer, verify)
     backend = apply_matmul(model, matmul, device, str(dtype).removeprefix("torch."))
     vocab = model.cfg.vocab_size
     if tokens.vocab_size > vocab:

@@ -27,7 +27,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, hf_config_dict, load_model, read_config,
+from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, load_model, read_config, read_config_extras,
                          resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
 from ..ffn import ffn_kind
@@ -351,8 +351,7 @@ def convert_tables(ckpt: str | os.PathLike, out: str | os.PathLike, table_dtype:
     model = load_model(ckpt)
     _check_has_tables(model.cfg, str(ckpt))
     quantize_tables(model, table_dtype)
-    raw = json.loads((ckpt / CONFIG_FILE).read_text())
-    extra = {k: v for k, v in raw.items() if k not in hf_config_dict(model.cfg)}
+    extra = read_config_extras(ckpt)
     with atomic_directory(out) as tmp:
         write_model_files(model, tmp, extra_config=extra)
         for place in reversed(run_places(ckpt)):  # the run's files, then the checkpoint's own over them
@@ -370,8 +369,8 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     _check_out(out, ckpt)
     cfg = read_config(ckpt)
     check_exportable(cfg)
-    raw = json.loads((ckpt / CONFIG_FILE).read_text())
-    generation = {k: raw[k] for k in GENERATION_KEYS if raw.get(k) is not None}
+    extras = read_config_extras(ckpt)
+    generation = {k: extras[k] for k in GENERATION_KEYS if extras.get(k) is not None}
     tokenizer = load_tokenizer(ckpt)
     check_vocab(tokenizer, cfg.vocab_size)
     llama = stem_to_llama(load_model(ckpt), **generation)

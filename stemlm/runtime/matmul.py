@@ -24,12 +24,6 @@ import torch.nn.functional as F
 BACKENDS = ("auto", "aten", "onednn")
 
 
-def add_matmul_argument(parser, default: str = "auto") -> None:
-    """``--matmul auto|aten|onednn`` on an ``argparse`` parser, as the CLIs take it."""
-    parser.add_argument("--matmul", choices=BACKENDS, default=default,
-                        help=f"GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: {default})")
-
-
 def onednn_available() -> bool:
     """True when this PyTorch build has oneDNN and its dense-tensor linear op."""
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
