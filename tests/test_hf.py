@@ -171,6 +171,27 @@ def test_auto_model_loads_stemlm_checkpoint(tmp_path, kind, tie):
     assert (hf.model.lm_head.weight is hf.model.tok_embeddings.weight) == tie
 
 
+@pytest.mark.parametrize("tables, extra", [("host", {"cache_rows": 8}), ("disk", {}), ("device", {"table_dtype": "bf16"})])
+def test_auto_model_takes_a_table_placement(tmp_path, tables, extra):
+    from stemlm.model.quant import quantize_tables
+    from stemlm.store import TableStore
+
+    model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2")).eval()
+    save_model(model, tmp_path / "c")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", tables=tables, **extra)
+    assert isinstance(hf, StemForCausalLM) and not hf.training
+    assert isinstance(hf.model.tables, TableStore) == (tables != "device")
+    if "table_dtype" in extra:
+        quantize_tables(model, extra["table_dtype"])
+    x = torch.randint(0, 512, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=0, atol=1e-6)
+    prompt = x[:1, :4]
+    assert torch.equal(hf.generate(prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4),
+                       _greedy_by_hand(model, prompt, 4))
+    hf.model.tables.close()
+
+
 def _greedy_by_hand(model: StemLM, prompt: torch.Tensor, steps: int) -> torch.Tensor:
     seq = prompt
     for _ in range(steps):
