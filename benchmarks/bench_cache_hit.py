@@ -67,11 +67,13 @@ def _documents(split: str, max_docs: int) -> list[list[int]]:
 
 def smollm2_stream(split: str, max_docs: int = 0):
     """The same documents re-tokenized with the SmolLM2 tokenizer (EOS between documents)."""
-    from stemlm.interop.convert import load_tokenizer, resolve_source
+    from stemlm.data.codec import load_codec
+    from stemlm.interop.convert import resolve_source
     from stemlm.data import load_tokenizer as load_bpe
 
     bpe = load_bpe(corpus_dir())
-    tok = load_tokenizer(*resolve_source("smollm2"))
+    directory, gguf = resolve_source("smollm2")
+    tok = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf).tokenizer
 
     def encode(docs):
         texts = [bpe.decode(d, skip_special_tokens=True) for d in docs]

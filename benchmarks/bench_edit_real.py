@@ -54,10 +54,10 @@ def convert(calib_tokens: int, out: Path) -> Path:
 
 def facts_and_tokenizer(ckpt: Path):
     from stemlm.data import corpus_in_vocabulary, load_facts
-    from stemlm.edit.tokens import load_tokenizer
+    from stemlm.data.codec import load_codec
 
     corpus = corpus_in_vocabulary(ckpt / "tokenizer.json")
-    return load_facts(corpus), load_tokenizer(ckpt, corpus)
+    return load_facts(corpus), load_codec(ckpt, data_dir=corpus)
 
 
 def summarise(result: dict) -> dict:

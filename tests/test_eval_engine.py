@@ -8,7 +8,7 @@ from stemlm import StemLM, model_config
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest, ReferenceLM
 from stemlm.eval.engine import Engine
-from stemlm.eval.models import StemTokens
+from stemlm.data.codec import TextCodec
 from stemlm.store import Placement, offload_tables
 
 TEXTS = ["The capital of France is Paris.", "A dog ran in the park and sat on the mat.",
@@ -19,7 +19,7 @@ KINDS = ["dense", "stem", "stem_dagger", "hash_moe"]
 
 @pytest.fixture(scope="module")
 def tokens():
-    return StemTokens(train_bpe(TEXTS, vocab_size=300))
+    return TextCodec(train_bpe(TEXTS, vocab_size=300))
 
 
 def make_model(ffn: str) -> StemLM:

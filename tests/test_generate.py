@@ -10,7 +10,8 @@ from stemlm.interop.checkpoint import save_model
 from stemlm.cli import main as cli_main
 from stemlm.data.tokenizer import train_bpe
 from stemlm.inference.generate import generate, generate_ids, sample
-from stemlm.inference.text import TextCodec, TextStream, stream_text
+from stemlm.data.codec import TextCodec
+from stemlm.inference.text import TextStream, stream_text
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def ckpt(tmp_path_factory, model):
 def test_stream_text_joins_to_the_full_decode(ckpt):
     _, tok = ckpt
     codec = TextCodec(tok)
-    ids = codec.encode("Ünïcödé — ok. The capital")
+    ids = codec.encode("Ünïcödé — ok. The capital", special=True)
     assert "".join(stream_text(codec, ids)) == codec.decode(ids)
 
 

@@ -44,12 +44,12 @@ def add_arguments(parser) -> None:
 def _stream(args, ckpt_dir: Path):
     from ..analyze.text import token_stream
     from ..data import default_data_dir
-    from ..edit.tokens import load_tokenizer
+    from ..data.codec import load_codec
 
     data = Path(args.data) if args.data else default_data_dir()
     tok = None
     if not (data / "val.bin").exists():
-        tok = load_tokenizer(ckpt_dir, args.data)
+        tok = load_codec(ckpt_dir, data_dir=args.data, hint="pass --data DIR with a prepared corpus")
     return token_stream(data, tok, "val", args.tokens)
 
 

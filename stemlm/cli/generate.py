@@ -42,7 +42,8 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     from ..interop.checkpoint import resolve_checkpoint
     from ..inference.generate import check_sampling, generate
-    from ..inference.text import encode_prompt, load_text_codec, stream_text
+    from ..data.codec import load_codec
+    from ..inference.text import encode_prompt, stream_text
     from ..runtime.matmul import apply_matmul
     from ..store import open_model
 
@@ -50,7 +51,7 @@ def run(args) -> int:
     device = placement.device
     check_sampling(args.temperature, args.top_k, args.top_p)
     ckpt = resolve_checkpoint(args.ckpt)
-    codec = load_text_codec(ckpt, args.tokenizer)
+    codec = load_codec(ckpt, args.tokenizer)
     model = open_model(ckpt, placement, verify=args.verify)
     store = model.tables
     apply_matmul(model, args.matmul, device)

@@ -1,7 +1,7 @@
 """Load a model for evaluation: a stemlm run or checkpoint, a Hugging Face Llama directory or a GGUF
 file, as a ``LanguageModel`` (see ``api.py``).
 
-Tokenization follows the model's origin:
+Tokenization follows the model's origin (``stemlm.data.codec.TextCodec``, the one tokenizer adapter):
 
 * stemlm tokenizers (``tokenizer.json`` of ``stemlm data``): every context starts with the
   document-start token ``<|endoftext|>``, as in training (``prefix_ids``);
@@ -28,59 +28,13 @@ import torch
 from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
 from ..runtime.files import atomic_write_text
 from ..runtime.matmul import apply_matmul
+from ..data.codec import load_codec
 from ..model.quant import codec_of
 from ..store import Placement, open_model, placement_of
 from .api import ReferenceLM
 
 ENGINES = ("fast", "reference")
 DIGEST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stemlm" / "file_digests.json"
-
-
-class StemTokens:
-    """``Tokens`` of a stemlm ``tokenizers.Tokenizer``: the document-start token leads every context."""
-
-    def __init__(self, tokenizer):
-        from ..data.tokenizer import eos_id_of
-
-        self.tokenizer = tokenizer
-        self.eot_id = eos_id_of(tokenizer)
-        self.prefix_ids = [self.eot_id]
-        self.stop_id = self.eot_id  # generation ends where a document would
-        self.vocab_size = tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` without special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens dropped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-class HFTokens:
-    """``Tokens`` of a transformers tokenizer, as lm-eval's ``hf`` backend uses it (default
-    ``add_bos_token``): the tokenizer's leading special tokens, empty context -> BOS (else EOS)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-        self.eot_id = bos if bos is not None else eos
-        if self.eot_id is None:
-            raise ValueError("the tokenizer has neither a BOS nor an EOS token")
-        self.stop_id = eos  # generation ends at the end-of-sequence token
-        with_special = tokenizer.encode("a")
-        plain = tokenizer.encode("a", add_special_tokens=False)
-        n_lead = len(with_special) - len(plain) if with_special[-len(plain):] == plain else 0
-        self.prefix_ids = list(with_special[:max(n_lead, 0)])
-        self.vocab_size = len(tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` without special tokens."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens dropped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 # -- identity --------------------------------------------------------------------------------
@@ -131,35 +85,31 @@ def _is_llama_dir(path: Path) -> bool:
 
 
 def _load_llama_source(path: str, gguf: str | None):
-    """``(dense StemLM, HFTokens, files)`` from a Llama directory, a GGUF file or a pinned name."""
+    """``(dense StemLM, TextCodec, files)`` from a Llama directory, a GGUF file or a pinned name."""
     from ..interop.convert import check_vocab, llama_to_stem, load_llama, resolve_source
-    from ..data.tokenizer import find_tokenizer
 
     directory, gguf_name = resolve_source(path, gguf)
-    tokenizer = find_tokenizer(directory, prefer="transformers", gguf_file=gguf_name).tokenizer
+    codec = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf_name, hint="")
     llama = load_llama(directory, gguf_name)
-    check_vocab(tokenizer, llama.config.vocab_size)
+    check_vocab(codec.tokenizer, llama.config.vocab_size)
     model = llama_to_stem(llama)
     del llama
     files = [directory / gguf_name] if gguf_name else sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
     files += [directory / CONFIG_FILE] if not gguf_name else []
-    return model, HFTokens(tokenizer), files
+    return model, codec, files
 
 
 def _load_stem_checkpoint(path: str, placement: Placement, tokenizer, verify: bool):
-    """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables placed;
+    """``(StemLM, TextCodec, files, known digests)`` of a stemlm run or checkpoint with its tables placed;
     the digests are those of the checksum manifest the load verified (none unverified)."""
-    from ..data.tokenizer import find_tokenizer, run_places
     from ..interop.integrity import manifest_files
 
     ckpt = resolve_checkpoint(path)
-    places = [tokenizer] if tokenizer is not None else run_places(ckpt)
-    found = find_tokenizer(*places, prefer="hf", hint="pass tokenizer=PATH")
-    tokens = HFTokens(found.tokenizer) if found.hf else StemTokens(found.tokenizer)
+    codec = load_codec(ckpt, tokenizer, prefer="hf", hint="pass tokenizer=PATH")
     model = open_model(ckpt, placement, verify=verify)
     manifest = (manifest_files(ckpt) or {}) if verify else {}
     known = {ckpt / name: entry["sha256"] for name, entry in manifest.items()}
-    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *found.files], known
+    return model, codec, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *codec.files], known
 
 
 def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement | str = "device", device: str = "cpu",
@@ -204,7 +154,8 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement 
                          "it is not this model's tokenizer; evaluate the model with the tokenizer it was trained with")
     max_length = max_length or model.cfg.max_seq_len
     codec = codec_of(model.tables)  # quantized tables score differently: keyed apart in the result cache
-    identity = model_identity(files, known, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
+    tokenization = "HFTokens" if tokens.hf else "StemTokens"  # as identities have named them: caches stay valid
+    identity = model_identity(files, known, dtype=str(dtype), tokens=tokenization, prefix=tokens.prefix_ids,
                               eot=tokens.eot_id, max_length=max_length, matmul=backend,
                               **({"table_dtype": codec.metadata()} if codec.quantized else {}))
     if engine == "reference":

@@ -31,6 +31,7 @@ from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, load_model, read_con
                          resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
 from ..ffn import ffn_kind
+from ..data.codec import load_codec
 from ..data.tokenizer import run_places
 from .integrity import write_manifest
 from ..model.decoder import StemLM
@@ -242,12 +243,11 @@ def resolve_source(source: str | os.PathLike, gguf_file: str | None = None) -> t
     return src, None
 
 
-def load_tokenizer(directory: Path, gguf_file: str | None = None):
-    """The transformers tokenizer stored in ``directory`` (or in its GGUF file), or None if there is none."""
-    from ..data.tokenizer import find_tokenizer
-
+def _hf_tokenizer(directory: Path, gguf_file: str | None = None):
+    """The transformers tokenizer stored in ``directory`` (or in its GGUF file), carried along by a
+    conversion, or None if there is none."""
     try:
-        return find_tokenizer(directory, prefer="transformers", gguf_file=gguf_file).tokenizer
+        return load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf_file, hint="").tokenizer
     except FileNotFoundError:
         return None
 
@@ -293,7 +293,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
     directory, gguf = resolve_source(source, gguf_file)
     out = Path(out)
     _check_out(out, directory)
-    tokenizer = load_tokenizer(directory, gguf)
+    tokenizer = _hf_tokenizer(directory, gguf)
     llama = load_llama(directory, gguf)
     check_vocab(tokenizer, llama.config.vocab_size)
     generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
@@ -371,7 +371,7 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     check_exportable(cfg)
     extras = read_config_extras(ckpt)
     generation = {k: extras[k] for k in GENERATION_KEYS if extras.get(k) is not None}
-    tokenizer = load_tokenizer(ckpt)
+    tokenizer = _hf_tokenizer(ckpt)
     check_vocab(tokenizer, cfg.vocab_size)
     llama = stem_to_llama(load_model(ckpt), **generation)
     with atomic_directory(out) as tmp:

@@ -8,7 +8,7 @@ import socket
 import threading
 from pathlib import Path
 
-from ..inference.text import load_text_codec
+from ..data.codec import load_codec
 from ..interop.checkpoint import read_config_extras, resolve_checkpoint
 from ..store import Placement, open_model
 from .app import Served, create_app
@@ -30,11 +30,11 @@ def load_served(ckpt: str | os.PathLike, placement: Placement | str | None = Non
     """
     given = Path(ckpt)
     ckpt = resolve_checkpoint(ckpt)
-    codec = load_text_codec(ckpt, tokenizer)
+    codec = load_codec(ckpt, tokenizer)
     template = find_chat_template(ckpt, codec, chat_template)
     chat = None
     if template is not None:
-        eos = "" if codec.eos_id is None else codec.tokenizer.decode([codec.eos_id], skip_special_tokens=False)
+        eos = "" if codec.eos_id is None else codec.decode([codec.eos_id], skip_special=False)
         chat = ChatTemplate(template, eos_token=eos)
     model = open_model(ckpt, placement, verify=verify)
     store = model.tables
