@@ -30,9 +30,8 @@ def setup(tmp_path_factory):
 def _check(model, store, batches, ref, greedy, prefetch):
     with torch.no_grad():
         for ids, want in zip(batches, ref):
-            if prefetch:
-                store.prefetch(ids)
-            torch.testing.assert_close(model(ids), want, rtol=0, atol=1e-6)
+            rows = store.prefetch(ids) if prefetch else None
+            torch.testing.assert_close(model(ids, table_rows=rows), want, rtol=0, atol=1e-6)
     assert torch.equal(generate_ids(model, batches[0][:1, :5], 6), greedy)
 
 
@@ -104,14 +103,14 @@ def test_writes_are_coherent_with_cache_and_prefetch(setup, tmp_path):
     ids = batches[0]
     with torch.no_grad():
         m(ids)  # fill the caches
-        store.prefetch(ids)  # rows gathered now become stale with the write below
+        rows = store.prefetch(ids)  # rows gathered now become stale with the write below
         target = ids.flatten()[:3].unique()
         for name, table in m.tables.items():
             new = torch.randn(len(target), cfg.d_ff)
             table.write_rows(target, new)
             ref_model.tables[name].write_rows(target, new)
             torch.testing.assert_close(table.read_rows(target), new)
-        torch.testing.assert_close(m(ids), ref_model(ids), rtol=0, atol=1e-6)
+        torch.testing.assert_close(m(ids, table_rows=rows), ref_model(ids), rtol=0, atol=1e-6)
     store.flush()
     reopened = open_model(ckpt, Placement("disk", tables_file=tables_file))  # the write reached the file
     with torch.no_grad():
@@ -131,16 +130,15 @@ def test_copy_on_write_leaves_checkpoint_untouched_and_readonly_refuses(setup):
         ro.tables[str(cfg.table_layers[0])].write_rows(torch.tensor([1]), torch.ones(1, cfg.d_ff))
 
 
-def test_prefetch_for_other_ids_falls_back_and_counts(setup):
+def test_prefetched_rows_serve_only_the_forward_they_are_passed_to(setup):
     cfg, _, ckpt, batches, ref, _ = setup
     m = open_model(ckpt, "host")
     store = m.tables
     with torch.no_grad():
-        store.prefetch(batches[0])
-        torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)  # mismatch: synchronous gather
+        store.prefetch(batches[0])  # a ticket not handed to the forward: it gathers synchronously
+        torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)
         assert store.stats()["prefetched"] == 0
-        store.prefetch(batches[1])
-        m(batches[1])
+        m(batches[1], table_rows=store.prefetch(batches[1]))
     s = store.stats()
     assert s["prefetched"] == len(cfg.table_layers) and 0 <= s["stalls"] <= s["prefetched"]
 
@@ -154,8 +152,7 @@ def test_slow_prefetch_stalls_but_gives_the_same_rows(setup, monkeypatch):
         monkeypatch.setattr(table.backend, "gather", lambda ids, g=gather: (time.sleep(0.2), g(ids))[1])
     with torch.no_grad():
         for ids, want in zip(batches, ref):
-            store.prefetch(ids)
-            torch.testing.assert_close(m(ids), want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(m(ids, table_rows=store.prefetch(ids)), want, rtol=0, atol=1e-6)
     s = store.stats()
     assert s["prefetched"] == len(batches) * len(cfg.table_layers) and s["stalls"] >= 1
 
@@ -305,8 +302,7 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
         store.prefetcher.read_ahead = hinted
         hints.clear()
         with torch.no_grad():
-            store.prefetch(batches[1])
-            torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)
+            torch.testing.assert_close(m(batches[1], table_rows=store.prefetch(batches[1])), ref[1], rtol=0, atol=1e-6)
         assert sum(n for _, n in hints) == (len(batches[1].unique()) * len(cfg.table_layers) * cfg.d_ff * 4) * hinted
         store.close()
 
@@ -367,8 +363,7 @@ def test_one_forward_makes_the_ids_unique_once_for_every_layer(tmp_path, monkeyp
     real = torch.unique
     monkeypatch.setattr(torch, "unique", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     with torch.no_grad():
-        store.prefetch(ids)
-        got = model(ids)
+        got = model(ids, table_rows=store.prefetch(ids))
     assert len(calls) == 1  # one torch.unique for all table layers (in the prefetch, or else in the forward)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     if tier != "device":

@@ -35,17 +35,18 @@ def _train(cfg, state, batches, tier="device", cache_rows=0, prefetch="off", pat
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     opt = torch.optim.AdamW(backbone, lr=1e-2)
     table_opt = SparseRowAdamW(model.tables, lr=1e-2, weight_decay=0.1)
-    losses = []
+    losses, rows = [], None
     if prefetch == "early":
-        store.prefetch(batches[0][:, :-1])
+        rows = store.prefetch(batches[0][:, :-1])
     for step, ids in enumerate(batches):
         x, y = ids[:, :-1], ids[:, 1:]
         if prefetch == "ahead":
-            store.prefetch(x)
-        loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+            rows = store.prefetch(x)
+        loss = F.cross_entropy(model(x, table_rows=rows).reshape(-1, cfg.vocab_size), y.reshape(-1))
         loss.backward()
+        rows = None
         if prefetch == "early" and step + 1 < len(batches):
-            store.prefetch(batches[step + 1][:, :-1])  # before the writes below: must not serve stale rows
+            rows = store.prefetch(batches[step + 1][:, :-1])  # before the writes below: must not serve stale rows
         opt.step()
         table_opt.step()
         opt.zero_grad()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..ffn import FFNKind, ffn_kind
+from ..runtime.matmul import matmul_backend_of
 from .loss import linear_cross_entropy
 from .tables import StemTable, Tables, check_ids, init_table_
 
@@ -226,7 +227,7 @@ class StemLM(nn.Module):
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
         if targets is not None:
-            backend = getattr(self.lm_head, "matmul_backend", "aten")  # set by stemlm.runtime.matmul.use_matmul_backend
+            backend = matmul_backend_of(self.lm_head)  # the head's own kernels (stemlm.runtime.matmul)
             return linear_cross_entropy(h, self.lm_head.weight, targets, backend=backend)
         return h if return_hidden else self.lm_head(h)
 

@@ -174,6 +174,9 @@ class LayerRows(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self._gathers)
 
+    def __contains__(self, key) -> bool:  # without gathering (Mapping's own would read the key)
+        return key in self._gathers
+
     def __len__(self) -> int:
         return len(self._gathers)
 
