@@ -77,7 +77,7 @@ def to_stem(model):
     The tables and every other weight are shared with ``model`` (not copied); only the unused
     up-projections are left out. Raises ``ValueError`` if the schedule has not reached ``s = 0``.
     """
-    from ..interop.convert import model_from_state
+    from ..interop.checkpoint import model_from_state
 
     check_annealable(model.cfg)
     for ffn in annealed_layers(model):

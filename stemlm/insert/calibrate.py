@@ -252,7 +252,7 @@ def assemble(dense: StemLM, target: ModelConfig, fitted: dict[int, tuple[Path, P
              mmap: bool = False) -> StemLM:
     """The STEM model of ``target``: the dense model's weights, the fitted tables (memory-mapped
     from the work dir with ``mmap``), refitted down-projections where there are any."""
-    from ..interop.convert import model_from_state
+    from ..interop.checkpoint import model_from_state
     from ..store.safetensors_io import map_tensor, tensor_info
 
     state = dict(dense.state_dict())

@@ -219,3 +219,18 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
+    """A StemLM holding exactly ``state``, tensors shared (built on the meta device: no throw-away
+    init); a tied LM head may be absent from ``state``."""
+    with torch.device("meta"):
+        model = StemLM(cfg)
+    if cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        raise ValueError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    return model.eval()

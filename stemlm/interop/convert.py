@@ -27,8 +27,8 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, load_model, read_config, read_config_extras,
-                         resolve_checkpoint, write_model_files)
+from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, load_model, model_from_state, read_config,
+                         read_config_extras, resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
 from ..ffn import ffn_kind
 from ..data.codec import load_codec
@@ -167,21 +167,6 @@ def llama_state_to_stem(state: dict[str, torch.Tensor], cfg: ModelConfig, init: 
     if unused:
         raise ValueError(f"Llama weight {unused[0]!r} has no place in stemlm (unsupported Llama feature?)")
     return out
-
-
-def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
-    """A StemLM holding exactly ``state``, tensors shared (built on the meta device: no throw-away
-    init); a tied LM head may be absent from ``state``."""
-    with torch.device("meta"):
-        model = StemLM(cfg)
-    if cfg.tie_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
-        raise ValueError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_embeddings.weight
-    return model.eval()
 
 
 def llama_to_stem(source, llama_config=None, *, ffn: str = "dense", stem_layers: str | list[int] = "1/3",
