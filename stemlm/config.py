@@ -1,4 +1,8 @@
-"""Model configuration: one frozen dataclass; every derived size is computed once, here.
+"""What a model is: ``ModelConfig``, one frozen dataclass; every derived size is computed once, here.
+
+Named shapes are ``presets.py``'s; a config is read from YAML and overrides by ``args.py``, its values
+checked by ``fields.py``; the FFN kinds it names are ``stemlm.ffn``'s; where a model's tables live is
+not part of it (``stemlm.store.Placement``, over the tier names ``TIERS`` here).
 
 Placement rule for ratio specs (``stem_layers``):
 
@@ -25,7 +29,7 @@ from fractions import Fraction
 from .ffn import FFN_KINDS, TABLE_KINDS, ffn_kind
 from .fields import ConfigError, coerce_fields
 
-TIERS = ("device", "host", "disk")  # where table rows live: the model's memory, host RAM, a file
+TIERS = ("device", "host", "disk")  # where table rows live: the model's memory, host RAM, a file (Placement.tier)
 TABLE_INITS = ("xavier_normal", "matched", "normal")
 
 
