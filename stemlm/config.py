@@ -2,7 +2,7 @@
 
 Named shapes are ``presets.py``'s; a config is read from YAML and overrides by ``args.py``, its values
 checked by ``fields.py``; the FFN kinds it names are ``stemlm.ffn``'s; where a model's tables live is
-not part of it (``stemlm.store.Placement``, over the tier names ``TIERS`` here).
+not part of it (``stemlm.store.Placement``).
 
 Placement rule for ratio specs (``stem_layers``):
 
@@ -29,7 +29,6 @@ from fractions import Fraction
 from .ffn import FFN_KINDS, TABLE_KINDS, ffn_kind
 from .fields import ConfigError, coerce_fields
 
-TIERS = ("device", "host", "disk")  # where table rows live: the model's memory, host RAM, a file (Placement.tier)
 TABLE_INITS = ("xavier_normal", "matched", "normal")
 
 
@@ -175,10 +174,3 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with some constructor fields changed (derived fields recomputed)."""
         return ModelConfig.from_dict({**self.to_dict(), **changes})
-
-
-def check_tier(tier: str) -> str:
-    """``tier`` if it is one of ``TIERS``; else a ``ValueError`` naming the choices."""
-    if tier not in TIERS:
-        raise ValueError(f"unknown table tier {tier!r}; choose one of {', '.join(TIERS)}")
-    return tier

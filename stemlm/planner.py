@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 from . import accounting as acc
 from .args import parse_overrides
-from .config import ConfigError, ModelConfig, check_tier
+from .config import ConfigError, ModelConfig
 from .ffn import ffn_kind
 from .model.quant import RowCodec
 from .presets import PRESETS, model_config
+from .store.tiers import tier_of
 
 # Shapes used only for planning (too large to build on CPU); combine with any ffn / placement.
 EXTRA_SHAPES: dict[str, dict] = {
@@ -148,7 +149,7 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
     Activations are not modelled.
     """
     seq_len = seq_len or cfg.max_seq_len
-    check_tier(tables)
+    tier_of(tables)
     if not 0 <= cache_frac <= 1:
         raise ValueError(f"cache_frac must be in [0, 1], got {cache_frac}")
     if batch <= 0 or seq_len <= 0 or dtype_bytes <= 0 or optimizer_bytes < 0:

@@ -93,7 +93,7 @@ class _DeprecatedAlias(argparse.Action):
 def add_placement_arguments(parser, deprecated_tier: bool = False) -> None:
     """The options that make a ``stemlm.store.Placement`` (``placement_of(args)``); ``deprecated_tier``
     also accepts ``--tier`` (what ``stemlm serve`` called ``--tables`` before)."""
-    from ..config import TIERS
+    from ..store.tiers import TIERS
 
     group = parser.add_argument_group("where the STEM tables live (docs/offload.md)")
     group.add_argument("--tables", choices=TIERS, default=TIERS[0],

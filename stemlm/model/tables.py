@@ -29,7 +29,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import TIERS
 
 
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,7 +206,7 @@ class Tables(nn.ModuleDict):
     no-ops here, and it is a context manager.
     """
 
-    tier = TIERS[0]
+    tier = "device"  # the model's own memory (stemlm.store.tiers.DeviceTier)
 
     def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(unique_ids, inverse)`` of ``ids`` for all layers at once (the tables of a model index

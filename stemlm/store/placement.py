@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import TIERS, check_tier
 from ..model.quant import parse_codec
+from .tiers import tier_of
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Placement:
     dtype: torch.dtype | None = None
 
     def __post_init__(self):
-        check_tier(self.tier)
+        tier_of(self.tier)
         if self.tier == "device" and (self.cache_rows or self.cache_bytes):
             raise ValueError("a hot-row cache applies to the host and disk tiers only")
         if self.cache_rows < 0 or (self.cache_bytes is not None and self.cache_bytes < 0):
@@ -69,7 +69,7 @@ class Placement:
     @property
     def off_device(self) -> bool:
         """The rows live off the model's memory (host or disk): a ``TableStore`` serves them."""
-        return self.tier != TIERS[0]
+        return not tier_of(self.tier).in_memory
 
 
 def placement_of(tables: Placement | str | None = None, **fields) -> Placement:
