@@ -7,9 +7,10 @@ only) and the token ids. Its class attributes and class methods answer, without 
 * accounting (``stemlm.accounting``, ``stemlm.planner``): ``weights``, ``active_weights``,
   ``macs_per_token``, ``weights_read``, and whether it ``owns_table``;
 * configuration: ``derived_fields`` (sizes it fills into ``ModelConfig``, e.g. Hash-MoE's experts);
+* its projections (``holds``; a STEM kind holds two of ``w_gate``, ``w_up``, ``w_down``);
 * conversion from a dense Llama (``stemlm.interop.convert``): ``from_dense``, the projection its rows
   take the place of (``table_from``, also the projection ``project`` initialises them from) and the one
-  it drops (``replaces``);
+  it drops (``replaces``, the one of ``w_gate``/``w_up`` it does not hold);
 * calibration (``stemlm.insert``): ``calibration_target``, ``hidden`` and ``gate_of_rows`` computed
   from a dense FFN's weights, and ``zero_rows_are_dense``;
 * decoding: ``routes_by_data`` (the step depends on the ids' values: no CUDA graph).
@@ -34,15 +35,26 @@ class FFNKind(nn.Module):
     """The base of every FFN kind (see the module docstring); the defaults are a dense SwiGLU's."""
 
     name: ClassVar[str]
+    holds: ClassVar[tuple[str, ...]] = ("w_gate", "w_up", "w_down")  # its projections (per expert)
+    replaces: ClassVar[str | None] = None  # the dense projection it drops (set from ``holds``)
     owns_table: ClassVar[bool] = False  # reads a token-indexed table row U_l[t]
     table_from: ClassVar[str | None] = None  # the dense projection ("w_up", "w_gate") whose activation its rows stand for
-    replaces: ClassVar[str | None] = None  # the dense projection it drops (None: keeps all three)
     from_dense: ClassVar[bool] = True  # a dense Llama layer converts into this kind
     zero_rows_are_dense: ClassVar[bool] = False  # with all-zero rows the layer is exactly the dense layer
     routes_by_data: ClassVar[bool] = False  # the computation depends on the ids' values
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.replaces = next((w for w in ("w_gate", "w_up") if w not in cls.holds), None)
+
+    def __init__(self, cfg):
+        super().__init__()
+        for name in self.holds:  # (d -> d_ff) gate and up, (d_ff -> d) down, in this order
+            setattr(self, name, linear(cfg.d_ff, cfg.d_model) if name == "w_down" else linear(cfg.d_model, cfg.d_ff))
+
     def forward(self, x: torch.Tensor, rows: torch.Tensor | None = None, ids: torch.Tensor | None = None):
-        raise NotImplementedError
+        """``W_d`` of the kind's activation (``hidden``) with its own projections."""
+        return self.w_down(self.hidden(self, x, rows))
 
     def init_weights_(self, cfg, init) -> None:
         """Initialise the kind's own parameters that are not ``nn.Linear``s (``StemLM`` initialises those);
@@ -52,7 +64,7 @@ class FFNKind(nn.Module):
     @classmethod
     def weights(cls, cfg) -> int:
         """Parameters of the layer's projections (experts), its table not counted."""
-        return 3 * cfg.d_model * cfg.d_ff
+        return len(cls.holds) * cfg.d_model * cfg.d_ff
 
     @classmethod
     def active_weights(cls, cfg) -> int:

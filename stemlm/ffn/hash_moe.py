@@ -40,7 +40,7 @@ class HashMoEFFN(FFNKind):
     routes_by_data = True
 
     def __init__(self, cfg):
-        super().__init__()
+        nn.Module.__init__(self)  # experts, not Linears: built here
         e, d, f = cfg.n_experts, cfg.d_model, cfg.d_ff
         self.w_gate = nn.Parameter(torch.empty(e, f, d))
         self.w_up = nn.Parameter(torch.empty(e, f, d))
@@ -68,17 +68,16 @@ class HashMoEFFN(FFNKind):
     def weights(cls, cfg) -> int:
         if cfg.n_experts is None:
             raise ValueError("a hash_moe layer needs n_experts (set ffn='hash_moe' so it is derived)")
-        return cfg.n_experts * 3 * cfg.d_model * cfg.d_ff
+        return cfg.n_experts * len(cls.holds) * cfg.d_model * cfg.d_ff
 
     @classmethod
     def active_weights(cls, cfg) -> int:
-        return 3 * cfg.d_model * cfg.d_ff  # one expert per token
+        return len(cls.holds) * cfg.d_model * cfg.d_ff  # one expert per token
 
     @classmethod
     def weights_read(cls, cfg, n_tokens: float) -> float:
         """The experts the step's tokens touch (a balanced hash spreads them uniformly)."""
-        return cls.weights(cfg) - 3 * cfg.d_model * cfg.d_ff * (
-            cfg.n_experts - expected_experts_touched(cfg.n_experts, n_tokens))
+        return cls.weights(cfg) - cls.active_weights(cfg) * (cfg.n_experts - expected_experts_touched(cfg.n_experts, n_tokens))
 
     @classmethod
     def derived_fields(cls, cfg) -> dict:

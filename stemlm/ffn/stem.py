@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .base import FFNKind, linear
+from .base import FFNKind
 
 
 class StemFFN(FFNKind):
     """STEM: the up-projection is replaced by the token's table row."""
 
     name = "stem"
+    holds = ("w_gate", "w_down")  # the row replaces W_u: d·d_ff parameters and MACs saved
     owns_table = True
-    table_from = replaces = "w_up"
-
-    def __init__(self, cfg):
-        super().__init__()
-        self.w_gate, self.w_down = linear(cfg.d_model, cfg.d_ff), linear(cfg.d_ff, cfg.d_model)
-
-    def forward(self, x, rows=None, ids=None):
-        return self.w_down(self.hidden(self, x, rows))
-
-    @classmethod
-    def weights(cls, cfg) -> int:
-        return 2 * cfg.d_model * cfg.d_ff  # the row replaces W_u: d·d_ff parameters and MACs saved
+    table_from = "w_up"
 
     @staticmethod
     def hidden(dense, x, rows):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch.nn.functional as F
 
-from .base import FFNKind, linear
+from .base import FFNKind
 from .stem import StemFFN
 
 
@@ -23,9 +23,7 @@ class StemDaggerFFN(FFNKind):
     zero_rows_are_dense = True
 
     def __init__(self, cfg):
-        super().__init__()
-        self.w_gate, self.w_up, self.w_down = linear(cfg.d_model, cfg.d_ff), linear(cfg.d_model, cfg.d_ff), \
-            linear(cfg.d_ff, cfg.d_model)
+        super().__init__(cfg)
         self.up_scale, self.row_scale = 1.0, 1.0
 
     def forward(self, x, rows=None, ids=None):
