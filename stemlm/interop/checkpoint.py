@@ -129,27 +129,29 @@ def write_run_config(run_dir: str | os.PathLike, cfg: ModelConfig) -> Path:
     return file
 
 
-def _config_json(ckpt_dir: str | os.PathLike) -> dict:
-    file = Path(ckpt_dir) / CONFIG_FILE
+def read_json(path: str | os.PathLike, missing: str | None = None) -> dict:
+    """A JSON file of a checkpoint; ``CheckpointError`` when it is absent (``missing``, else "missing
+    PATH") or not valid JSON."""
+    path = Path(path)
     try:
-        return json.loads(file.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
-        raise CheckpointError(f"missing {file}") from None
+        raise CheckpointError(missing or f"missing {path}") from None
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt {file}: {e}") from None
+        raise CheckpointError(f"corrupt {path}: {e}") from None
 
 
 def read_config_extras(ckpt_dir: str | os.PathLike) -> dict:
     """The entries of a checkpoint's ``config.json`` beyond its model config: a converted model's
     generation token ids (``eos_token_id`` ...) and its provenance (``stemlm_conversion``)."""
-    data = _config_json(ckpt_dir)
+    data = read_json(Path(ckpt_dir) / CONFIG_FILE)
     return {k: v for k, v in data.items() if k not in hf_config_dict(read_config(ckpt_dir))}
 
 
 def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` stored in a checkpoint directory."""
     file = Path(ckpt_dir) / CONFIG_FILE
-    data = _config_json(ckpt_dir)
+    data = read_json(Path(ckpt_dir) / CONFIG_FILE)
     if data.get("model_type") != "stemlm":
         raise CheckpointError(f"{file} has model_type={data.get('model_type')!r}, expected 'stemlm' "
                               "(convert a Llama checkpoint with `stemlm convert --from-hf`)")

@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..interop.checkpoint import CheckpointError, copy_tokenizer_files, save_pause, write_model_files
+from ..interop.checkpoint import CheckpointError, copy_tokenizer_files, read_json, save_pause, write_model_files
 from ..interop.integrity import check_finite, verify_checkpoint, write_manifest
 from ..runtime.files import atomic_directory, remove_directory
 from .sparse_adam import SparseRowAdamW
@@ -208,10 +208,4 @@ def set_rng_state(state: dict) -> None:
 
 def read_trainer_state(ckpt: Path) -> dict:
     """``trainer_state.json`` of a training checkpoint (clear error if missing or corrupt)."""
-    path = Path(ckpt) / TRAINER_STATE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{ckpt} is not a training checkpoint (no {TRAINER_STATE})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt {path}: {e}") from None
+    return read_json(Path(ckpt) / TRAINER_STATE, f"{ckpt} is not a training checkpoint (no {TRAINER_STATE})")
