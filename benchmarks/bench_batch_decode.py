@@ -36,7 +36,7 @@ from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.inference.batch_generate import SamplingParams, decode_batch
 from stemlm.cli.options import add_matmul_argument
-from stemlm.interop.checkpoint import read_config
+from stemlm.checkpoint.directory import read_config
 from stemlm.store import Placement, open_model
 
 
@@ -116,7 +116,7 @@ def run_tier(args, ckpt, tables, tier: str, text=None) -> dict:
 def trained(args):
     """``(checkpoint, tables file or None, validation token ids)`` of ``args.ckpt``."""
     from stemlm.data import TokenDataset, default_data_dir
-    from stemlm.interop.checkpoint import resolve_checkpoint
+    from stemlm.checkpoint.directory import resolve_checkpoint
     from stemlm.train.evaluate import _stored_run_config
 
     if args.threads:

@@ -126,7 +126,7 @@ def const_embed_init(name: str, spec: dict) -> Path:
     """A fresh model of the run's shape (seed 0) whose input-embedding rows all equal row 0, saved
     as the run's ``run.init_from``: with ``optim.embed_lr=0`` the embedding then carries no token
     identity and every token-specific signal enters through the STEM tables."""
-    from stemlm.interop.checkpoint import save_model
+    from stemlm.checkpoint.directory import save_model
     from stemlm.model.decoder import StemLM
     from stemlm.train import load_train_config
 

@@ -105,7 +105,7 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
 
 def evaluate_checkpoint(path: str, args) -> dict:
     from stemlm.edit.evaluate import EditEvalConfig, run_edit_eval
-    from stemlm.interop.checkpoint import load_model, resolve_checkpoint
+    from stemlm.checkpoint.directory import load_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     model = load_model(ckpt)
@@ -136,7 +136,7 @@ def main() -> None:
     if args.quick:
         args.pairs, args.locality, args.calib_tokens = 4, 8, 16384
     from stemlm.config import resolve_stem_layers
-    from stemlm.interop.checkpoint import load_model
+    from stemlm.checkpoint.directory import load_model
 
     t0 = time.perf_counter()
     ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-full-fit-{args.calib_tokens}")

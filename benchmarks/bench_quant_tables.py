@@ -35,7 +35,7 @@ from _store_bench import timed_decode
 from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.runtime.artifacts import cache_dir
-from stemlm.interop.checkpoint import resolve_checkpoint
+from stemlm.checkpoint.directory import resolve_checkpoint
 from stemlm.data import TokenDataset, count_eval_batches
 from stemlm.model.quant import TABLE_DTYPES, RowCodec
 from stemlm.store import Placement, export_tables, open_model

@@ -57,7 +57,7 @@ def build_server(root: Path, clients: int, seed: int = 0):
     """A served debug STEM model (host tables) with an API key and small limits; not yet started."""
     from stemlm import StemLM, model_config
     from stemlm.data.tokenizer import train_bpe
-    from stemlm.interop.checkpoint import save_model
+    from stemlm.checkpoint.directory import save_model
     from stemlm.serve.guard import Limits
     from stemlm.serve.server import load_served
     from stemlm.store import Placement

@@ -199,7 +199,7 @@ def stored_param_count(ckpt_dir) -> int:
     """Values stored in a checkpoint's ``model.safetensors`` (read from the header, no tensor loaded)."""
     from safetensors import safe_open
 
-    from .interop.checkpoint import WEIGHTS_FILE
+    from .checkpoint.directory import WEIGHTS_FILE
 
     with safe_open(str(Path(ckpt_dir) / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.cli import main
 from stemlm.data.facts import Country, build_facts, write_facts
 from stemlm.data.tokenizer import train_bpe

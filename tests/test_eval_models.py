@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.interop.convert import llama_to_stem
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval import models as eval_models

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.cli import main as cli_main
 from stemlm.data.tokenizer import train_bpe
 from stemlm.inference.generate import generate, generate_ids, sample
@@ -154,7 +154,7 @@ def test_cli_errors_are_clear(ckpt, tmp_path, capsys, model):
 
 
 def test_onednn_generation_matches_aten_logits_and_tokens(ckpt, capsys):
-    from stemlm.interop.checkpoint import load_model
+    from stemlm.checkpoint.directory import load_model
     from stemlm.runtime.matmul import onednn_available, use_matmul_backend
 
     if not onednn_available():

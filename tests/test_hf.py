@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import stemlm  # noqa: F401  (registers the Auto classes)
 from stemlm import ModelConfig, StemLM, model_config
-from stemlm.interop.checkpoint import CheckpointError, load_model, save_model
+from stemlm.checkpoint.directory import CheckpointError, load_model, save_model
 from stemlm.cli import main
 from stemlm.interop.convert import convert_from_hf, convert_to_hf, llama_name, llama_to_stem, stem_to_llama
 from stemlm.interop.hf import StemConfig, StemForCausalLM

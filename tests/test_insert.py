@@ -14,7 +14,7 @@ from stemlm.insert.anneal import scales_at, set_scales, to_stem
 from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
 from stemlm.ffn import StemGateFFN
 from stemlm.insert.fit import LayerStats, refine_through_down
-from stemlm.interop.checkpoint import load_model
+from stemlm.checkpoint.directory import load_model
 from stemlm.interop.convert import convert_from_hf, llama_to_stem
 from test_hf import llama_dir, tiny_llama
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
@@ -252,7 +252,7 @@ def test_trainer_anneals_a_dagger_model_from_exactly_dense(tmp_path):
     data = make_token_data(tmp_path / "data")
     torch.manual_seed(0)
     dense = StemLM(model_config("debug", ffn="dense"))
-    from stemlm.interop.checkpoint import save_model
+    from stemlm.checkpoint.directory import save_model
     from stemlm.train import Trainer
 
     dense_ckpt = save_model(dense, tmp_path / "dense")

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from stemlm import ConfigError, StemLM, model_config
-from stemlm.interop.checkpoint import CheckpointError, load_model, save_model
+from stemlm.checkpoint.directory import CheckpointError, load_model, save_model
 from stemlm.ffn import FFN_KINDS, ffn_kind
 from stemlm.ffn.hash_moe import matched_expert_count, token_expert_hash
 from stemlm.inference.kv_cache import KVCache
@@ -166,7 +166,7 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, debug_cfg, monkeypatch)
     model = StemLM(debug_cfg)
     save_model(model, tmp_path / "c")
     before = (tmp_path / "c" / "model.safetensors").read_bytes()
-    import stemlm.store.safetensors_io as st  # the streaming writer of model.safetensors
+    import stemlm.checkpoint.safetensors_io as st  # the streaming writer of model.safetensors
     monkeypatch.setattr(st, "_write_rows", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         save_model(model, tmp_path / "c")

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import WEIGHTS_FILE, load_model, save_model
+from stemlm.checkpoint.directory import WEIGHTS_FILE, load_model, save_model
 from stemlm.edit import swap
 from stemlm.model.quant import QuantizedTable, RowCodec, codec_of, quantize_tables
-from stemlm.store import Placement, export_tables, offload_tables, open_model, read_header
+from stemlm.checkpoint.safetensors_io import read_header
+from stemlm.store import Placement, export_tables, offload_tables, open_model
 
 QUANT = ["bf16", "int8", "int4"]
 

@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from stemlm.interop.checkpoint import load_model
+from stemlm.checkpoint.directory import load_model
 from stemlm.cli import main
 from stemlm.data.codec import load_codec
 from stemlm.interop.convert import llama_name, llama_to_stem, load_llama, resolve_source

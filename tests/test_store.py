@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import load_model, save_model
+from stemlm.checkpoint.directory import load_model, save_model
 from stemlm.inference.generate import generate_ids
-from stemlm.store import OffloadedTable, Placement, TableFileError, export_tables, offload_tables, open_model
+from stemlm.checkpoint.safetensors_io import TableFileError
+from stemlm.store import OffloadedTable, Placement, export_tables, offload_tables, open_model
 
 CACHES = [0, 3, 10_000]  # none, tiny (constant evictions), everything fits
 
@@ -226,7 +227,7 @@ def test_bad_tier_and_options_are_clear(setup):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
     from stemlm.store.backends import DiskRows
-    from stemlm.store.safetensors_io import write_safetensors
+    from stemlm.checkpoint.safetensors_io import write_safetensors
 
     weight = torch.randn(50, 12).to(dtype)
     path = write_safetensors(tmp_path / "t.safetensors", [("w", dtype, (50, 12), lambda a, b: weight[a:b])])
@@ -245,7 +246,7 @@ def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
 @pytest.mark.parametrize("mode", ["r", "c", "r+"])
 def test_a_file_truncated_after_its_header_is_refused_before_mapping(tmp_path, mode):
     """A mapped page past the end of the file would be a SIGBUS on first touch; the size is checked first."""
-    from stemlm.store.safetensors_io import map_tensor, tensor_info, write_safetensors
+    from stemlm.checkpoint.safetensors_io import map_tensor, tensor_info, write_safetensors
 
     weight = torch.randn(50, 12)
     path = write_safetensors(tmp_path / "t.safetensors", [("w", torch.float32, (50, 12), lambda a, b: weight[a:b])])
@@ -265,7 +266,7 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
     import os
 
     from stemlm.store.backends import DiskRows, HostRows
-    from stemlm.store.safetensors_io import write_safetensors
+    from stemlm.checkpoint.safetensors_io import write_safetensors
 
     weight = torch.randn(50, 12)
     path = write_safetensors(tmp_path / "t.safetensors", [("w", torch.float32, (50, 12), lambda a, b: weight[a:b])])

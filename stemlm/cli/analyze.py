@@ -54,7 +54,7 @@ def _stream(args, ckpt_dir: Path):
 
 
 def run(args) -> int:
-    from ..interop.checkpoint import read_config, resolve_checkpoint
+    from ..checkpoint.directory import read_config, resolve_checkpoint
     from ..store import open_model
 
     ckpt = resolve_checkpoint(args.ckpt)

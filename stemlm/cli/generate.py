@@ -40,7 +40,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from ..interop.checkpoint import resolve_checkpoint
+    from ..checkpoint.directory import resolve_checkpoint
     from ..inference.generate import check_sampling, generate
     from ..data.codec import load_codec
     from ..inference.text import encode_prompt, stream_text

@@ -43,7 +43,7 @@ def _config(args):
     if args.preset or args.ffn or args.stem_layers or args.overrides:
         raise ValueError("--ckpt describes a saved model: do not combine it with --preset, --ffn, --stem-layers or overrides")
     from ..accounting import stored_param_count
-    from ..interop.checkpoint import read_config, resolve_checkpoint
+    from ..checkpoint.directory import read_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.ckpt)
     return read_config(ckpt), None, {"path": str(ckpt), "stored_params": stored_param_count(ckpt)}

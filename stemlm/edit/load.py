@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..data.codec import load_codec
-from ..interop.checkpoint import resolve_checkpoint
+from ..checkpoint.directory import resolve_checkpoint
 from ..store import Placement, open_model, placement_of
 
 

@@ -25,7 +25,7 @@ from typing import Sequence
 
 import torch
 
-from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
+from ..checkpoint.directory import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
 from ..runtime.files import atomic_write_text
 from ..runtime.matmul import apply_matmul
 from ..data.codec import load_codec
@@ -48,7 +48,7 @@ def _read_digest_cache() -> dict:
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes (``integrity.file_digest``), remembered per (real path, size, mtime)
     in ``DIGEST_CACHE``."""
-    from ..interop.integrity import file_digest as sha256_of_file
+    from ..checkpoint.integrity import file_digest as sha256_of_file
 
     path = Path(path).resolve()
     st = path.stat()
@@ -102,7 +102,7 @@ def _load_llama_source(path: str, gguf: str | None):
 def _load_stem_checkpoint(path: str, placement: Placement, tokenizer, verify: bool):
     """``(StemLM, TextCodec, files, known digests)`` of a stemlm run or checkpoint with its tables placed;
     the digests are those of the checksum manifest the load verified (none unverified)."""
-    from ..interop.integrity import manifest_files
+    from ..checkpoint.integrity import manifest_files
 
     ckpt = resolve_checkpoint(path)
     codec = load_codec(ckpt, tokenizer, prefer="hf", hint="pass tokenizer=PATH")

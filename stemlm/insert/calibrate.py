@@ -252,8 +252,8 @@ def assemble(dense: StemLM, target: ModelConfig, fitted: dict[int, tuple[Path, P
              mmap: bool = False) -> StemLM:
     """The STEM model of ``target``: the dense model's weights, the fitted tables (memory-mapped
     from the work dir with ``mmap``), refitted down-projections where there are any."""
-    from ..interop.checkpoint import model_from_state
-    from ..store.safetensors_io import map_tensor, tensor_info
+    from ..checkpoint.directory import model_from_state
+    from ..checkpoint.safetensors_io import map_tensor, tensor_info
 
     state = dict(dense.state_dict())
     for i, kind in enumerate(target.layer_kinds):

@@ -27,13 +27,13 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from .checkpoint import (CONFIG_FILE, copy_tokenizer_files, load_model, model_from_state, read_config,
+from ..checkpoint.directory import (CONFIG_FILE, copy_tokenizer_files, load_model, model_from_state, read_config,
                          read_config_extras, resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
 from ..ffn import ffn_kind
 from ..data.codec import load_codec
 from ..data.tokenizer import run_places
-from .integrity import write_manifest
+from ..checkpoint.integrity import write_manifest
 from ..model.decoder import StemLM
 from ..model.quant import quantize_tables
 from ..model.tables import init_table_

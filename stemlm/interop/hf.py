@@ -26,7 +26,7 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .checkpoint import WEIGHTS_FILE, resolve_checkpoint, stored_codec
+from ..checkpoint.directory import WEIGHTS_FILE, resolve_checkpoint, stored_codec
 from ..config import ModelConfig
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM, init_module_, padding_mask

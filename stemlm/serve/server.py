@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 
 from ..data.codec import load_codec
-from ..interop.checkpoint import read_config_extras, resolve_checkpoint
+from ..checkpoint.directory import read_config_extras, resolve_checkpoint
 from ..store import Placement, open_model
 from .app import Served, create_app
 from .chat import ChatTemplate, find_chat_template

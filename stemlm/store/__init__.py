@@ -14,10 +14,8 @@ from .cache import HotRowCache
 from .offload import offload_tables, open_model
 from .placement import Placement, placement_of
 from .prefetch import Prefetcher
-from .safetensors_io import TableFileError, read_header, read_metadata, write_safetensors
 from .table import OffloadedTable, TableStore
 from .tiers import TIERS, export_tables, table_key, tier_of
 
 __all__ = ["TIERS", "DiskRows", "HostRows", "HotRowCache", "OffloadedTable", "Placement", "Prefetcher", "QuantRows",
-           "TableFileError", "TableStore", "export_tables", "offload_tables", "open_model", "placement_of", "read_header",
-           "read_metadata", "table_key", "tier_of", "write_safetensors"]
+           "TableStore", "export_tables", "offload_tables", "open_model", "placement_of", "table_key", "tier_of"]

@@ -30,14 +30,14 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..interop.checkpoint import WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint
-from ..interop.integrity import verify_checkpoint
+from ..checkpoint.directory import WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint
+from ..checkpoint.integrity import verify_checkpoint
 from ..model.decoder import StemLM
 from ..model.quant import RowCodec, codec_of, parse_codec
 from ..model.tables import Tables
 from .cache import HotRowCache
 from .placement import Placement, placement_of
-from .safetensors_io import read_metadata
+from ..checkpoint.safetensors_io import read_metadata
 from .table import TableStore
 from .tiers import tier_of
 

@@ -19,12 +19,12 @@ from typing import ClassVar
 import torch
 import torch.nn as nn
 
-from ..interop.checkpoint import KEY_PREFIX, WEIGHTS_FILE, read_config, resolve_checkpoint, stored_codec
-from ..interop.integrity import check_finite
+from ..checkpoint.directory import KEY_PREFIX, WEIGHTS_FILE, read_config, resolve_checkpoint, stored_codec
+from ..checkpoint.integrity import check_finite
 from ..model.quant import QuantizedTable, RowCodec, codec_of, encode_chunks, parse_codec
 from ..model.tables import StemTable
 from .backends import DiskRows, HostRows, QuantRows
-from .safetensors_io import write_safetensors
+from ..checkpoint.safetensors_io import write_safetensors
 from .table import OffloadedTable
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..args import yaml_mapping
-from ..interop.checkpoint import read_config, resolve_checkpoint
+from ..checkpoint.directory import read_config, resolve_checkpoint
 from ..data import TokenDataset, count_eval_batches, iter_eval_batches
 from ..runtime.devices import resolve_device
 from ..runtime.matmul import apply_matmul
@@ -76,7 +76,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     ``placement`` says where the tables live and the compute device (``stemlm.store.Placement``, or a
     tier name; default: in memory on the CPU, as stored); ``dtype`` is the autocast dtype; ``matmul``
     picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.runtime.matmul``); ``verify``
-    checks the checkpoint's checksums first (``stemlm.interop.integrity``).
+    checks the checkpoint's checksums first (``stemlm.checkpoint.integrity``).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.

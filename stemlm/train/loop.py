@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..accounting import train_flops_per_token
-from ..interop.checkpoint import WEIGHTS_FILE, CheckpointError, load_model, load_state_into, write_run_config
+from ..checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_model, load_state_into, write_run_config
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
 from ..runtime.devices import resolve_device

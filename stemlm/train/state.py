@@ -7,7 +7,7 @@
 * ``trainer_state.json``: step (= data position), tokens/FLOPs seen, spike counter, RNG states,
   the hash of the resume-checked config sections;
 * ``config.yaml`` (the run's ``TrainConfig``) and the tokenizer files of the data dir;
-* ``manifest.json``: size and sha256 of every other file (``stemlm.interop.integrity``), written last.
+* ``manifest.json``: size and sha256 of every other file (``stemlm.checkpoint.integrity``), written last.
 
 Everything loads without executing code (safetensors and json). NaN/inf weights or optimizer
 state are never written; ``resume_checkpoint`` picks the newest checkpoint whose files match their
@@ -28,8 +28,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..interop.checkpoint import CheckpointError, copy_tokenizer_files, read_json, save_pause, write_model_files
-from ..interop.integrity import check_finite, verify_checkpoint, write_manifest
+from ..checkpoint.directory import CheckpointError, copy_tokenizer_files, read_json, save_pause, write_model_files
+from ..checkpoint.integrity import check_finite, verify_checkpoint, write_manifest
 from ..runtime.files import atomic_directory, remove_directory
 from .sparse_adam import SparseRowAdamW
 

@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from ...config import ConfigError
 from ...data import get_batch
-from ...interop.checkpoint import WEIGHTS_FILE, CheckpointError, load_state_into
-from ...interop.integrity import non_finite
+from ...checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_state_into
+from ...checkpoint.integrity import non_finite
 from ...model.decoder import StemLM
 from .. import state as ckpt_io
 from ..loop import Trainer

@@ -11,7 +11,7 @@ Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_p
 A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
 newest complete one, so every command taking ``--ckpt`` accepts a run or a checkpoint.
 
-Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.interop.integrity``),
+Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.checkpoint.integrity``),
 refuses to write NaN/inf weights, and ``load_model`` verifies the checksums (``verify=False`` skips
 that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
 """
@@ -33,6 +33,7 @@ from .integrity import CheckpointError, check_finite, verify_checkpoint, write_m
 from ..model.decoder import StemLM
 from ..model.quant import RowCodec, codec_of, quantized_tables
 from ..runtime.files import atomic_directory, atomic_write_text
+from .safetensors_io import write_safetensors
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
 # Test-only: seconds to sleep between the files of a checkpoint save, so a test can kill a process
@@ -70,8 +71,6 @@ def write_model_files(model: StemLM, directory: Path, extra_config: dict | None 
     state = model_state_for_save(model)
     check_finite(state.items(), "the model to save", "not saved (the model diverged)")
     (directory / CONFIG_FILE).write_text(json.dumps({**hf_config_dict(model.cfg), **(extra_config or {})}, indent=2))
-    from ..store.safetensors_io import write_safetensors  # stemlm.store imports this module
-
     metadata = {"format": "pt", **codec_of(model.tables).metadata()}
     # streamed tensor by tensor, 64 MB at a time: no second copy of the weights in memory
     write_safetensors(directory / WEIGHTS_FILE, [(k, t.dtype, tuple(t.shape), _rows_of(t)) for k, t in state.items()],
@@ -207,7 +206,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
     ``skip_tables`` leaves the tables uninitialised, for callers that serve them from another
     tier (host, disk) straight from the checkpoint file. ``verify`` first checks the files against
-    the checkpoint's checksum manifest (``stemlm.interop.integrity``).
+    the checkpoint's checksum manifest (``stemlm.checkpoint.integrity``).
     """
     ckpt = resolve_checkpoint(path)
     if verify:
