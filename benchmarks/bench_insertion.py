@@ -55,7 +55,7 @@ DEFAULT = ["zero", "project", "mean-par", "gated-par", "gated-seq", "gated-seq-r
 def dense_and_data():
     """The all-dense stemlm copy of SmolLM2 (exact) and its corpus (train, val token streams)."""
     from stemlm.data import TokenDataset, corpus_in_vocabulary
-    from stemlm.interop.checkpoint import load_model
+    from stemlm.checkpoint.directory import load_model
     from stemlm.interop.convert import convert_from_hf
 
     dense_dir = WORK / "smollm2-dense"

@@ -40,8 +40,8 @@ from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm import model_config
 from stemlm.runtime.artifacts import cache_dir
-from stemlm.runtime.matmul import add_matmul_argument
-from stemlm.store import load_model_with_tables
+from stemlm.cli.options import add_matmul_argument
+from stemlm.store import Placement, open_model
 
 RUNS = {"device": ("device", False), "host": ("host", False), "disk": ("disk", False), "disk-cold": ("disk", True)}
 
@@ -53,7 +53,8 @@ def worker(args) -> dict:
     tier, cold = RUNS[args.worker]
     if cold:
         drop_page_cache(Path(args.tables))
-    model, store = load_model_with_tables(args.ckpt, tier, tables_path=args.tables, cache_rows=args.cache_rows)
+    model = open_model(args.ckpt, Placement(tier, tables_file=args.tables, cache_rows=args.cache_rows))
+    store = model.tables
     use_matmul(model, args.matmul)
     loaded = proc_status()
     gen = torch.Generator().manual_seed(args.seed)

@@ -9,7 +9,7 @@ Models (``--models``, default ``tiny,smollm2``):
   corpus tokenized with SmolLM2's own tokenizer.
 
 Per model and table dtype: the bytes of the stored tables, the validation loss over the same
-``--batches`` windows (tables re-encoded at load, ``load_model_with_tables(table_dtype=...)``) and
+``--batches`` windows (tables re-encoded at load, ``open_model(table_dtype=...)``) and
 its change against fp32 in perplexity (``exp(Δloss) - 1``). Goal: int8 within +0.5 %.
 
 Decode (tiny model): int8 tables served from a tables file on disk against fp32 tables in RAM
@@ -35,10 +35,10 @@ from _store_bench import timed_decode
 from _train_bench import paired_ratio, round_ratios, write_result
 
 from stemlm.runtime.artifacts import cache_dir
-from stemlm.interop.checkpoint import resolve_checkpoint
+from stemlm.checkpoint.directory import resolve_checkpoint
 from stemlm.data import TokenDataset, count_eval_batches
 from stemlm.model.quant import TABLE_DTYPES, RowCodec
-from stemlm.store import export_tables, load_model_with_tables
+from stemlm.store import Placement, export_tables, open_model
 from stemlm.train.evaluate import evaluate
 
 HOME = cache_dir() / "bench" / "quant"
@@ -78,7 +78,7 @@ def val_losses(ckpt: Path, data_dir: Path, batches: int, batch_size: int, seq_le
     batches = min(batches, count_eval_batches(ds, batch_size, seq_len))
     out = {}
     for name in TABLE_DTYPES:
-        model, _ = load_model_with_tables(ckpt, "device", table_dtype=name)
+        model = open_model(ckpt, Placement("device", table_dtype=name))
         t0 = time.perf_counter()
         res = evaluate(model, ds, batch_size, seq_len, batches)
         out[name] = {"table_bytes": table_bytes(model.cfg, name), "val_loss": res["loss"], "tokens": res["tokens"],
@@ -94,8 +94,9 @@ def val_losses(ckpt: Path, data_dir: Path, batches: int, batch_size: int, seq_le
 def decode_rounds(ckpt: Path, work: Path, repeats: int, gens: int, new_tokens: int, prompt_len: int) -> dict:
     """Decode tokens/s of int8 tables on disk vs fp32 tables in RAM, alternating rounds."""
     tables = export_tables(ckpt, work / "tables-int8.safetensors", table_dtype="int8", overwrite=True)
-    ram, _ = load_model_with_tables(ckpt, "device")
-    disk, store = load_model_with_tables(ckpt, "disk", tables_path=tables)
+    ram = open_model(ckpt, "device")
+    disk = open_model(ckpt, Placement("disk", tables_file=tables))
+    store = disk.tables
     models = {"ram_fp32": ram, "disk_int8": disk}
     vocab = ram.cfg.vocab_size
     prompts = [torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(i)) for i in range(gens)]

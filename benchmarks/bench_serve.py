@@ -53,6 +53,7 @@ from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
 from stemlm.serve.engine import Finished, Request
 from stemlm.serve.server import ServerThread, load_served
+from stemlm.store import Placement
 
 TEXTS = ["The capital of France is Paris. Once upon a time there was a cat that sat on the mat."] * 40
 
@@ -185,8 +186,8 @@ def main() -> None:
     cfg, ckpt, tables = stem_bench_model(args, "serve")
     tokdir = Path(tempfile.mkdtemp())
     train_bpe(TEXTS, vocab_size=300).save(str(tokdir / "tokenizer.json"))
-    served = load_served(ckpt, tier="host", max_batch=args.max_batch, model_name="bench", tokenizer=tokdir,
-                         tables_path=tables)
+    served = load_served(ckpt, Placement("host", tables_file=tables), max_batch=args.max_batch, model_name="bench",
+                         tokenizer=tokdir)
     model, eos_ids = served.engine.model, served.engine.eos_ids
     lens = [int(x) for x in args.prompt_lens.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]

@@ -31,7 +31,7 @@ import time
 import torch
 from _train_bench import write_result, zipf_tokens
 
-from stemlm.fused import FusedRowAdamW, install_fused_tables
+from stemlm.train.fused import FusedRowAdamW, install_fused_tables
 from stemlm.model.tables import StemTable
 from stemlm.runtime.malloc import keep_freed_memory
 from stemlm.train.sparse_adam import SparseRowAdamW

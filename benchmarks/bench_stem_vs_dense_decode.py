@@ -30,8 +30,8 @@ from _train_bench import paired_ratio, round_ratios, write_result, zipf_tokens
 from stemlm import StemLM, model_config
 from stemlm.accounting import decode_param_bytes
 from stemlm.runtime.artifacts import cache_dir
-from stemlm.runtime.matmul import add_matmul_argument
-from stemlm.store import load_model_with_tables
+from stemlm.cli.options import add_matmul_argument
+from stemlm.store import Placement, open_model
 
 
 def decode_speeds(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: int) -> dict[str, list[float]]:
@@ -50,7 +50,8 @@ def decode_speeds(models: dict, prompt: torch.Tensor, new_tokens: int, rounds: i
 def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int, matmul: str) -> dict:
     """Prefill tokens/s on the disk tier with and without prefetch, the gather time alone, and the
     bytes moved per forward vs the ``tables · uniq · d_ff · 4`` formula."""
-    runs = {p: load_model_with_tables(ckpt, "disk", tables_path=tables, prefetch=p) for p in (False, True)}
+    models = {p: open_model(ckpt, Placement("disk", tables_file=tables, prefetch=p)) for p in (False, True)}
+    runs = {p: (model, model.tables) for p, model in models.items()}
     for model, _ in runs.values():
         use_matmul(model, matmul)
     cfg = runs[True][0].cfg
@@ -61,8 +62,7 @@ def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int, matmul: str) -
             for p, (model, store) in runs.items():
                 store.reset_stats()
                 t0 = time.perf_counter()
-                store.prefetch(ids)  # a no-op without prefetch
-                model(ids)
+                model(ids, table_rows=store.prefetch(ids))  # no ticket without prefetch: gathered in the forward
                 if r:  # round 0 warms up
                     times[p].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
@@ -88,7 +88,8 @@ def prefill_overlap(ckpt, tables, ids: torch.Tensor, rounds: int, matmul: str) -
 
 def decode_bytes(ckpt, tables, prompt: torch.Tensor, new_tokens: int, matmul: str) -> dict:
     """Bytes moved per decode step (disk tier, no cache) vs one row per table per new token."""
-    model, store = load_model_with_tables(ckpt, "disk", tables_path=tables)
+    model = open_model(ckpt, Placement("disk", tables_file=tables))
+    store = model.tables
     use_matmul(model, matmul)
     timed_decode(model, prompt, 2)
     store.reset_stats()
@@ -122,7 +123,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (1, 32 if not args.quick else 8), generator=gen)
 
-    stem = use_matmul(load_model_with_tables(ckpt, "device", tables_path=tables)[0], args.matmul)
+    stem = use_matmul(open_model(ckpt, Placement("device", tables_file=tables)), args.matmul)
     torch.manual_seed(0)
     dense = use_matmul(StemLM(dense_cfg).eval(), args.matmul)
     rounds = decode_speeds({"stem": stem, "dense": dense}, prompt, args.new_tokens, args.decode_rounds)

@@ -94,9 +94,9 @@ def width_sweep(results: list[dict], latest: dict) -> list[tuple[int, dict]]:
 def plot_widths(latest: dict) -> Path:
     """Redraw ``train_step_widths[.quick].png`` from every ``train_step*.json`` in the results dir of
     the same sweep as ``latest``: time ratio and FLOP ratio (top), gap (bottom) vs width."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from stemlm.runtime.plotting import pyplot, save
+
+    plt = pyplot()
 
     runs = width_sweep([json.loads(f.read_text()) for f in RESULTS.glob("train_step*.json")], latest)
     widths = [w for w, _ in runs]
@@ -115,10 +115,8 @@ def plot_widths(latest: dict) -> Path:
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
     top.set_title("P1: STEM-full ÷ dense training step vs backbone width (2-core CPU)")
-    fig.tight_layout()
     path = RESULTS / f"train_step_widths{'.quick' if latest['meta']['quick'] else ''}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save(fig, path, dpi=110)
     return path
 
 

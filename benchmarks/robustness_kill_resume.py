@@ -7,7 +7,7 @@ each time resumed with ``--resume``:
 * ``train``: killed at a random moment after it has trained at least one step;
 * ``save``: killed inside a checkpoint save. The save window is widened for this with the
   test-only ``STEMLM_TEST_SAVE_PAUSE`` (seconds slept between the files of a save, see
-  ``stemlm/interop/checkpoint.py``); the script waits for the save's temporary directory to appear, then
+  ``stemlm/checkpoint/directory.py``); the script waits for the save's temporary directory to appear, then
   kills at a random moment within the widened window;
 * ``corrupt``: before the last resume, bytes in the newest checkpoint's weights are flipped; the
   resume must refuse it (warning naming it) and continue from the previous one.
@@ -39,8 +39,8 @@ import torch
 from _train_bench import synthetic_data_dir, write_result
 from safetensors.torch import load_file
 
-from stemlm.interop.checkpoint import SAVE_PAUSE_ENV, CheckpointError, load_model
-from stemlm.interop.integrity import verify_checkpoint
+from stemlm.checkpoint.directory import SAVE_PAUSE_ENV, CheckpointError, load_model
+from stemlm.checkpoint.integrity import verify_checkpoint
 from stemlm.train.state import list_checkpoints
 
 RUN_ARGS = ["--preset", "debug", "run.ckpt_every=10", "run.eval_every=25", "run.keep_last=2", "optim.grad_accum=2",

@@ -57,9 +57,10 @@ def build_server(root: Path, clients: int, seed: int = 0):
     """A served debug STEM model (host tables) with an API key and small limits; not yet started."""
     from stemlm import StemLM, model_config
     from stemlm.data.tokenizer import train_bpe
-    from stemlm.interop.checkpoint import save_model
+    from stemlm.checkpoint.directory import save_model
     from stemlm.serve.guard import Limits
     from stemlm.serve.server import load_served
+    from stemlm.store import Placement
 
     tok = train_bpe(TEXTS, vocab_size=300)
     torch.manual_seed(seed)
@@ -68,7 +69,7 @@ def build_server(root: Path, clients: int, seed: int = 0):
     tok.save(str(root / "ckpt" / "tokenizer.json"))
     limits = Limits(api_key=KEY, max_body_bytes=4096, max_prompt_tokens=64, max_new_tokens=24,
                     max_queue=max(1, clients // 4), request_timeout=30)
-    return load_served(root / "ckpt", tier="host", cache_rows=64, max_batch=8, model_name="soak", limits=limits)
+    return load_served(root / "ckpt", Placement("host", cache_rows=64), max_batch=8, model_name="soak", limits=limits)
 
 
 def request_for(kind: str, rng: random.Random, vocab: int) -> tuple[str, dict | bytes, dict]:

@@ -4,7 +4,8 @@ Importing stemlm changes no global state. ``import stemlm.interop.hf`` registers
 ``StemForCausalLM`` with Hugging Face's Auto classes (docs/hf_interop.md).
 """
 
-from .config import FFN_KINDS, ConfigError, ModelConfig, resolve_stem_layers
+from .config import ConfigError, ModelConfig, resolve_stem_layers
+from .ffn import FFN_KINDS
 from .model.decoder import StemLM
 from .presets import PRESETS, model_config
 

@@ -32,13 +32,12 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import TABLE_KINDS, ModelConfig
+from .config import ModelConfig
+from .ffn import ffn_kind
 
 FLOPS_PER_MAC = 2
 TRAIN_FLOPS_MULTIPLIER = 3  # forward + backward (2 × forward) for matmuls
 EMBEDDING_CONVENTIONS = ("table", "row")
-# FFN kinds that drop one d -> d_ff projection (the paper's per-layer saving of d·d_ff MACs)
-SAVING_KINDS = ("stem", "stem_gate")
 
 
 # -- parameters ------------------------------------------------------------------------------
@@ -48,23 +47,10 @@ def attention_params(cfg: ModelConfig) -> int:
 
 
 def ffn_params(cfg: ModelConfig, kind: str) -> dict[str, int]:
-    """Parameters of one FFN layer of ``kind``: ``weights`` (projections/experts) and ``table``."""
-    d, f = cfg.d_model, cfg.d_ff
-    if kind == "dense" or kind == "stem_dagger":
-        weights = 3 * d * f
-    elif kind in ("stem", "stem_gate"):
-        weights = 2 * d * f
-    elif kind == "hash_moe":
-        weights = _n_experts(cfg) * 3 * d * f
-    else:
-        raise ValueError(f"unknown ffn kind {kind!r}")
-    return {"weights": weights, "table": cfg.vocab_size * f if kind in TABLE_KINDS else 0}
-
-
-def _n_experts(cfg: ModelConfig) -> int:
-    if cfg.n_experts is None:
-        raise ValueError("a hash_moe layer needs n_experts (set ffn='hash_moe' so it is derived)")
-    return cfg.n_experts
+    """Parameters of one FFN layer of ``kind``: ``weights`` (projections/experts) and ``table``
+    (each kind declares its own: ``stemlm.ffn``)."""
+    k = ffn_kind(kind)
+    return {"weights": k.weights(cfg), "table": k.table_params(cfg)}
 
 
 def param_breakdown(cfg: ModelConfig) -> dict[str, int]:
@@ -94,24 +80,18 @@ def active_params(cfg: ModelConfig, embedding: str = "table") -> int:
     """
     if embedding not in EMBEDDING_CONVENTIONS:
         raise ValueError(f"embedding must be one of {EMBEDDING_CONVENTIONS}, got {embedding!r}")
-    d, f = cfg.d_model, cfg.d_ff
     parts = param_breakdown(cfg)
-    parts["tables"] = len(cfg.table_layers) * f
-    parts["ffn_weights"] = sum(3 * d * f if k == "hash_moe" else ffn_params(cfg, k)["weights"] for k in cfg.layer_kinds)
+    parts["tables"] = len(cfg.table_layers) * cfg.d_ff
+    parts["ffn_weights"] = sum(ffn_kind(k).active_weights(cfg) for k in cfg.layer_kinds)
     if embedding == "row" and not cfg.tie_embeddings:
-        parts["embedding"] = d
+        parts["embedding"] = cfg.d_model
     return sum(parts.values())
 
 
 # -- FLOPs -----------------------------------------------------------------------------------
 def ffn_macs_per_token(cfg: ModelConfig, kind: str) -> int:
     """Multiply-accumulates of one FFN layer per token (a Hash-MoE token runs one expert)."""
-    d, f = cfg.d_model, cfg.d_ff
-    if kind in ("dense", "stem_dagger", "hash_moe"):
-        return 3 * d * f
-    if kind in ("stem", "stem_gate"):
-        return 2 * d * f  # the table row replaces one projection: d·d_ff MACs saved
-    raise ValueError(f"unknown ffn kind {kind!r}")
+    return ffn_kind(kind).macs_per_token(cfg)
 
 
 def attention_score_macs_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) -> float:
@@ -219,7 +199,7 @@ def stored_param_count(ckpt_dir) -> int:
     """Values stored in a checkpoint's ``model.safetensors`` (read from the header, no tensor loaded)."""
     from safetensors import safe_open
 
-    from .interop.checkpoint import WEIGHTS_FILE
+    from .checkpoint.directory import WEIGHTS_FILE
 
     with safe_open(str(Path(ckpt_dir) / WEIGHTS_FILE), framework="pt", device="cpu") as f:
         return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())

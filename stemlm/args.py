@@ -1,7 +1,10 @@
-"""Nested dataclass configs: defaults, then a YAML file, then dotted overrides (``model.d_model=64``).
+"""How any config is read (as Meta Lingua's ``args.py``): a nested dataclass filled in layers, defaults,
+then a YAML file, then dotted overrides (``model.d_model=64``).
 
 Values of overrides are parsed as YAML scalars (``3`` -> int, ``1e-3`` -> float, ``[2,5]`` -> list,
-``true`` -> bool); anything else stays a string.
+``true`` -> bool); anything else stays a string. Each value is then checked against its field's
+annotation by ``fields.py``. The configs themselves live where they are used (``config.ModelConfig``,
+``train.config.TrainConfig``); command-line flags (argparse) are ``stemlm/cli/options.py``'s.
 """
 
 from __future__ import annotations

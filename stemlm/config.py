@@ -1,4 +1,8 @@
-"""Model configuration: one frozen dataclass; every derived size is computed once, here.
+"""What a model is: ``ModelConfig``, one frozen dataclass; every derived size is computed once, here.
+
+Named shapes are ``presets.py``'s; a config is read from YAML and overrides by ``args.py``, its values
+checked by ``fields.py``; the FFN kinds it names are ``stemlm.ffn``'s; where a model's tables live is
+not part of it (``stemlm.store.Placement``).
 
 Placement rule for ratio specs (``stem_layers``):
 
@@ -22,11 +26,9 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
+from .ffn import FFN_KINDS, TABLE_KINDS, ffn_kind
 from .fields import ConfigError, coerce_fields
 
-FFN_KINDS = ("dense", "stem", "stem_dagger", "stem_gate", "hash_moe")
-TABLE_KINDS = ("stem", "stem_dagger", "stem_gate")  # FFN kinds that own a token-indexed table
-TIERS = ("device", "host", "disk")  # where table rows live: the model's memory, host RAM, a file
 TABLE_INITS = ("xavier_normal", "matched", "normal")
 
 
@@ -137,11 +139,8 @@ class ModelConfig:
         set_("head_dim", self.d_model // self.n_heads)
         set_("stem_layer_ids", layers)
         set_("layer_kinds", tuple(self.ffn if i in layers else "dense" for i in range(self.n_layers)))
-        if self.ffn == "hash_moe":
-            if self.n_experts is None:
-                set_("n_experts", matched_expert_count(self.d_model, self.vocab_size))
-            if self.n_experts < 1:
-                raise ConfigError(f"n_experts must be >= 1, got {self.n_experts}")
+        for name, value in ffn_kind(self.ffn).derived_fields(self).items():  # e.g. Hash-MoE's expert count
+            set_(name, value)
 
     # -- helpers -------------------------------------------------------------------------
     @property
@@ -175,19 +174,3 @@ class ModelConfig:
     def replace(self, **changes) -> "ModelConfig":
         """A copy with some constructor fields changed (derived fields recomputed)."""
         return ModelConfig.from_dict({**self.to_dict(), **changes})
-
-
-def check_tier(tier: str) -> str:
-    """``tier`` if it is one of ``TIERS``; else a ``ValueError`` naming the choices."""
-    if tier not in TIERS:
-        raise ValueError(f"unknown table tier {tier!r}; choose one of {', '.join(TIERS)}")
-    return tier
-
-
-def matched_expert_count(d_model: int, vocab_size: int) -> int:
-    """Experts per Hash-MoE layer whose parameters match one STEM layer.
-
-    A STEM layer holds W_g, W_d (2·d·d_ff) plus its table (V·d_ff); an expert holds 3·d·d_ff,
-    so E = round((2d + V) / 3d), independent of d_ff.
-    """
-    return max(1, round((2 * d_model + vocab_size) / (3 * d_model)))

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 
 from . import accounting as acc
 from .args import parse_overrides
-from .config import ConfigError, ModelConfig, check_tier
+from .config import ConfigError, ModelConfig
+from .ffn import ffn_kind
 from .model.quant import RowCodec
 from .presets import PRESETS, model_config
+from .store.tiers import tier_of
 
 # Shapes used only for planning (too large to build on CPU); combine with any ffn / placement.
 EXTRA_SHAPES: dict[str, dict] = {
@@ -78,21 +80,14 @@ def resolve_model_config(preset: str = "debug", ffn: str | None = None, stem_lay
     return model_config(preset, **fields)
 
 
-def expected_experts_touched(n_experts: int, n_tokens: float) -> float:
-    """Distinct experts hit by ``n_tokens`` tokens under a balanced hash (uniform over experts)."""
-    return n_experts * (1 - (1 - 1 / n_experts) ** n_tokens)
-
-
 def _weights_read_bytes(cfg: ModelConfig, n_tokens: float, dtype_bytes: int) -> float:
-    """Backbone bytes one step reads: dense weights, LM head, embedding rows, touched experts."""
+    """Backbone bytes one step reads: dense weights, LM head, embedding rows, the FFN weights each kind
+    reads for ``n_tokens`` tokens (a Hash-MoE layer: the experts they touch)."""
     parts = acc.param_breakdown(cfg)
-    read = sum(parts.values()) - parts["tables"]
+    read = sum(parts.values()) - parts["tables"] - parts["ffn_weights"]
     if not cfg.tie_embeddings:
         read -= parts["embedding"] - min(n_tokens, cfg.vocab_size) * cfg.d_model
-    n_moe = cfg.layer_kinds.count("hash_moe")
-    if n_moe:
-        expert = 3 * cfg.d_model * cfg.d_ff
-        read -= n_moe * expert * (cfg.n_experts - expected_experts_touched(cfg.n_experts, n_tokens))
+    read += sum(ffn_kind(k).weights_read(cfg, n_tokens) for k in cfg.layer_kinds)
     return read * dtype_bytes
 
 
@@ -144,7 +139,7 @@ def step_plan(cfg: ModelConfig, n_tokens: int, seq_len: int, *, tier: str, cache
 
 
 def train_window_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimizer_bytes: int, zipf_s: float) -> float:
-    """Accelerator bytes of host-RAM tables in training (``run.tables=host``, ``stemlm.fused.host``):
+    """Accelerator bytes of host-RAM tables in training (``run.tables=host``, ``stemlm.train.fused.host``):
     the rows of two steps (the current window and the next step's staged rows), each row with its
     gradient and optimizer state, for the expected distinct tokens of a step."""
     unique = acc.unique_rows_estimate(n_tokens, cfg.vocab_size, zipf_s)
@@ -162,7 +157,7 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
     Activations are not modelled.
     """
     seq_len = seq_len or cfg.max_seq_len
-    check_tier(tables)
+    tier_of(tables)
     if not 0 <= cache_frac <= 1:
         raise ValueError(f"cache_frac must be in [0, 1], got {cache_frac}")
     if batch <= 0 or seq_len <= 0 or dtype_bytes <= 0 or optimizer_bytes < 0:

@@ -6,7 +6,7 @@ import torch
 
 from stemlm import StemLM, model_config
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.data.tokenizer import train_bpe
 
 TEXTS = ["The capital of France is Paris. The capital of Spain is Madrid. Once upon a time there was a cat."] * 40

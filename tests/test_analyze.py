@@ -11,7 +11,7 @@ from stemlm import StemLM, model_config
 from stemlm.analyze.capacity import capacity, context_lengths, fit_heaps, unique_curve
 from stemlm.analyze.geometry import capture_ffn_inputs, geometry, pairwise_cos, summarize
 from stemlm.analyze.text import windows
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.cli import main
 from stemlm.data import write_token_split
 from stemlm.version import git_commit

@@ -6,7 +6,7 @@ import torch
 from stemlm import StemLM, model_config
 from stemlm.inference.batch_generate import SamplingParams, decode_batch, generate_batch
 from stemlm.inference.generate import generate
-from stemlm.store.offload import offload_tables
+from stemlm.store import Placement, offload_tables
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,8 @@ def test_offloaded_batch_fetches_each_distinct_row_once_per_step(tier, tmp_path)
     model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2")).eval()
     ps = [[5, 6, 5, 7], [5, 6], [9, 5, 6, 5, 5, 8]]
     want = generate_batch(model, ps, SamplingParams(5))
-    with offload_tables(model, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None) as store:
+    tables_file = tmp_path / "t.safetensors" if tier == "disk" else None
+    with offload_tables(model, Placement(tier, tables_file=tables_file)) as store:
         n_tables = len(store)
         store.reset_stats()
         steps = list(decode_batch(model, ps, SamplingParams(5)))

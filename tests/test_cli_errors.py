@@ -35,7 +35,7 @@ def files(tmp_path_factory):
     shutil.copytree(ckpt, root / "trunc_ckpt")
     weights = root / "trunc_ckpt" / "model.safetensors"
     os.truncate(weights, weights.stat().st_size - 4096)
-    from stemlm.store.offload import export_tables
+    from stemlm.store import export_tables
     tables = export_tables(ckpt, root / "tables.safetensors")
     os.truncate(tables, tables.stat().st_size - 4096)
     return {"run": root / "run", "ckpt": ckpt, "tmp": root, "data": data}

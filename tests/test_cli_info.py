@@ -6,7 +6,7 @@ import pytest
 
 from stemlm import StemLM, model_config
 from stemlm import accounting as acc
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.cli import main
 
 

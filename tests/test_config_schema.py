@@ -26,7 +26,7 @@ assert hf.to_dict()["table_dtype"] == "int8" and hf.model_config() == cfg
 assert StemConfig(**hf.to_dict()).model_config() == cfg  # as from_pretrained rebuilds it from config.json
 
 import tempfile
-from stemlm.interop.checkpoint import read_config, save_model
+from stemlm.checkpoint.directory import read_config, save_model
 from stemlm.model.decoder import StemLM
 with tempfile.TemporaryDirectory() as tmp:
     assert read_config(save_model(StemLM(cfg), tmp + "/ckpt")) == cfg  # config.json carries it

@@ -11,7 +11,7 @@ from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.inference.core import DecodeCore, Sequence
 from stemlm.inference.generate import generate_ids
 from stemlm.inference.static import bucket, resolve_graphs
-from stemlm.store.offload import offload_tables
+from stemlm.store import Placement, offload_tables
 
 
 def build(ffn: str, stem_layers: str = "1/2") -> StemLM:
@@ -35,8 +35,8 @@ PARAMS = [SamplingParams(7 + i, temperature=0.0 if i % 2 else 0.8, top_k=None if
 def on_tier(model, tier, tmp_path):
     """A copy of ``model`` with its tables on ``tier`` (and the store to close)."""
     moved = copy.deepcopy(model)
-    store = offload_tables(moved, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None,
-                           cache_rows=0 if tier == "device" else 4)
+    store = offload_tables(moved, Placement(tier, tables_file=tmp_path / "t.safetensors" if tier == "disk" else None,
+                                            cache_rows=0 if tier == "device" else 4))
     return moved, store
 
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from train_helpers import make_token_data
 
-from stemlm.interop.integrity import write_manifest
+from stemlm.checkpoint.integrity import write_manifest
 
 STEPS, TOKENS_PER_STEP = 5, 8 * 128  # data.batch_size=8 sequences of the debug preset's 128 tokens
 TABLE_PEAK_LR = 3e-2  # the largest learning rate of the run (tables: 10 x the backbone's 3e-3)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.cli import main
 from stemlm.data.facts import Country, build_facts, write_facts
 from stemlm.data.tokenizer import train_bpe
@@ -146,7 +146,7 @@ def test_edits_on_offloaded_tiers_equal_in_memory(ckpt_and_data, tier):
 
     ckpt, data = ckpt_and_data
     ref, tok = load_model_and_tokenizer(ckpt)
-    off, _ = load_model_and_tokenizer(ckpt, tables=tier)
+    off, _ = load_model_and_tokenizer(ckpt, placement=tier)
     ids = torch.tensor([[0] + entity_ids(tok, "The capital of Spain is", leading_space=False)])
     with torch.no_grad():
         base = off(ids)

@@ -8,8 +8,8 @@ from stemlm import StemLM, model_config
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest, ReferenceLM
 from stemlm.eval.engine import Engine
-from stemlm.eval.models import StemTokens
-from stemlm.store import offload_tables
+from stemlm.data.codec import TextCodec
+from stemlm.store import Placement, offload_tables
 
 TEXTS = ["The capital of France is Paris.", "A dog ran in the park and sat on the mat.",
          "Tables hold one row per token; the cat saw them.", "Question: what is two plus two? Answer: four."] * 20
@@ -19,7 +19,7 @@ KINDS = ["dense", "stem", "stem_dagger", "hash_moe"]
 
 @pytest.fixture(scope="module")
 def tokens():
-    return StemTokens(train_bpe(TEXTS, vocab_size=300))
+    return TextCodec(train_bpe(TEXTS, vocab_size=300))
 
 
 def make_model(ffn: str) -> StemLM:
@@ -76,7 +76,8 @@ def test_engine_equals_reference(tokens, ffn, batch_size):
 def test_engine_with_offloaded_tables_equals_reference_in_memory(tokens, tier, tmp_path):
     ref = ReferenceLM(make_model("stem"), tokens, 512, MAX_LENGTH)
     model = make_model("stem")
-    store = offload_tables(model, tier, path=tmp_path / "tables.safetensors" if tier == "disk" else None, cache_rows=16)
+    tables_file = tmp_path / "tables.safetensors" if tier == "disk" else None
+    store = offload_tables(model, Placement(tier, tables_file=tables_file, cache_rows=16))
     engine = Engine(model, tokens, max_length=MAX_LENGTH, batch_size=5)
     reqs = requests(tokens)
     assert_same_answers(engine.loglikelihood(reqs), ref.loglikelihood(reqs))

@@ -12,7 +12,7 @@ import torch
 pytest.importorskip("lm_eval")
 
 from stemlm import StemLM, model_config  # noqa: E402
-from stemlm.interop.checkpoint import save_model  # noqa: E402
+from stemlm.checkpoint.directory import save_model  # noqa: E402
 from stemlm.data.tokenizer import train_bpe  # noqa: E402
 from stemlm.eval import models as eval_models  # noqa: E402
 from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest  # noqa: E402

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.interop.convert import llama_to_stem
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval import models as eval_models
 from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest, ReferenceLM, encode_pair
-from stemlm.eval.models import HFTokens, load_lm
+from stemlm.eval.models import load_lm
 from test_hf import llama_dir
 
 TEXTS = ["The capital of France is Paris.", "A dog ran in the park.", "Tables hold one row per token."] * 20
@@ -65,7 +65,7 @@ def test_llama_directory_tokenizes_as_the_harness(tmp_path):
     llama, path = llama_dir(tmp_path)
     lm = load_lm(path, engine="reference")
     tok = lm.tokens
-    assert isinstance(tok, HFTokens) and tok.prefix_ids == [] and tok.eot_id == 1  # BOS, like lm-eval's prefix token
+    assert tok.hf and tok.prefix_ids == [] and tok.eot_id == 1  # BOS, like lm-eval's prefix token
     ctx, cont = encode_pair(tok, "the cat sat on the ", "mat")
     assert ctx == tok.tokenizer.encode("the cat sat on the") and ctx + cont == tok.tokenizer.encode("the cat sat on the mat")
     assert encode_pair(tok, "", "the cat")[0] == [1]

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.data import facts as facts_mod
 from stemlm.data.corpus import boolq_passages
 from stemlm.data.tokenizer import train_bpe

@@ -12,7 +12,7 @@ import torch
 from train_helpers import one_thread  # noqa: F401
 
 import stemlm
-from stemlm.interop.checkpoint import load_model
+from stemlm.checkpoint.directory import load_model
 from stemlm.cli import COMMANDS, ArgumentParser, main
 from stemlm.data import prepare_facts_corpus
 

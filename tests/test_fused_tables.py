@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.fused import FusedRowAdamW, dedup, install_fused_tables, install_host_tables
+from stemlm.train.fused import FusedRowAdamW, dedup, install_fused_tables, install_host_tables
 from stemlm.model.tables import unique_ids
 from stemlm.train.optim import clip_grad_norm
 from stemlm.train.sparse_adam import SparseRowAdamW
@@ -146,8 +146,8 @@ def _assert_same(got, want, exact: bool, tol: float = 1e-6):
 def test_cpu_loop_equals_eager_update():
     """The C++ loop (one pass per row, factors inside) against the eager path: moments and counters
     bit-identical, rows within a few ulp (1e-6 relative, 1e-7 absolute)."""
-    from stemlm.fused import cpu_kernel
-    from stemlm.fused.kernels import indexed_update_, row_factors
+    from stemlm.train.fused import cpu_kernel
+    from stemlm.train.fused.kernels import indexed_update_, row_factors
 
     if cpu_kernel.load() is None:
         pytest.skip("no C++ toolchain for inductor here")
@@ -172,7 +172,7 @@ def test_cpu_loop_equals_eager_update():
 
 def test_fallbacks_when_nothing_can_be_built(monkeypatch):
     """No C++ loop and no compiler: the update warns once and runs eager, with the eager result."""
-    from stemlm.fused import cpu_kernel, kernels
+    from stemlm.train.fused import cpu_kernel, kernels
 
     def broken(*args, **kwargs):
         raise RuntimeError("no compiler here")

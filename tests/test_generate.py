@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import save_model
+from stemlm.checkpoint.directory import save_model
 from stemlm.cli import main as cli_main
 from stemlm.data.tokenizer import train_bpe
 from stemlm.inference.generate import generate, generate_ids, sample
-from stemlm.inference.text import TextCodec, TextStream, stream_text
+from stemlm.data.codec import TextCodec
+from stemlm.inference.text import TextStream, stream_text
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def ckpt(tmp_path_factory, model):
 def test_stream_text_joins_to_the_full_decode(ckpt):
     _, tok = ckpt
     codec = TextCodec(tok)
-    ids = codec.encode("Ünïcödé — ok. The capital")
+    ids = codec.encode("Ünïcödé — ok. The capital", special=True)
     assert "".join(stream_text(codec, ids)) == codec.decode(ids)
 
 
@@ -153,7 +154,7 @@ def test_cli_errors_are_clear(ckpt, tmp_path, capsys, model):
 
 
 def test_onednn_generation_matches_aten_logits_and_tokens(ckpt, capsys):
-    from stemlm.interop.checkpoint import load_model
+    from stemlm.checkpoint.directory import load_model
     from stemlm.runtime.matmul import onednn_available, use_matmul_backend
 
     if not onednn_available():

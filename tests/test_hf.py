@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import stemlm  # noqa: F401  (registers the Auto classes)
 from stemlm import ModelConfig, StemLM, model_config
-from stemlm.interop.checkpoint import CheckpointError, load_model, save_model
+from stemlm.checkpoint.directory import CheckpointError, load_model, save_model
 from stemlm.cli import main
 from stemlm.interop.convert import convert_from_hf, convert_to_hf, llama_name, llama_to_stem, stem_to_llama
 from stemlm.interop.hf import StemConfig, StemForCausalLM
@@ -169,6 +169,27 @@ def test_auto_model_loads_stemlm_checkpoint(tmp_path, kind, tie):
     with torch.no_grad():
         torch.testing.assert_close(load_model(tmp_path / "h")(x), model(x), rtol=0, atol=0)
     assert (hf.model.lm_head.weight is hf.model.tok_embeddings.weight) == tie
+
+
+@pytest.mark.parametrize("tables, extra", [("host", {"cache_rows": 8}), ("disk", {}), ("device", {"table_dtype": "bf16"})])
+def test_auto_model_takes_a_table_placement(tmp_path, tables, extra):
+    from stemlm.model.quant import quantize_tables
+    from stemlm.store import TableStore
+
+    model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2")).eval()
+    save_model(model, tmp_path / "c")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "c", tables=tables, **extra)
+    assert isinstance(hf, StemForCausalLM) and not hf.training
+    assert isinstance(hf.model.tables, TableStore) == (tables != "device")
+    if "table_dtype" in extra:
+        quantize_tables(model, extra["table_dtype"])
+    x = torch.randint(0, 512, (2, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(x).logits, model(x), rtol=0, atol=1e-6)
+    prompt = x[:1, :4]
+    assert torch.equal(hf.generate(prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4),
+                       _greedy_by_hand(model, prompt, 4))
+    hf.model.tables.close()
 
 
 def _greedy_by_hand(model: StemLM, prompt: torch.Tensor, steps: int) -> torch.Tensor:

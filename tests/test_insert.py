@@ -12,8 +12,9 @@ from stemlm.config import ConfigError
 from stemlm.data import TokenDataset
 from stemlm.insert.anneal import scales_at, set_scales, to_stem
 from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
-from stemlm.insert.fit import LayerStats, gate_and_up, refine_through_down
-from stemlm.interop.checkpoint import load_model
+from stemlm.ffn import StemGateFFN
+from stemlm.insert.fit import LayerStats, refine_through_down
+from stemlm.checkpoint.directory import load_model
 from stemlm.interop.convert import convert_from_hf, llama_to_stem
 from test_hf import llama_dir, tiny_llama
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
@@ -175,7 +176,7 @@ def test_calibrated_stem_gate_rows_replace_the_gate_preactivation(tmp_path):
     model, ids = dense_model(), calib_ids()
     gate_model, _ = fit(model, ids, tmp_path, kind="stem_gate", sequential=False)
     x, _ = ffn_io(model, ids, 2)
-    target, weight = gate_and_up(model.layers[2].ffn, x, "stem_gate")
+    target, weight = StemGateFFN.calibration_target(model.layers[2].ffn, x)
     stats = LayerStats.zeros(V, model.cfg.d_ff)
     stats.add(ids.reshape(-1), target, weight)
     torch.testing.assert_close(gate_model.tables["2"].weight, stats.rows(), rtol=1e-5, atol=1e-6)
@@ -251,7 +252,7 @@ def test_trainer_anneals_a_dagger_model_from_exactly_dense(tmp_path):
     data = make_token_data(tmp_path / "data")
     torch.manual_seed(0)
     dense = StemLM(model_config("debug", ffn="dense"))
-    from stemlm.interop.checkpoint import save_model
+    from stemlm.checkpoint.directory import save_model
     from stemlm.train import Trainer
 
     dense_ckpt = save_model(dense, tmp_path / "dense")

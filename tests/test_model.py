@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from stemlm import ConfigError, StemLM, model_config
-from stemlm.interop.checkpoint import CheckpointError, load_model, save_model
-from stemlm.config import matched_expert_count
-from stemlm.model.ffn import token_expert_hash
+from stemlm.checkpoint.directory import CheckpointError, load_model, save_model
+from stemlm.ffn import FFN_KINDS, ffn_kind
+from stemlm.ffn.hash_moe import matched_expert_count, token_expert_hash
 from stemlm.inference.kv_cache import KVCache
 
 KINDS = ["dense", "stem", "stem_dagger", "stem_gate", "hash_moe"]
@@ -166,8 +166,8 @@ def test_failed_save_keeps_previous_checkpoint(tmp_path, debug_cfg, monkeypatch)
     model = StemLM(debug_cfg)
     save_model(model, tmp_path / "c")
     before = (tmp_path / "c" / "model.safetensors").read_bytes()
-    import stemlm.store.safetensors_io as st
-    monkeypatch.setattr(st, "write_safetensors", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
+    import stemlm.checkpoint.safetensors_io as st  # the streaming writer of model.safetensors
+    monkeypatch.setattr(st, "_write_rows", lambda *a, **k: (_ for _ in ()).throw(OSError("disk full")))
     with pytest.raises(OSError):
         save_model(model, tmp_path / "c")
     assert (tmp_path / "c" / "model.safetensors").read_bytes() == before
@@ -200,3 +200,22 @@ def test_placement_rule_and_expert_matching():
     assert cfg.n_experts == matched_expert_count(960, 32000) == 12
     stem_layer = 2 * cfg.d_model * cfg.d_ff + cfg.vocab_size * cfg.d_ff
     assert abs(cfg.n_experts * 3 * cfg.d_model * cfg.d_ff - stem_layer) / stem_layer < 0.05
+
+
+@pytest.mark.parametrize("name", FFN_KINDS)
+def test_ffn_kind_declares_its_own_facts(name, debug_cfg):
+    kind = ffn_kind(name)
+    cfg = debug_cfg.replace(ffn=name)
+    layer = kind(cfg)
+    assert sum(p.numel() for p in layer.parameters()) == kind.weights(cfg)
+    assert kind.macs_per_token(cfg) == kind.active_weights(cfg) <= kind.weights(cfg)
+    assert kind.owns_table == bool(cfg.table_layers)
+    if kind.replaces is not None:  # the projection a table replaces is gone; the one it stands for is a dense one
+        assert not hasattr(layer, kind.replaces) and kind.replaces == kind.table_from
+    if kind.owns_table:
+        assert kind.table_from in ("w_up", "w_gate")
+        dense = ffn_kind("dense")(cfg)
+        x, rows = torch.randn(5, cfg.d_model), torch.randn(5, cfg.d_ff)
+        target, weight = kind.calibration_target(dense, x)
+        assert target.shape == weight.shape == (5, cfg.d_ff)
+        assert kind.hidden(dense, x, rows).shape == (5, cfg.d_ff)

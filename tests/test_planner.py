@@ -5,7 +5,8 @@ import pytest
 
 from stemlm import ConfigError, model_config
 from stemlm import accounting as acc
-from stemlm.planner import EXTRA_SHAPES, Hardware, expected_experts_touched, plan, resolve_model_config
+from stemlm.ffn.hash_moe import expected_experts_touched
+from stemlm.planner import EXTRA_SHAPES, Hardware, plan, resolve_model_config
 
 
 def _sampled_distinct(n, vocab, s, skip_top=0, trials=200, seed=0):

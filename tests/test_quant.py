@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import WEIGHTS_FILE, load_model, save_model
+from stemlm.checkpoint.directory import WEIGHTS_FILE, load_model, save_model
 from stemlm.edit import swap
 from stemlm.model.quant import QuantizedTable, RowCodec, codec_of, quantize_tables
-from stemlm.store import export_tables, load_model_with_tables, offload_tables, read_header
+from stemlm.checkpoint.safetensors_io import read_header
+from stemlm.store import Placement, export_tables, offload_tables, open_model
 
 QUANT = ["bf16", "int8", "int4"]
 
@@ -71,16 +72,17 @@ def test_quantized_model_on_every_tier_equals_device_and_reloads_exactly(setup, 
     save_model(fp32, tmp_path / name)
     assert torch.equal(load_model(tmp_path / name)(ids), want)
     for tier, cache in [("device", 0), ("host", 0), ("host", 5), ("disk", 0), ("disk", 5)]:
-        loaded, store = load_model_with_tables(tmp_path / name, tier, cache_rows=cache)
+        loaded = open_model(tmp_path / name, Placement(tier, cache_rows=cache))
+        store = loaded.tables
         with torch.no_grad():
-            store.prefetch(ids)
-            assert torch.equal(loaded(ids), want), (tier, cache)
+            assert torch.equal(loaded(ids, table_rows=store.prefetch(ids)), want), (tier, cache)
         if tier != "device":  # traffic counts the stored bytes of a row
             stats = store.stats()
             assert stats["bytes_moved"] == stats["rows_moved"] * RowCodec(name).row_bytes(cfg.d_ff)
         store.close()
     for tier in ("device", "host"):  # re-encoded at load from the fp32 checkpoint: the same model
-        loaded, store = load_model_with_tables(root / "fp32", tier, table_dtype=name)
+        loaded = open_model(root / "fp32", Placement(tier, table_dtype=name))
+        store = loaded.tables
         assert torch.equal(loaded(ids), want), tier
 
 
@@ -99,10 +101,11 @@ def test_stored_bytes_shrink_by_the_codec(setup, tmp_path):
 def test_disk_tier_serves_as_stored_and_names_the_conversion(setup, tmp_path):
     _, _, root, ids = setup
     with pytest.raises(ValueError, match="stemlm convert --ckpt .* --table-dtype int8"):
-        load_model_with_tables(root / "fp32", "disk", table_dtype="int8")
+        open_model(root / "fp32", Placement("disk", table_dtype="int8"))
     tables = export_tables(root / "fp32", tmp_path / "t.safetensors", table_dtype="int8")
-    served, store = load_model_with_tables(root / "fp32", "disk", tables_path=tables)
-    device, _ = load_model_with_tables(root / "fp32", "device", table_dtype="int8")
+    served = open_model(root / "fp32", Placement("disk", tables_file=tables))
+    store = served.tables
+    device = open_model(root / "fp32", Placement("device", table_dtype="int8"))
     assert torch.equal(served(ids), device(ids))
     store.close()
 
@@ -113,7 +116,8 @@ def test_offload_a_model_with_a_table_dtype(setup, tier, tmp_path):
     want = load_model(root / "fp32")
     quantize_tables(want, "int8")
     moved = load_model(root / "fp32")
-    store = offload_tables(moved, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None, table_dtype="int8")
+    tables_file = tmp_path / "t.safetensors" if tier == "disk" else None
+    store = offload_tables(moved, Placement(tier, tables_file=tables_file, table_dtype="int8"))
     assert torch.equal(moved(ids), want(ids))
     store.close()
 
@@ -126,7 +130,8 @@ def test_swap_on_quantized_rows_moves_codes_exactly_and_undo_restores_them(setup
     quantize_tables(model, name)
     save_model(model, tmp_path / name)
     weights = (tmp_path / name / WEIGHTS_FILE).read_bytes()
-    model, store = load_model_with_tables(tmp_path / name, tier, writable=True)
+    model = open_model(tmp_path / name, Placement(tier, writable=True))
+    store = model.tables
     before, logits = _codes(model), model(ids)
     record = swap(model, [11], [12])
     after = _codes(model)

@@ -13,9 +13,10 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from stemlm.inference.batch_generate import SamplingParams  # noqa: E402
-from stemlm.interop.checkpoint import load_model  # noqa: E402
+from stemlm.checkpoint.directory import load_model  # noqa: E402
 from stemlm.serve.responses import token_text  # noqa: E402
 from stemlm.serve.server import ServerThread, load_served  # noqa: E402
+from stemlm.store import Placement  # noqa: E402
 
 from serve_helpers import CHAT_TEMPLATE, alone, tiny_checkpoint  # noqa: E402
 
@@ -29,7 +30,7 @@ def ckpt(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(ckpt):
-    served = load_served(ckpt, tier="host", cache_rows=32, max_batch=4, model_name="tiny",
+    served = load_served(ckpt, Placement("host", cache_rows=32), max_batch=4, model_name="tiny",
                          chat_template=ckpt.parent / "chat.jinja")
     with ServerThread(served) as url:
         yield served, url
@@ -87,7 +88,7 @@ def test_concurrent_requests_give_the_tokens_of_direct_generation(server, client
     for i, (choice, usage) in enumerate(results):
         s = settings[i]
         sp = SamplingParams(12 + 3 * i, s["temperature"], s.get("extra_body", {}).get("top_k"), s.get("top_p"), s.get("seed"))
-        prompt = codec.encode(texts[i])
+        prompt = codec.encode(texts[i], special=True)
         want = alone(reference, prompt, sp, codec.eos_id)
         assert choice.logprobs.tokens == [token_text(codec, t) for t in want], f"request {i}"
         assert choice.text == codec.decode(want)
@@ -97,7 +98,7 @@ def test_concurrent_requests_give_the_tokens_of_direct_generation(server, client
 
 def test_token_prompts_echo_and_scoring_logprobs(server, client, reference):
     codec = server[0].codec
-    ids = codec.encode("The capital of Spain is Madrid")
+    ids = codec.encode("The capital of Spain is Madrid", special=True)
     r = client.completions.create(model="tiny", prompt=[ids, ids[:4]], max_tokens=0, echo=True, logprobs=3)
     assert [c.index for c in r.choices] == [0, 1]
     lp = r.choices[0].logprobs
@@ -141,7 +142,7 @@ def test_chat_renders_the_template(server, client, reference):
     codec = server[0].codec
     messages = [{"role": "user", "content": "The capital of France?"}]
     r = client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, temperature=0)
-    prompt = codec.encode("<|pad|>user: The capital of France?\n<|pad|>assistant:")
+    prompt = codec.encode("<|pad|>user: The capital of France?\n<|pad|>assistant:", special=True)
     want = alone(reference, prompt, SamplingParams(10), codec.eos_id)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == codec.decode(want)
     assert r.usage.prompt_tokens == len(prompt)
@@ -262,7 +263,7 @@ def test_shutdown_lets_in_flight_requests_finish(ckpt, reference):
     rest = list(stream)
     stopper.join(60)
     assert not server.thread.is_alive()
-    want = alone(reference, served.codec.encode("The cat"), SamplingParams(300), served.codec.eos_id)
+    want = alone(reference, served.codec.encode("The cat", special=True), SamplingParams(300), served.codec.eos_id)
     assert first.choices[0].text + "".join(c.choices[0].text for c in rest) == served.codec.decode(want)
     assert rest[-1].choices[0].finish_reason in ("length", "stop")
     with pytest.raises(requests.ConnectionError):

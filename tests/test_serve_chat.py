@@ -8,7 +8,7 @@ pytest.importorskip("fastapi")
 
 from stemlm.serve.api import ApiError  # noqa: E402
 from stemlm.serve.chat import ChatTemplate, find_chat_template  # noqa: E402
-from stemlm.inference.text import load_text_codec  # noqa: E402
+from stemlm.data.codec import load_codec  # noqa: E402
 
 from serve_helpers import CHAT_TEMPLATE, tiny_checkpoint  # noqa: E402
 
@@ -19,7 +19,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_template_is_found_in_the_checkpoint_or_given(ckpt, tmp_path):
-    codec = load_text_codec(ckpt)
+    codec = load_codec(ckpt)
     assert find_chat_template(ckpt, codec) is None
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages[0]['content'] }}"}))
     try:

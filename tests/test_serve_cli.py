@@ -42,7 +42,7 @@ def test_no_model_and_no_default_run_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert cli_main(["serve"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "no --model given" in err and len(err.splitlines()) == 1
+    assert "no --ckpt given" in err and len(err.splitlines()) == 1
 
 
 def test_help_shows_the_defaults(capsys):
@@ -80,3 +80,17 @@ def test_sigterm_drains_a_streaming_request(ckpt):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_tier_and_model_are_aliases_and_tier_says_it_is_deprecated(capsys):
+    from stemlm.cli import ArgumentParser
+    from stemlm.cli import serve
+    from stemlm.cli.options import placement_of
+    from stemlm.store import Placement
+
+    parser = ArgumentParser(prog="stemlm serve")
+    serve.add_arguments(parser)
+    args = parser.parse_args(["--model", "runs/x", "--tier", "host", "--cache-rows", "8", "--no-prefetch"])
+    assert args.ckpt == "runs/x" and args.tables == "host"
+    assert "--tier is deprecated; use --tables" in capsys.readouterr().err
+    assert placement_of(args) == Placement("host", cache_rows=8, prefetch=False, device="cpu")

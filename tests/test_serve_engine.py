@@ -9,7 +9,7 @@ import torch
 from stemlm import StemLM, model_config
 from stemlm.inference.batch_generate import SamplingParams
 from stemlm.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
-from stemlm.store.offload import offload_tables
+from stemlm.store import Placement, offload_tables
 
 from serve_helpers import alone
 
@@ -143,7 +143,7 @@ def test_offloaded_tables_serve_the_same_tokens(model, tmp_path):
     params = [SamplingParams(10, temperature=0.7, seed=3)] * 3
     ref = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
     host = copy.deepcopy(model)
-    store = offload_tables(host, "host", cache_rows=8)
+    store = offload_tables(host, Placement("host", cache_rows=8))
     engine = Engine(host, store=store).start()
     try:
         out, _ = run(engine, ps, params)

@@ -9,9 +9,10 @@ import time
 import pytest
 import torch
 
-from stemlm.interop.checkpoint import load_model
+from stemlm.checkpoint.directory import load_model
 from stemlm.cli import main
-from stemlm.interop.convert import llama_name, llama_to_stem, load_llama, load_tokenizer, resolve_source
+from stemlm.data.codec import load_codec
+from stemlm.interop.convert import llama_name, llama_to_stem, load_llama, resolve_source
 from stemlm.inference.kv_cache import KVCache
 
 pytestmark = pytest.mark.slow
@@ -25,7 +26,7 @@ def smollm2():
     """(LlamaForCausalLM in fp32, tokenizer) from the pinned GGUF."""
     t0 = time.perf_counter()
     directory, gguf = resolve_source("smollm2")
-    tokenizer = load_tokenizer(directory, gguf)
+    tokenizer = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf).tokenizer
     llama = load_llama(directory, gguf)
     print(f"\nGGUF -> transformers LlamaForCausalLM: {time.perf_counter() - t0:.1f} s")
     return llama, tokenizer
@@ -100,4 +101,4 @@ def test_stem_conversion_through_the_cli(smollm2, tmp_path):
     print(f"input of layer {first} (first STEM layer): max |diff| = {diff:.3g}; "
           f"STEM greedy: {tokenizer.decode(greedy(stem, ids, 8)[0])!r}")
     assert torch.isfinite(logits).all() and diff <= LOGIT_TOL
-    assert tokenizer(PROMPTS[0]).input_ids == load_tokenizer(tmp_path / "stem")(PROMPTS[0]).input_ids
+    assert tokenizer(PROMPTS[0]).input_ids == load_codec(tokenizer=tmp_path / "stem", prefer="transformers").tokenizer(PROMPTS[0]).input_ids

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.interop.checkpoint import load_model, save_model
+from stemlm.checkpoint.directory import load_model, save_model
 from stemlm.inference.generate import generate_ids
-from stemlm.store import OffloadedTable, TableFileError, export_tables, load_model_with_tables, offload_tables
+from stemlm.checkpoint.safetensors_io import TableFileError
+from stemlm.store import OffloadedTable, Placement, export_tables, offload_tables, open_model
 
 CACHES = [0, 3, 10_000]  # none, tiny (constant evictions), everything fits
 
@@ -30,9 +31,8 @@ def setup(tmp_path_factory):
 def _check(model, store, batches, ref, greedy, prefetch):
     with torch.no_grad():
         for ids, want in zip(batches, ref):
-            if prefetch:
-                store.prefetch(ids)
-            torch.testing.assert_close(model(ids), want, rtol=0, atol=1e-6)
+            rows = store.prefetch(ids) if prefetch else None
+            torch.testing.assert_close(model(ids, table_rows=rows), want, rtol=0, atol=1e-6)
     assert torch.equal(generate_ids(model, batches[0][:1, :5], 6), greedy)
 
 
@@ -40,7 +40,8 @@ def _check(model, store, batches, ref, greedy, prefetch):
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_checkpoint_on_every_tier_matches_memory(setup, tier, cache_rows, prefetch):
     cfg, _, ckpt, batches, ref, greedy = setup
-    model, store = load_model_with_tables(ckpt, tier, cache_rows=cache_rows, prefetch=prefetch)
+    model = open_model(ckpt, Placement(tier, cache_rows=cache_rows, prefetch=prefetch))
+    store = model.tables
     _check(model, store, batches, ref, greedy, prefetch)
     stats = store.stats()
     if tier != "device":
@@ -59,7 +60,8 @@ def test_checkpoint_on_every_tier_matches_memory(setup, tier, cache_rows, prefet
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_cache_window_matches_memory(setup, tier):
     cfg, _, ckpt, batches, ref, greedy = setup
-    model, store = load_model_with_tables(ckpt, tier, cache_rows=6, cache_window=0.5)
+    model = open_model(ckpt, Placement(tier, cache_rows=6, cache_window=0.5))
+    store = model.tables
     _check(model, store, batches, ref, greedy, True)
     cache = store.stats()["cache"]
     assert cache["hits"] > 0 and cache["evictions"] > 0
@@ -71,10 +73,11 @@ def test_offload_built_model_and_back(setup, tmp_path, tier):
     cfg, model, _, batches, ref, greedy = setup
     m = StemLM(cfg).eval()
     m.load_state_dict(model.state_dict())
-    store = offload_tables(m, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None, cache_rows=4)\
-        if tier != "device" else offload_tables(m, "device")
+    tables_file = tmp_path / "t.safetensors" if tier == "disk" else None
+    store = offload_tables(m, Placement(tier, tables_file=tables_file, cache_rows=4)) if tier != "device" \
+        else offload_tables(m, "device")
     _check(m, store, batches, ref, greedy, prefetch=True)
-    store = offload_tables(m, "host" if tier == "disk" else "disk", path=tmp_path / "u.safetensors")
+    store = offload_tables(m, Placement("host" if tier == "disk" else "disk", tables_file=tmp_path / "u.safetensors"))
     _check(m, store, batches, ref, greedy, prefetch=True)
     offload_tables(m, "device")
     assert all(type(t).__name__ == "StemTable" for t in m.tables.values())
@@ -84,7 +87,8 @@ def test_offload_built_model_and_back(setup, tmp_path, tier):
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_save_from_offloaded_tier_roundtrips(setup, tmp_path, tier):
     cfg, model, ckpt, batches, ref, _ = setup
-    m, store = load_model_with_tables(ckpt, tier, cache_rows=5)
+    m = open_model(ckpt, Placement(tier, cache_rows=5))
+    store = m.tables
     save_model(m, tmp_path / "again")
     with torch.no_grad():
         torch.testing.assert_close(load_model(tmp_path / "again")(batches[1]), ref[1], rtol=0, atol=0)
@@ -95,20 +99,21 @@ def test_writes_are_coherent_with_cache_and_prefetch(setup, tmp_path):
     tables_file = export_tables(ckpt, tmp_path / "tables.safetensors")
     ref_model = StemLM(cfg).eval()
     ref_model.load_state_dict(model.state_dict())
-    m, store = load_model_with_tables(ckpt, "disk", tables_path=tables_file, writable=True, cache_rows=8)
+    m = open_model(ckpt, Placement("disk", tables_file=tables_file, writable=True, cache_rows=8))
+    store = m.tables
     ids = batches[0]
     with torch.no_grad():
         m(ids)  # fill the caches
-        store.prefetch(ids)  # rows gathered now become stale with the write below
+        rows = store.prefetch(ids)  # rows gathered now become stale with the write below
         target = ids.flatten()[:3].unique()
         for name, table in m.tables.items():
             new = torch.randn(len(target), cfg.d_ff)
             table.write_rows(target, new)
             ref_model.tables[name].write_rows(target, new)
             torch.testing.assert_close(table.read_rows(target), new)
-        torch.testing.assert_close(m(ids), ref_model(ids), rtol=0, atol=1e-6)
+        torch.testing.assert_close(m(ids, table_rows=rows), ref_model(ids), rtol=0, atol=1e-6)
     store.flush()
-    reopened, _ = load_model_with_tables(ckpt, "disk", tables_path=tables_file)  # the write reached the file
+    reopened = open_model(ckpt, Placement("disk", tables_file=tables_file))  # the write reached the file
     with torch.no_grad():
         torch.testing.assert_close(reopened(ids), ref_model(ids), rtol=0, atol=1e-6)
 
@@ -116,46 +121,47 @@ def test_writes_are_coherent_with_cache_and_prefetch(setup, tmp_path):
 def test_copy_on_write_leaves_checkpoint_untouched_and_readonly_refuses(setup):
     cfg, _, ckpt, _, _, _ = setup
     before = (ckpt / "model.safetensors").read_bytes()
-    m, _ = load_model_with_tables(ckpt, "disk", writable=True)
+    m = open_model(ckpt, Placement("disk", writable=True))
     table = m.tables[str(cfg.table_layers[0])]
     table.write_rows(torch.tensor([1, 2]), torch.ones(2, cfg.d_ff))
     assert torch.equal(table.read_rows(torch.tensor([2])), torch.ones(1, cfg.d_ff))
     assert (ckpt / "model.safetensors").read_bytes() == before
-    ro, _ = load_model_with_tables(ckpt, "disk")
+    ro = open_model(ckpt, "disk")
     with pytest.raises(PermissionError, match="read-only"):
         ro.tables[str(cfg.table_layers[0])].write_rows(torch.tensor([1]), torch.ones(1, cfg.d_ff))
 
 
-def test_prefetch_for_other_ids_falls_back_and_counts(setup):
+def test_prefetched_rows_serve_only_the_forward_they_are_passed_to(setup):
     cfg, _, ckpt, batches, ref, _ = setup
-    m, store = load_model_with_tables(ckpt, "host")
+    m = open_model(ckpt, "host")
+    store = m.tables
     with torch.no_grad():
-        store.prefetch(batches[0])
-        torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)  # mismatch: synchronous gather
+        store.prefetch(batches[0])  # a ticket not handed to the forward: it gathers synchronously
+        torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)
         assert store.stats()["prefetched"] == 0
-        store.prefetch(batches[1])
-        m(batches[1])
+        m(batches[1], table_rows=store.prefetch(batches[1]))
     s = store.stats()
     assert s["prefetched"] == len(cfg.table_layers) and 0 <= s["stalls"] <= s["prefetched"]
 
 
 def test_slow_prefetch_stalls_but_gives_the_same_rows(setup, monkeypatch):
     cfg, _, ckpt, batches, ref, _ = setup
-    m, store = load_model_with_tables(ckpt, "disk", cache_rows=3)
+    m = open_model(ckpt, Placement("disk", cache_rows=3))
+    store = m.tables
     for table in m.tables.values():  # lookups now overtake the worker: they must wait, not hang
         gather = table.backend.gather
         monkeypatch.setattr(table.backend, "gather", lambda ids, g=gather: (time.sleep(0.2), g(ids))[1])
     with torch.no_grad():
         for ids, want in zip(batches, ref):
-            store.prefetch(ids)
-            torch.testing.assert_close(m(ids), want, rtol=0, atol=1e-6)
+            torch.testing.assert_close(m(ids, table_rows=store.prefetch(ids)), want, rtol=0, atol=1e-6)
     s = store.stats()
     assert s["prefetched"] == len(batches) * len(cfg.table_layers) and s["stalls"] >= 1
 
 
 def test_out_of_range_ids_are_clear(setup):
     cfg, _, ckpt, _, _, _ = setup
-    m, store = load_model_with_tables(ckpt, "disk", cache_rows=4)
+    m = open_model(ckpt, Placement("disk", cache_rows=4))
+    store = m.tables
     bad = torch.tensor([[1, cfg.vocab_size]])
     with pytest.raises(IndexError, match="out of range"):
         store.prefetch(bad)
@@ -179,26 +185,27 @@ def test_corrupt_tables_file_errors(setup, tmp_path, how, match):
     f = export_tables(ckpt, tmp_path / "t.safetensors")
     _corrupt(f, how)
     with pytest.raises(TableFileError, match=match):
-        load_model_with_tables(ckpt, "disk", tables_path=f)
+        open_model(ckpt, Placement("disk", tables_file=f))
 
 
 def test_missing_or_mismatched_tables_file_errors(setup, tmp_path):
     cfg, _, ckpt, _, _, _ = setup
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_model_with_tables(ckpt, "disk", tables_path=tmp_path / "nope.safetensors")
+        open_model(ckpt, Placement("disk", tables_file=tmp_path / "nope.safetensors"))
     other = StemLM(cfg.replace(d_ff=96))
     save_model(other, tmp_path / "other")
     with pytest.raises(TableFileError, match="shape"):
-        load_model_with_tables(ckpt, "host", tables_path=tmp_path / "other" / "model.safetensors")
+        open_model(ckpt, Placement("host", tables_file=tmp_path / "other" / "model.safetensors"))
     plain = StemLM(model_config("debug", ffn="stem", stem_layers="2"))
     save_model(plain, tmp_path / "plain")
     with pytest.raises(TableFileError, match="no tensor"):
-        load_model_with_tables(ckpt, "disk", tables_path=tmp_path / "plain" / "model.safetensors")
+        open_model(ckpt, Placement("disk", tables_file=tmp_path / "plain" / "model.safetensors"))
 
 
 def test_disk_tier_reads_only_touched_rows(setup, tmp_path):
     cfg, model, ckpt, _, _, _ = setup
-    m, store = load_model_with_tables(ckpt, "disk", prefetch=False)
+    m = open_model(ckpt, Placement("disk", prefetch=False))
+    store = m.tables
     table = m.tables[str(cfg.table_layers[0])]
     assert isinstance(table, OffloadedTable) and table.backend.weight.data_ptr() != 0
     with torch.no_grad():
@@ -211,16 +218,16 @@ def test_bad_tier_and_options_are_clear(setup):
     cfg, model, _, _, _, _ = setup
     with pytest.raises(ValueError, match="unknown table tier"):
         offload_tables(StemLM(cfg), "gpu")
-    with pytest.raises(ValueError, match="needs path"):
+    with pytest.raises(ValueError, match="needs a tables file"):
         offload_tables(StemLM(cfg), "disk")
     with pytest.raises(ValueError, match="host and disk"):
-        offload_tables(StemLM(cfg), "device", cache_rows=4)
+        offload_tables(StemLM(cfg), Placement("device", cache_rows=4))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
     from stemlm.store.backends import DiskRows
-    from stemlm.store.safetensors_io import write_safetensors
+    from stemlm.checkpoint.safetensors_io import write_safetensors
 
     weight = torch.randn(50, 12).to(dtype)
     path = write_safetensors(tmp_path / "t.safetensors", [("w", dtype, (50, 12), lambda a, b: weight[a:b])])
@@ -239,7 +246,7 @@ def test_disk_rows_pread_matches_the_mapping(tmp_path, dtype):
 @pytest.mark.parametrize("mode", ["r", "c", "r+"])
 def test_a_file_truncated_after_its_header_is_refused_before_mapping(tmp_path, mode):
     """A mapped page past the end of the file would be a SIGBUS on first touch; the size is checked first."""
-    from stemlm.store.safetensors_io import map_tensor, tensor_info, write_safetensors
+    from stemlm.checkpoint.safetensors_io import map_tensor, tensor_info, write_safetensors
 
     weight = torch.randn(50, 12)
     path = write_safetensors(tmp_path / "t.safetensors", [("w", torch.float32, (50, 12), lambda a, b: weight[a:b])])
@@ -259,7 +266,7 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
     import os
 
     from stemlm.store.backends import DiskRows, HostRows
-    from stemlm.store.safetensors_io import write_safetensors
+    from stemlm.checkpoint.safetensors_io import write_safetensors
 
     weight = torch.randn(50, 12)
     path = write_safetensors(tmp_path / "t.safetensors", [("w", torch.float32, (50, 12), lambda a, b: weight[a:b])])
@@ -277,7 +284,8 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
 
     # a table hints only the rows its hot-row cache does not hold; only disk tiers get the thread
     cfg, _, ckpt, batches, ref, _ = setup
-    m, store = load_model_with_tables(ckpt, "disk", cache_rows=10_000, prefetch=False)
+    m = open_model(ckpt, Placement("disk", cache_rows=10_000, prefetch=False))
+    store = m.tables
     uniq = batches[0].unique()
     hints.clear()
     for table in m.tables.values():
@@ -290,12 +298,12 @@ def test_disk_read_ahead_hints_each_run_of_rows_once(setup, tmp_path, monkeypatc
         table.advise(uniq)
     assert hints == []
     for hinted in (True, False):  # the prefetch worker hints every disk layer's rows (unless told not to)
-        m, store = load_model_with_tables(ckpt, "disk")
+        m = open_model(ckpt, "disk")
+        store = m.tables
         store.prefetcher.read_ahead = hinted
         hints.clear()
         with torch.no_grad():
-            store.prefetch(batches[1])
-            torch.testing.assert_close(m(batches[1]), ref[1], rtol=0, atol=1e-6)
+            torch.testing.assert_close(m(batches[1], table_rows=store.prefetch(batches[1])), ref[1], rtol=0, atol=1e-6)
         assert sum(n for _, n in hints) == (len(batches[1].unique()) * len(cfg.table_layers) * cfg.d_ff * 4) * hinted
         store.close()
 
@@ -315,15 +323,18 @@ def test_disk_tier_descriptors_are_closed(setup, tmp_path):
     cfg, _, ckpt, batches, ref, greedy = setup
     gc.collect()
     base = _open_fds()
-    model, store = load_model_with_tables(ckpt, "host")  # read from the file, then served from RAM
+    model = open_model(ckpt, "host")
+    store = model.tables  # read from the file, then served from RAM
     assert _open_fds() == base
-    model, store = load_model_with_tables(ckpt, "disk")
+    model = open_model(ckpt, "disk")
+    store = model.tables
     with store:
         _check(model, store, batches, ref, greedy, True)
         assert _open_fds() > base
     gc.collect()
     assert _open_fds() == base  # closed by the store's context manager, the model still alive
-    model, store = load_model_with_tables(ckpt, "disk")
+    model = open_model(ckpt, "disk")
+    store = model.tables
     _check(model, store, batches, ref, greedy, True)
     assert _open_fds() > base
     del model, store  # released without close(): the descriptors go with the model
@@ -346,14 +357,14 @@ def test_one_forward_makes_the_ids_unique_once_for_every_layer(tmp_path, monkeyp
     ids = torch.randint(0, cfg.vocab_size, (2, 9))
     with torch.no_grad():
         want = model(ids)
-    store = offload_tables(model, tier, path=tmp_path / "t.safetensors" if tier == "disk" else None, prefetch=prefetch)
+    tables_file = tmp_path / "t.safetensors" if tier == "disk" else None
+    store = offload_tables(model, Placement(tier, tables_file=tables_file, prefetch=prefetch))
     assert model.tables is store
     calls = []
     real = torch.unique
     monkeypatch.setattr(torch, "unique", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
     with torch.no_grad():
-        store.prefetch(ids)
-        got = model(ids)
+        got = model(ids, table_rows=store.prefetch(ids))
     assert len(calls) == 1  # one torch.unique for all table layers (in the prefetch, or else in the forward)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     if tier != "device":

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.store import HotRowCache, offload_tables
+from stemlm.store import HotRowCache, Placement, offload_tables
 
 V, D = 40, 3
 BACKING = torch.arange(V * D, dtype=torch.float32).view(V, D)
@@ -163,7 +163,7 @@ def test_write_through_updates_cached_copies():
 
 def test_capacity_in_bytes_and_invalid_capacity():
     cfg = model_config("debug", ffn="stem", stem_layers="1/2")
-    store = offload_tables(StemLM(cfg), "host", cache_bytes=10 * cfg.d_ff * 4)
+    store = offload_tables(StemLM(cfg), Placement("host", cache_bytes=10 * cfg.d_ff * 4))
     assert store.stats()["cache"]["capacity_rows"] == 10 * len(cfg.table_layers)
     with pytest.raises(ValueError, match="at least one row"):
         HotRowCache(V, D, capacity=0)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from stemlm import StemLM, model_config
-from stemlm.store import offload_tables
+from stemlm.store import Placement, offload_tables
 from stemlm.train.sparse_adam import SparseRowAdamW
 
 STEPS = 4
@@ -30,21 +30,23 @@ def _train(cfg, state, batches, tier="device", cache_rows=0, prefetch="off", pat
     model.load_state_dict(state)
     store = None
     if tier != "device":
-        store = offload_tables(model, tier, path=path, cache_rows=cache_rows, prefetch=prefetch != "off")
+        store = offload_tables(model, Placement(tier, tables_file=path, cache_rows=cache_rows,
+                                                prefetch=prefetch != "off"))
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     opt = torch.optim.AdamW(backbone, lr=1e-2)
     table_opt = SparseRowAdamW(model.tables, lr=1e-2, weight_decay=0.1)
-    losses = []
+    losses, rows = [], None
     if prefetch == "early":
-        store.prefetch(batches[0][:, :-1])
+        rows = store.prefetch(batches[0][:, :-1])
     for step, ids in enumerate(batches):
         x, y = ids[:, :-1], ids[:, 1:]
         if prefetch == "ahead":
-            store.prefetch(x)
-        loss = F.cross_entropy(model(x).reshape(-1, cfg.vocab_size), y.reshape(-1))
+            rows = store.prefetch(x)
+        loss = F.cross_entropy(model(x, table_rows=rows).reshape(-1, cfg.vocab_size), y.reshape(-1))
         loss.backward()
+        rows = None
         if prefetch == "early" and step + 1 < len(batches):
-            store.prefetch(batches[step + 1][:, :-1])  # before the writes below: must not serve stale rows
+            rows = store.prefetch(batches[step + 1][:, :-1])  # before the writes below: must not serve stale rows
         opt.step()
         table_opt.step()
         opt.zero_grad()

@@ -4,7 +4,7 @@ import pytest
 import torch
 from train_helpers import debug_config, make_token_data, one_thread  # noqa: F401
 
-from stemlm.interop.checkpoint import load_model
+from stemlm.checkpoint.directory import load_model
 from stemlm.config import ConfigError
 from stemlm.model.decoder import StemLM
 from stemlm.presets import model_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
 
-from stemlm.interop.checkpoint import load_model
+from stemlm.checkpoint.directory import load_model
 from stemlm.config import ConfigError
 from stemlm.train import Trainer, TrainingDiverged, train
 from stemlm.train import loop as loop_mod

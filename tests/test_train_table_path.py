@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stemlm.config import ConfigError
-from stemlm.fused import FusedTables, HostTables
+from stemlm.train.fused import FusedTables, HostTables
 from stemlm.train import Trainer
 from stemlm.train.state import load_optimizer_state  # noqa: F401  (the format both paths share)
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401

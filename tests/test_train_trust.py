@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import save_file
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
 
-from stemlm.interop.checkpoint import CheckpointError, load_model, model_state_for_save
+from stemlm.checkpoint.directory import CheckpointError, load_model, model_state_for_save
 from stemlm.cli import main
 from stemlm.config import ConfigError
 from stemlm.data.tokenizer import train_bpe
-from stemlm.interop.integrity import write_manifest
+from stemlm.checkpoint.integrity import write_manifest
 from stemlm.train import Trainer, TrainingDiverged, train
 from stemlm.train.lock import RunLocked
 from stemlm.train.state import CheckpointWarning, list_checkpoints

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .figures import pyplot, save
+from ..runtime.plotting import pyplot, save
 from .text import windows
 
 

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..config import TABLE_KINDS
-from .figures import pyplot, save
+from ..ffn import ffn_kind
+from ..runtime.plotting import pyplot, save
 
 BINS = np.linspace(-1.0, 1.0, 101)
 KINDS = ("stem_rows", "up_proj", "gated")
@@ -72,10 +72,10 @@ def _vectors(model, layer: int, x: torch.Tensor, ids: torch.Tensor, pick: torch.
     """The address vectors of one layer: ``x (N, d)`` and ``ids (N,)`` are flattened positions."""
     ffn, kind, out = model.layers[layer].ffn, model.cfg.layer_kinds[layer], {}
     w = lambda lin: lin.weight.detach().float().cpu()  # noqa: E731
-    if kind in TABLE_KINDS:
+    if ffn_kind(kind).owns_table:
         table = model.tables[str(layer)]
         out["stem_rows"] = table.read_rows(uniq).float().cpu()  # (U, d_ff)
-        if kind in ("stem", "stem_dagger"):
+        if ffn_kind(kind).table_from == "w_up":  # rows that stand for W_u x are gated by SiLU(W_g x)
             rows = table.read_rows(ids[pick]).float().cpu()  # (P, d_ff)
             out["gated"] = F.silu(x[pick] @ w(ffn.w_gate).T) * rows
     if hasattr(ffn, "w_up") and isinstance(ffn.w_up, torch.nn.Linear):

@@ -23,14 +23,17 @@ def stream_from_data(data_dir: str | Path, split: str = "val", max_tokens: int =
 
 def stream_from_wikipedia(tokenizer, max_tokens: int = 200_000) -> np.ndarray:
     """EOS-separated Wikipedia passages (validation passages first), tokenized, up to ``max_tokens``."""
+    from ..data.codec import TextCodec
     from ..data.corpus import boolq_passages, is_val
-    from ..edit.tokens import encode, eos_id
 
     passages = boolq_passages()
     ordered = [p for p in passages if is_val(p, 0.02)] + [p for p in passages if not is_val(p, 0.02)]
-    eos, out, n = eos_id(tokenizer), [], 0
+    codec = TextCodec.of(tokenizer)
+    if codec.eos_id is None:
+        raise ValueError("the tokenizer has no end-of-text token to separate the passages")
+    eos, out, n = codec.eos_id, [], 0
     for text in ordered:
-        ids = [eos] + encode(tokenizer, text)
+        ids = [eos] + codec.encode(text)
         out.append(np.asarray(ids, dtype=np.int64))
         n += len(ids)
         if n >= max_tokens:

@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 
 from ..version import git_commit
-from .options import non_negative_int, positive_int
+from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, placement_of, positive_int
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("what", choices=("geometry", "capacity"), help="which analysis to run")
-    parser.add_argument("--ckpt", required=True, help="checkpoint dir or training run dir (newest checkpoint)")
+    add_checkpoint_argument(parser)
     parser.add_argument("--data", default=None, help="prepared data dir for the text sample (default: the default corpus)")
     parser.add_argument("--out", default="runs/analysis", help="directory for the JSON and PNG outputs")
     parser.add_argument("--dense-ckpt", default=None, help="geometry: a dense model of the same depth to compare W_u x with")
@@ -38,22 +38,24 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=positive_int, default=32, help="capacity: windows averaged per context length")
     parser.add_argument("--tokens", type=positive_int, default=200_000, help="tokens of text to read at most")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the window and point samples")
+    add_placement_arguments(parser)
 
 
 def _stream(args, ckpt_dir: Path):
     from ..analyze.text import token_stream
     from ..data import default_data_dir
-    from ..edit.tokens import load_tokenizer
+    from ..data.codec import load_codec
 
     data = Path(args.data) if args.data else default_data_dir()
     tok = None
     if not (data / "val.bin").exists():
-        tok = load_tokenizer(ckpt_dir, args.data)
+        tok = load_codec(ckpt_dir, data_dir=args.data, hint="pass --data DIR with a prepared corpus")
     return token_stream(data, tok, "val", args.tokens)
 
 
 def run(args) -> int:
-    from ..interop.checkpoint import load_model, read_config, resolve_checkpoint
+    from ..checkpoint.directory import read_config, resolve_checkpoint
+    from ..store import open_model
 
     ckpt = resolve_checkpoint(args.ckpt)
     out = Path(args.out)
@@ -75,8 +77,8 @@ def run(args) -> int:
         from ..analyze.geometry import geometry, plot_geometry
         from ..analyze.text import windows
 
-        model = load_model(ckpt)
-        dense = load_model(resolve_checkpoint(args.dense_ckpt)) if args.dense_ckpt else None
+        model = open_model(ckpt, placement_of(args))
+        dense = open_model(args.dense_ckpt) if args.dense_ckpt else None
         seq_len = model.cfg.check_seq_len(args.seq_len, "--seq-len") if args.seq_len else min(128, model.cfg.max_seq_len)
         ids = torch.from_numpy(windows(stream, seq_len, args.seqs, args.seed))  # (seqs, seq_len)
         res = geometry(model, ids, dense=dense, max_points=args.max_points, seed=args.seed)

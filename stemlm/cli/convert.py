@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import FFN_KINDS, TABLE_INITS
+from ..config import TABLE_INITS
+from ..ffn import KINDS
 from ..insert.calibrate import CalibrationConfig
 from ..insert.fit import METHODS, UNSEEN
 from ..interop.convert import INITS
 from ..model.quant import TABLE_DTYPES
-from .options import non_empty, non_negative_int, positive_int
+from .options import add_checkpoint_argument, non_empty, non_negative_int, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,10 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      "SmolLM2-135M-Instruct GGUF")
     way.add_argument("--to-hf", action="store_true", help="export the all-dense stemlm checkpoint --ckpt as a Llama directory")
     parser.add_argument("--gguf", metavar="FILE", help="with --from-hf DIR: a GGUF file (path, or name inside DIR)")
-    parser.add_argument("--ckpt", metavar="DIR", help="stemlm checkpoint or training run directory: with --to-hf, the "
-                        "model to export; alone (with --table-dtype), the model whose tables to re-encode")
+    add_checkpoint_argument(parser, required=False, help="stemlm checkpoint or training run directory: with --to-hf, "
+                            "the model to export; alone (with --table-dtype), the model whose tables to re-encode")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
-    parser.add_argument("--ffn", choices=[k for k in FFN_KINDS if k != "hash_moe"], default="dense",
+    parser.add_argument("--ffn", choices=[name for name, kind in KINDS.items() if kind.from_dense], default="dense",
                         help="FFN kind of the converted layers (default: dense, an exact copy)")
     parser.add_argument("--stem-layers", type=non_empty, metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
                         "(default with a STEM --ffn: 1/3)")

@@ -15,17 +15,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..config import TIERS
 from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import forget, inject
 from ..edit.report import edit_report, format_report, plot_report, swap_report
 from ..edit.rows import resolve_layers
 from ..edit.strategies import ALIGNS, STRATEGIES
-from .options import positive_int
+from .options import add_checkpoint_argument, add_placement_arguments, positive_int, placement_of
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--ckpt", required=True, help="checkpoint dir or training run dir (newest checkpoint)")
+    add_checkpoint_argument(parser)
     parser.add_argument("--data", default=None, help="prepared data dir holding tokenizer.json (if the checkpoint has none)")
     what = parser.add_mutually_exclusive_group(required=True)
     what.add_argument("--swap", metavar="A=B", help="exchange the rows of entities A and B")
@@ -44,7 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--top-k", type=positive_int, default=5, help="next tokens to show per panel")
     parser.add_argument("--plot", default=None, help="write a PNG bar chart here (one file per prompt, suffixed if several)")
     parser.add_argument("--json", default=None, help="write the reports as JSON here")
-    parser.add_argument("--tables", default="device", choices=TIERS, help="where the tables live while editing")
+    add_placement_arguments(parser)
 
 
 def parse_pair(text: str, flag: str) -> tuple[str, str]:
@@ -82,7 +81,7 @@ def _report(args, model, tok, prompt: str):
 
 
 def run(args) -> int:
-    model, tok = load_model_and_tokenizer(args.ckpt, args.data, args.tables)
+    model, tok = load_model_and_tokenizer(args.ckpt, args.data, placement_of(args))
     layers = parse_layers(args.layers)
     if not (layers == [] and args.embedding):
         resolve_layers(model, layers)  # a bad --layers fails before any work

@@ -15,16 +15,15 @@ import json
 from pathlib import Path
 
 from ..edit.evaluate import EditEvalConfig, layer_sweep, run_edit_eval
-from ..config import TIERS
 from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import MODES
 from ..edit.strategies import ALIGNS
 from .edit import parse_layers
-from .options import non_negative_int, positive_int
+from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, positive_int, placement_of
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--ckpt", required=True, help="checkpoint dir or training run dir (newest checkpoint)")
+    add_checkpoint_argument(parser)
     parser.add_argument("--data", default=None, help="prepared data dir with facts/facts.jsonl (default: the default corpus)")
     parser.add_argument("--split", default="heldout_template", choices=("train", "heldout_template", "heldout_country"),
                         help="which facts to probe (heldout_template: phrasings never trained on)")
@@ -41,7 +40,7 @@ def add_arguments(parser) -> None:
                         help="also swap the input-embedding rows (diagnostic upper bound, not a STEM edit)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the pair and locality samples")
     parser.add_argument("--out", default=None, help="write the results JSON here")
-    parser.add_argument("--tables", default="device", choices=TIERS, help="where the tables live while editing")
+    add_placement_arguments(parser)
 
 
 def run(args) -> int:
@@ -49,7 +48,7 @@ def run(args) -> int:
 
     data_dir = Path(args.data) if args.data else default_data_dir()
     facts = load_facts(data_dir)
-    model, tok = load_model_and_tokenizer(args.ckpt, data_dir, args.tables)
+    model, tok = load_model_and_tokenizer(args.ckpt, data_dir, placement_of(args))
     layers = parse_layers(args.layers)
     sets = layer_sweep(model) if args.layers_sweep else {args.layers: layers}
     cfg = EditEvalConfig(split=args.split, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),

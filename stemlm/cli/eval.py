@@ -10,9 +10,10 @@ stopped. --output writes the JSON results (one model: its document; several: {"m
 a bar chart PNG beside it when several models are compared, and the needle heatmap PNG.
 
 examples:
-  stemlm eval --model runs/default --tasks core --limit 200 --output results/default.json
-  stemlm eval --model smollm2 --tasks arc_easy,mmlu --shots 5 --limit 50
-  stemlm eval --model runs/stem --model runs/dense --tasks core,country_facts --output cmp.json
+  stemlm eval --ckpt runs/default --tasks core --limit 200 --output results/default.json
+  stemlm eval --ckpt smollm2 --tasks arc_easy,mmlu --shots 5 --limit 50
+  stemlm eval --ckpt runs/stem --ckpt runs/dense --tasks core,country_facts --output cmp.json
+  stemlm eval --ckpt runs/stem --tables disk --cache-rows 4096 --tasks core  (--model is an alias of --ckpt)
 """
 
 from __future__ import annotations
@@ -23,16 +24,13 @@ from pathlib import Path
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from ..runtime.artifacts import cache_dir
-    from ..config import TIERS
-    from ..runtime.matmul import add_matmul_argument
     from ..eval.models import ENGINES
-    from .options import add_table_dtype_argument
+    from .options import add_checkpoint_argument, add_matmul_argument, add_placement_arguments
 
-    parser.add_argument("--model", action="append", required=True, metavar="PATH",
-                        help="stemlm run/checkpoint dir, Llama dir, .gguf file or 'smollm2'; repeat to compare")
-    parser.add_argument("--gguf", default=None, help="GGUF file name inside --model's directory (default: none)")
-    parser.add_argument("--tables", default="device", choices=TIERS, help="where STEM tables live (default: device)")
-    add_table_dtype_argument(parser)
+    add_checkpoint_argument(parser, multiple=True,
+                            help="stemlm run/checkpoint dir, Llama dir, .gguf file or 'smollm2'; repeat to compare")
+    parser.add_argument("--gguf", default=None, help="GGUF file name inside --ckpt's directory (default: none)")
+    add_placement_arguments(parser)
     parser.add_argument("--tasks", required=True, help="comma-separated task or group names (e.g. core,mmlu)")
     parser.add_argument("--shots", type=int, default=0, choices=(0, 5), help="few-shot examples (default: 0)")
     parser.add_argument("--limit", type=int, default=None,
@@ -40,7 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the --limit subsample (default: 0)")
     parser.add_argument("--output", type=Path, default=None, help="results JSON file (default: none, table only)")
     parser.add_argument("--batch-size", type=int, default=32, help="requests per model call (default: 32)")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda (default: cpu)")
     add_matmul_argument(parser, default="aten")
     parser.add_argument("--engine", default=None, choices=ENGINES, help="evaluation engine (default: the loader's)")
     parser.add_argument("--cache-dir", type=Path, default=cache_dir() / "eval",
@@ -51,11 +48,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..eval.run import evaluate_paths, format_table
+    from .options import placement_fields
 
-    docs, written = evaluate_paths(args.model, args.tasks, args.shots, args.limit, args.seed, args.output,
+    placement = placement_fields(args)
+    docs, written = evaluate_paths(args.ckpt, args.tasks, args.shots, args.limit, args.seed, args.output,
                                    None if args.no_cache else args.cache_dir, args.batch_size, not args.no_progress,
-                                   gguf=args.gguf, tables=args.tables, device=args.device, engine=args.engine,
-                                   matmul=args.matmul, table_dtype=args.table_dtype)
+                                   gguf=args.gguf, tables=placement.pop("tier"), device=placement.pop("device"),
+                                   engine=args.engine, matmul=args.matmul, table_dtype=placement.pop("table_dtype"),
+                                   **placement)
     print(format_table(docs))
     print(f"above: value - 2 stderr > chance; stemlm {docs[0]['stemlm']}")
     for path in written:

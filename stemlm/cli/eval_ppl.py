@@ -15,34 +15,31 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..runtime.matmul import add_matmul_argument
-from .options import add_table_dtype_argument, positive_int
+from .options import (add_checkpoint_argument, add_matmul_argument, add_placement_arguments, add_verify_argument,
+                      placement_of, positive_int)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ckpt", required=True, help="checkpoint dir, or a run dir (its newest checkpoint)")
+    add_checkpoint_argument(parser)
     parser.add_argument("--data", default=None, help="prepared data dir (default: the run's data.dir, else the default corpus)")
     parser.add_argument("--batches", type=positive_int, default=None,
                         help="validation batches to average over; more than the split holds is an error "
                              "(default: 50, or all of them if the split holds fewer)")
     parser.add_argument("--batch-size", type=positive_int, default=None, help="sequences per batch (default: the run's data.batch_size)")
     parser.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (default: the run's data.seq_len)")
-    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | auto (default: cpu)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="compute dtype (default: float32)")
     add_matmul_argument(parser)
-    add_table_dtype_argument(parser)
+    add_placement_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
+    add_verify_argument(parser)
 
 
 def run(args) -> int:
     from ..train.evaluate import evaluate_checkpoint
 
-    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, args.device, args.dtype,
-                              args.matmul, progress=not args.no_progress, verify=not args.no_verify,
-                              table_dtype=args.table_dtype)
+    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, placement_of(args),
+                              args.dtype, args.matmul, progress=not args.no_progress, verify=args.verify)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

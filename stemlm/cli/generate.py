@@ -16,53 +16,44 @@ import json
 import sys
 import time
 
-from ..runtime.matmul import add_matmul_argument, apply_matmul
-from .options import add_graphs_argument, add_table_dtype_argument, non_negative_float, non_negative_int, open_fraction, positive_int, probability
+from .options import (add_checkpoint_argument, add_graphs_argument, add_matmul_argument, add_placement_arguments,
+                      add_tokenizer_argument, add_verify_argument, non_negative_float, non_negative_int, placement_of,
+                      positive_int, probability)
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--ckpt", required=True, help="checkpoint directory or training run directory")
+    add_checkpoint_argument(parser)
     parser.add_argument("--prompt", action="append", required=True,
                         help="text to continue; repeat it to generate several prompts as one batch, each printed on "
                              "its own line as it would be alone (same --seed for each)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="tokens to generate at most (default 64)")
-    parser.add_argument("--tables", choices=("device", "host", "disk"), default="device",
-                        help="where the STEM tables live: model memory, host RAM, or a file on disk")
-    parser.add_argument("--tables-file", default=None,
-                        help="safetensors file holding the tables (default: the checkpoint's model.safetensors)")
-    parser.add_argument("--cache-rows", type=non_negative_int, default=0, help="hot-row LFU cache size per table (host/disk tiers)")
-    parser.add_argument("--cache-window", type=open_fraction, default=0.0,
-                        help="fraction of the cache kept as an LRU admission window (W-TinyLFU; default 0 = plain LFU)")
-    add_table_dtype_argument(parser)
-    parser.add_argument("--no-prefetch", action="store_true", help="gather table rows synchronously (no background prefetch)")
     parser.add_argument("--temperature", type=non_negative_float, default=0.0, help="sampling temperature; 0 = greedy (default)")
     parser.add_argument("--top-k", type=positive_int, default=None, help="sample among the k most likely tokens")
     parser.add_argument("--top-p", type=probability, default=None, help="nucleus sampling: smallest set with probability >= p")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="random seed for sampling (default 0)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the checkpoint's or its run's)")
-    parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto (default cpu)")
+    add_tokenizer_argument(parser)
+    add_placement_arguments(parser)
     add_matmul_argument(parser)
     add_graphs_argument(parser)
     parser.add_argument("--stats", action="store_true", help="print speed and table traffic statistics to stderr")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
+    add_verify_argument(parser)
 
 
 def run(args) -> int:
-    from ..interop.checkpoint import resolve_checkpoint
-    from ..runtime.devices import resolve_device
+    from ..checkpoint.directory import resolve_checkpoint
     from ..inference.generate import check_sampling, generate
-    from ..store import load_model_with_tables
-    from ..inference.text import encode_prompt, load_text_codec, stream_text
+    from ..data.codec import load_codec
+    from ..inference.text import encode_prompt, stream_text
+    from ..runtime.matmul import apply_matmul
+    from ..store import open_model
 
-    device = str(resolve_device(args.device))
+    placement = placement_of(args)
+    device = placement.device
     check_sampling(args.temperature, args.top_k, args.top_p)
     ckpt = resolve_checkpoint(args.ckpt)
-    codec = load_text_codec(ckpt, args.tokenizer)
-    model, store = load_model_with_tables(ckpt, tier=args.tables, tables_path=args.tables_file,
-                                          cache_rows=args.cache_rows, cache_window=args.cache_window,
-                                          prefetch=not args.no_prefetch, table_dtype=args.table_dtype,
-                                          device=device, verify=not args.no_verify)
+    codec = load_codec(ckpt, args.tokenizer)
+    model = open_model(ckpt, placement, verify=args.verify)
+    store = model.tables
     apply_matmul(model, args.matmul, device)
     if len(args.prompt) > 1:
         return _run_batch(args, model, store, codec, ckpt)

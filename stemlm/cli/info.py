@@ -16,8 +16,8 @@ import argparse
 import json
 
 from ..accounting import human, summarize
-from ..config import FFN_KINDS
-from .options import non_empty, positive_int
+from ..ffn import FFN_KINDS
+from .options import add_checkpoint_argument, non_empty, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stem-layers", type=non_empty, default=None, help="placement: '1/3', '1/2', 'full', 'none' or '2,5' (default: the config's)")
     parser.add_argument("--seq-len", type=positive_int, default=None, help="sequence length L for attention FLOPs (default: max_seq_len)")
     parser.add_argument("--dtype-bytes", type=positive_int, default=2, help="bytes per parameter value for decode bytes (default: 2, bf16)")
-    parser.add_argument("--ckpt", default=None, help="describe a checkpoint (or a run's newest checkpoint) instead of a preset")
+    add_checkpoint_argument(parser, required=False,
+                            help="describe a checkpoint (or a run's newest checkpoint) instead of a preset")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.add_argument("overrides", nargs="*", metavar="model.FIELD=VALUE", help="override model config fields")
 
@@ -42,7 +43,7 @@ def _config(args):
     if args.preset or args.ffn or args.stem_layers or args.overrides:
         raise ValueError("--ckpt describes a saved model: do not combine it with --preset, --ffn, --stem-layers or overrides")
     from ..accounting import stored_param_count
-    from ..interop.checkpoint import read_config, resolve_checkpoint
+    from ..checkpoint.directory import read_config, resolve_checkpoint
 
     ckpt = resolve_checkpoint(args.ckpt)
     return read_config(ckpt), None, {"path": str(ckpt), "stored_params": stored_param_count(ckpt)}

@@ -17,8 +17,9 @@ import argparse
 import json
 
 from ..accounting import human
-from ..config import FFN_KINDS, TIERS
+from ..ffn import FFN_KINDS
 from ..planner import Hardware, plan, preset_names, resolve_model_config
+from ..store.tiers import TIERS
 from ..model.quant import TABLE_DTYPES
 from .options import fraction, non_empty, non_negative_int, positive_float, positive_int
 

@@ -5,10 +5,12 @@ GET /v1/models, GET /health, GET /metrics, and /tokenize, /detokenize, /tokenize
 lm-eval's local-completions). SIGINT/SIGTERM let in-flight requests finish, then exit. Needs the
 `serve` extra (pip install 'stemlm[serve]'). See docs/serving.md. Examples:
 
-  stemlm serve --model runs/default
-  stemlm serve --model CKPT --tier disk --cache-rows 4096 --max-batch 32 --port 8080
-  stemlm serve --model CKPT --chat-template template.jinja --model-name my-model
-  stemlm serve --model CKPT --host 0.0.0.0 --api-key "$KEY" --max-prompt-tokens 2048 --request-timeout 120
+  stemlm serve --ckpt runs/default
+  stemlm serve --ckpt CKPT --tables disk --cache-rows 4096 --max-batch 32 --port 8080
+  stemlm serve --ckpt CKPT --chat-template template.jinja --model-name my-model
+  stemlm serve --ckpt CKPT --host 0.0.0.0 --api-key "$KEY" --max-prompt-tokens 2048 --request-timeout 120
+
+--model is an alias of --ckpt (vLLM's name), --tier the deprecated old name of --tables.
 
 Before exposing a server beyond this machine, set an API key (--api-key or STEMLM_API_KEY) and the
 limits: bodies, prompt tokens and max_tokens over a limit get 413, a full queue 429, a request past
@@ -21,18 +23,15 @@ import os
 import sys
 from pathlib import Path
 
-from .options import add_graphs_argument, add_table_dtype_argument, non_negative_int, positive_float, positive_int
+from .options import (add_checkpoint_argument, add_graphs_argument, add_placement_arguments, add_tokenizer_argument,
+                      add_verify_argument, placement_of, positive_float, positive_int)
 
 DEFAULT_RUN = "runs/default"
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", default=None,
-                        help=f"checkpoint directory or training run directory (default: {DEFAULT_RUN} if it has been trained)")
-    parser.add_argument("--tier", choices=("device", "host", "disk"), default="device",
-                        help="where the STEM tables live: model memory, host RAM, or the checkpoint file on disk")
-    parser.add_argument("--cache-rows", type=non_negative_int, default=0, help="hot-row cache size per table (host/disk tiers)")
-    add_table_dtype_argument(parser)
+    add_checkpoint_argument(parser, required=False, help=f"checkpoint directory or training run directory "
+                                                         f"(default: {DEFAULT_RUN} if it has been trained)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=positive_int, default=8000, help="TCP port to listen on")
     parser.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together at most")
@@ -40,13 +39,12 @@ def add_arguments(parser) -> None:
                         help="name clients use in the `model` field (default: the checkpoint's directory name)")
     parser.add_argument("--chat-template", default=None,
                         help="jinja chat template file (default: the checkpoint's own, if it has one)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer file or directory (default: the checkpoint's or its run's)")
-    parser.add_argument("--device", default="cpu", help="compute device: cpu | cuda | cuda:N | auto")
+    add_tokenizer_argument(parser)
     parser.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level")
-    parser.add_argument("--no-verify", action="store_true",
-                        help="skip checking the checkpoint's files against its checksum manifest (default: check)")
+    add_verify_argument(parser)
     add_graphs_argument(parser)
+    add_placement_arguments(parser, deprecated_tier=True)
     limits = parser.add_argument_group("limits (for a server others can reach)")
     limits.add_argument("--api-key", default=os.environ.get("STEMLM_API_KEY"),
                         help="require 'Authorization: Bearer KEY' on every endpoint but /health (default: the "
@@ -72,19 +70,17 @@ def run(args) -> int:
     except ImportError:
         print("stemlm serve: error: the server needs FastAPI and uvicorn: pip install 'stemlm[serve]'", file=sys.stderr)
         return 2
-    from ..runtime.devices import resolve_device
     from ..serve.guard import Limits
     from ..serve.server import load_served, serve_forever
 
-    model = args.model
-    if model is None:
+    ckpt = args.ckpt
+    if ckpt is None:
         if not (Path(DEFAULT_RUN) / "checkpoints").is_dir():
-            raise FileNotFoundError(f"no --model given and no trained default run at {DEFAULT_RUN} "
-                                    "(train one with `stemlm train`, or pass --model CKPT)")
-        model = DEFAULT_RUN
-    served = load_served(model, tier=args.tier, cache_rows=args.cache_rows, device=str(resolve_device(args.device)),
-                         max_batch=args.max_batch, model_name=args.model_name, chat_template=args.chat_template,
-                         tokenizer=args.tokenizer, verify=not args.no_verify, table_dtype=args.table_dtype,
+            raise FileNotFoundError(f"no --ckpt given and no trained default run at {DEFAULT_RUN} "
+                                    "(train one with `stemlm train`, or pass --ckpt CKPT)")
+        ckpt = DEFAULT_RUN
+    served = load_served(ckpt, placement_of(args), max_batch=args.max_batch, model_name=args.model_name,
+                         chat_template=args.chat_template, tokenizer=args.tokenizer, verify=args.verify,
                          limits=Limits(args.api_key or None, args.max_body_bytes, args.max_prompt_tokens,
                                        args.max_new_tokens, args.max_queue, args.request_timeout),
                          graphs=args.graphs)

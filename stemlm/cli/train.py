@@ -27,7 +27,7 @@ import argparse
 import os
 import sys
 
-from ..config import FFN_KINDS
+from ..ffn import FFN_KINDS
 from ..presets import PRESETS
 from .options import non_empty, positive_int
 

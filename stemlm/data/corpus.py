@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from ..runtime import artifacts
-from ..interop.checkpoint import atomic_directory
+from ..runtime.files import atomic_directory
 from . import facts as facts_mod
 from .tokenizer import encode_batch, eos_id_of, load_tokenizer, single_token_words, train_bpe
 from .tokens import read_meta, update_meta, write_token_split

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 
 from ..runtime.artifacts import sha256_of
+from ..runtime.files import atomic_file, atomic_write_text
 
 META = "meta.json"
 FORMAT_VERSION = 1
@@ -58,9 +58,7 @@ def read_meta(data_dir: Path) -> dict:
 
 def write_meta(data_dir: Path, meta: dict) -> None:
     """Write ``meta.json`` atomically."""
-    tmp = Path(data_dir) / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, Path(data_dir) / META)
+    atomic_write_text(Path(data_dir) / META, json.dumps(meta, indent=2, sort_keys=True) + "\n")
 
 
 def update_meta(data_dir: Path, **fields) -> dict:
@@ -91,8 +89,7 @@ def write_token_split(out_dir: Path, split: str, docs: Iterable[np.ndarray], voc
     counts = np.zeros(vocab_size, dtype=np.int64)
     digest = hashlib.sha256()
     n = 0
-    tmp_bin = out_dir / f"{split}.bin.tmp"
-    with open(tmp_bin, "wb") as f:
+    with atomic_file(out_dir / f"{split}.bin") as tmp_bin, open(tmp_bin, "wb") as f:
         for i, doc in enumerate(docs):
             ids = np.asarray(doc).ravel()
             if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
@@ -104,10 +101,8 @@ def write_token_split(out_dir: Path, split: str, docs: Iterable[np.ndarray], voc
             raw = row.tobytes()
             digest.update(raw)
             f.write(raw)
-    if not starts:
-        tmp_bin.unlink()
-        raise ValueError(f"split {split!r} has no documents")
-    os.replace(tmp_bin, out_dir / f"{split}.bin")
+        if not starts:
+            raise ValueError(f"split {split!r} has no documents")
     _save_npy(out_dir / f"{split}.docs.npy", np.asarray(starts, dtype=np.int64))
     if split == "train":
         _save_npy(out_dir / "train.counts.npy", counts)
@@ -118,9 +113,8 @@ def write_token_split(out_dir: Path, split: str, docs: Iterable[np.ndarray], voc
 
 
 def _save_npy(path: Path, array: np.ndarray) -> None:
-    tmp = path.with_name(path.name + ".tmp.npy")
-    np.save(tmp, array)
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)
 
 
 class TokenDataset:

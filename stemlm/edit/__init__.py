@@ -11,8 +11,7 @@ Every edit rewrites rows of token-indexed tables through the table protocol, ret
 from .ops import copy, edit, forget, inject, mean_row, plan, swap
 from .rows import EditRecord, resolve_layers, table_layers, undo_all
 from .strategies import ALIGNS, STRATEGIES, map_rows, source_index_map
-from .tokens import entity_ids, eos_id, load_tokenizer
+from .tokens import entity_ids, eos_id
 
 __all__ = ["ALIGNS", "EditRecord", "STRATEGIES", "copy", "edit", "entity_ids", "eos_id", "forget", "inject",
-           "load_tokenizer", "map_rows", "mean_row", "plan", "resolve_layers", "source_index_map", "swap",
-           "table_layers", "undo_all"]
+           "map_rows", "mean_row", "plan", "resolve_layers", "source_index_map", "swap", "table_layers", "undo_all"]

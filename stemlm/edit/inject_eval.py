@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ..data.codec import TextCodec
 from .evaluate import EditEvaluator, _Tally
 from .ops import forget, inject
 from .probes import Probe
@@ -29,10 +30,11 @@ from .probes import Probe
 def unused_tokens(counts: np.ndarray, tokenizer, n: int, seed: int = 0) -> list[int]:
     """Up to ``n`` token ids that never occur in the training split and read as a word piece
     with a leading space (" Xyz"): stand-ins for a made-up name (seeded sample)."""
-    special = {tokenizer.token_to_id(t) for t in ("<|endoftext|>", "<|pad|>")} - {None}
+    codec = TextCodec.of(tokenizer)
+    special = codec.special_ids
     pool = []
     for tid in np.flatnonzero(np.asarray(counts) == 0).tolist():
-        text = tokenizer.decode([tid])
+        text = codec.token_text(tid)
         if tid not in special and text.startswith(" ") and text[1:].isalpha() and len(text) > 3:
             pool.append(tid)
     return random.Random(seed).sample(pool, min(n, len(pool)))

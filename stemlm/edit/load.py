@@ -4,26 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..interop.checkpoint import load_model, resolve_checkpoint
-from ..config import check_tier
-from .tokens import load_tokenizer
+from ..data.codec import load_codec
+from ..checkpoint.directory import resolve_checkpoint
+from ..store import Placement, open_model, placement_of
 
 
-def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None, tables: str = "device"):
-    """``(model, tokenizer)``: the newest checkpoint of ``ckpt`` (a run or checkpoint dir), tables on
-    the requested tier, and ``tokenizer.json`` from the checkpoint, its run, or ``data_dir``.
+def load_model_and_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None,
+                             placement: Placement | str | None = None):
+    """``(model, codec)``: the newest checkpoint of ``ckpt`` (a run or checkpoint dir) with its tables
+    placed (a ``Placement`` or a tier name; default ``device``), and the ``TextCodec`` of the tokenizer of
+    the checkpoint, its run, or ``data_dir``.
 
-    ``host`` and ``disk`` serve the tables through ``stemlm.store``; the disk tier maps the
-    checkpoint copy-on-write, so edits never reach the file.
+    Off the device the tables are opened writable: the disk tier maps the checkpoint copy-on-write, so
+    edits never reach the file (a separate ``tables_file`` is written through).
     """
-    check_tier(tables)
-    path = resolve_checkpoint(ckpt)
-    if tables == "device":
-        model = load_model(path)
-    else:
-        from ..store import load_model_with_tables
-
-        model, _ = load_model_with_tables(path, tier=tables, writable=True)
-        model.eval()
-    tokenizer = load_tokenizer(ckpt, data_dir)
-    return model, tokenizer
+    placement = placement_of(placement)
+    model = open_model(ckpt, placement.replace(writable=True) if placement.off_device else placement)
+    codec = load_codec(resolve_checkpoint(ckpt), data_dir=data_dir, hint="pass --data DIR with a prepared corpus")
+    return model, codec

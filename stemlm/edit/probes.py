@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from .tokens import encode, encode_prompt
+from ..data.codec import TextCodec
+from .tokens import encode_prompt
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,11 @@ class Probe:
 
 def answer_ids(tokenizer, prompt: str, answer: str) -> list[int]:
     """Tokens of ``answer`` as they follow ``prompt`` in running text."""
-    head, full = encode(tokenizer, prompt), encode(tokenizer, prompt + answer)
+    codec = TextCodec.of(tokenizer)
+    head, full = codec.encode(prompt), codec.encode(prompt + answer)
     if full[:len(head)] == head and len(full) > len(head):
         return full[len(head):]
-    return encode(tokenizer, answer)
+    return codec.encode(answer)
 
 
 def make_probe(tokenizer, country: str, relation: str, template_id: int, prompt: str, answer: str) -> Probe:

@@ -13,10 +13,11 @@ from pathlib import Path
 
 import torch
 
-from ..analyze.figures import pyplot, save
+from ..runtime.plotting import pyplot, save
 from .ops import edit
 from .rows import EditRecord
-from .tokens import contains, decode_token, encode_prompt, entity_ids
+from ..data.codec import TextCodec
+from .tokens import contains, encode_prompt, entity_ids
 
 
 @dataclass
@@ -56,7 +57,8 @@ def topk(model, tokenizer, prompt: str, k: int = 5, label: str = "") -> TopK:
     probs = next_token_probs(model, encode_prompt(tokenizer, prompt))
     p, idx = probs.topk(k)
     ids = idx.tolist()
-    return TopK(label, prompt, [decode_token(tokenizer, i) for i in ids], ids, [float(x) for x in p])
+    codec = TextCodec.of(tokenizer)
+    return TopK(label, prompt, [codec.token_text(i) for i in ids], ids, [float(x) for x in p])
 
 
 def replace_entity(prompt: str, source: str, target: str) -> str:

@@ -4,59 +4,23 @@ Byte-level BPE gives different ids to ``"Spain"`` and ``" Spain"``; inside a sen
 ("The capital of Spain is") the entity carries its leading space, so ``entity_ids`` prepends
 one unless ``leading_space=False`` or the string already starts with whitespace.
 
-Tokenizers are duck-typed: a ``tokenizers.Tokenizer`` (``encode(text).ids``) or a
-``transformers`` tokenizer (``encode(text, add_special_tokens=False)`` -> list).
+Every function takes a ``stemlm.data.codec.TextCodec`` or a bare tokenizer (a ``tokenizers.Tokenizer``
+or a ``transformers`` one), which it wraps in one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
-
-def encode(tokenizer, text: str) -> list[int]:
-    """Ids of ``text`` without special tokens."""
-    try:
-        out = tokenizer.encode(text, add_special_tokens=False)
-    except TypeError:
-        out = tokenizer.encode(text)
-    return list(out.ids if hasattr(out, "ids") else out)
-
-
-def decode_token(tokenizer, token_id: int) -> str:
-    """Readable text of one token (byte-level markers decoded)."""
-    return tokenizer.decode([int(token_id)])
-
-
-def load_tokenizer(ckpt: str | Path, data_dir: str | Path | None = None):
-    """The tokenizer of a checkpoint or run (in the checkpoint, else in the run around it), else of
-    the prepared ``data_dir``; see ``data.tokenizer.find_tokenizer``."""
-    from ..interop.checkpoint import resolve_checkpoint
-    from ..data.tokenizer import find_tokenizer, run_places
-
-    found = find_tokenizer(*run_places(resolve_checkpoint(ckpt)), data_dir,
-                           hint="pass --data DIR with a prepared corpus")
-    return found.tokenizer
+from ..data.codec import TextCodec
 
 
 def eos_id(tokenizer) -> int:
     """Id of the tokenizer's end-of-text token (the default filler)."""
-    if hasattr(tokenizer, "token_to_id"):
-        from ..data.tokenizer import eos_id_of
-
-        return int(eos_id_of(tokenizer))
-    tid = getattr(tokenizer, "eos_token_id", None)
+    tid = TextCodec.of(tokenizer).eos_id
     if tid is None:
         raise ValueError("the tokenizer has no end-of-text token; pass an explicit filler token")
     return int(tid)
-
-
-def _unk_id(tokenizer) -> int | None:
-    for name in ("<unk>", "[UNK]", "<|unk|>"):
-        tid = tokenizer.token_to_id(name) if hasattr(tokenizer, "token_to_id") else None
-        if tid is not None:
-            return int(tid)
-    return getattr(tokenizer, "unk_token_id", None)
 
 
 def entity_ids(tokenizer, entity: str | Sequence[int], vocab_size: int | None = None,
@@ -72,9 +36,10 @@ def entity_ids(tokenizer, entity: str | Sequence[int], vocab_size: int | None = 
         raise ValueError(f"entity {entity!r} is a string but no tokenizer was given (pass token ids or a tokenizer)")
     if not entity.strip():
         raise ValueError("entity string is empty")
+    codec = TextCodec.of(tokenizer)
     text = " " + entity if leading_space and not entity[0].isspace() else entity
-    ids = encode(tokenizer, text)
-    unk = _unk_id(tokenizer)
+    ids = codec.encode(text)
+    unk = codec.unk_id
     if not ids or (unk is not None and unk in ids):
         raise ValueError(f"entity {text!r} is not in the tokenizer's vocabulary")
     if vocab_size is not None and max(ids) >= vocab_size:
@@ -86,17 +51,16 @@ def describe(tokenizer, ids: Sequence[int]) -> str:
     """``"' United' ' States'"`` for a list of ids (for reports and error messages)."""
     if tokenizer is None:
         return " ".join(str(i) for i in ids)
-    return " ".join(repr(decode_token(tokenizer, i)) for i in ids)
+    codec = TextCodec.of(tokenizer)
+    return " ".join(repr(codec.token_text(i)) for i in ids)
 
 
 def encode_prompt(tokenizer, text: str, prepend_eos: bool = True) -> list[int]:
     """Prompt ids; by default led by the EOS token, as every training document is."""
-    ids = encode(tokenizer, text)
-    if prepend_eos:
-        try:
-            ids = [eos_id(tokenizer)] + ids
-        except ValueError:
-            pass
+    codec = TextCodec.of(tokenizer)
+    ids = codec.encode(text)
+    if prepend_eos and codec.eos_id is not None:
+        ids = [codec.eos_id] + ids
     return ids
 
 

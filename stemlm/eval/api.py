@@ -47,7 +47,7 @@ class Loglikelihood:
 
 
 class Tokens(Protocol):
-    """What the seam needs of a tokenizer."""
+    """What the seam needs of a tokenizer (``stemlm.data.codec.TextCodec`` is one)."""
 
     prefix_ids: list[int]  # put before every context (stemlm: the document-start token; HF Llama: none)
     eot_id: int  # the end-of-text token: the whole context of a request whose context is empty

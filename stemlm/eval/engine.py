@@ -135,14 +135,15 @@ class Engine:
                 owners += [(ctx, cont)] * len(cont)
                 at += n
         ids = ids.to(device)
-        self.model.tables.prefetch(ids)  # the rows are gathered while the mask is built
+        table_rows = self.model.tables.prefetch(ids)  # the rows are gathered while the mask is built
         if all(len(conts) == 1 for _, conts in rows):  # nothing packed: plain causal (right padding is never seen)
-            hidden = self.model(ids, return_hidden=True)
+            hidden = self.model(ids, return_hidden=True, table_rows=table_rows)
         else:
             causal = torch.ones(width, width, dtype=torch.bool).tril()  # (T, S)
             visible = (seg[:, None, :] == 0) | (seg[:, None, :] == seg[:, :, None])  # (B, T, S)
             mask = (causal & visible)[:, None]  # (B, 1, T, S)
-            hidden = self.model(ids, positions=pos.to(device), attn_mask=mask.to(device), return_hidden=True)
+            hidden = self.model(ids, positions=pos.to(device), attn_mask=mask.to(device), return_hidden=True,
+                                table_rows=table_rows)
         logprob, greedy = self._head(hidden.reshape(-1, hidden.shape[-1]), torch.tensor(where, device=device),
                                      torch.tensor(targets, device=device))  # hidden (B*T, d)
         out: dict[Pair, list] = {}

@@ -1,7 +1,7 @@
 """Load a model for evaluation: a stemlm run or checkpoint, a Hugging Face Llama directory or a GGUF
 file, as a ``LanguageModel`` (see ``api.py``).
 
-Tokenization follows the model's origin:
+Tokenization follows the model's origin (``stemlm.data.codec.TextCodec``, the one tokenizer adapter):
 
 * stemlm tokenizers (``tokenizer.json`` of ``stemlm data``): every context starts with the
   document-start token ``<|endoftext|>``, as in training (``prefix_ids``);
@@ -20,67 +20,21 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from ..interop.checkpoint import CONFIG_FILE, WEIGHTS_FILE, load_model, resolve_checkpoint
-from ..config import check_tier
+from ..checkpoint.directory import CONFIG_FILE, WEIGHTS_FILE, resolve_checkpoint
+from ..runtime.files import atomic_write_text
 from ..runtime.matmul import apply_matmul
+from ..data.codec import load_codec
 from ..model.quant import codec_of
+from ..store import Placement, open_model, placement_of
 from .api import ReferenceLM
 
 ENGINES = ("fast", "reference")
 DIGEST_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "stemlm" / "file_digests.json"
-
-
-class StemTokens:
-    """``Tokens`` of a stemlm ``tokenizers.Tokenizer``: the document-start token leads every context."""
-
-    def __init__(self, tokenizer):
-        from ..data.tokenizer import eos_id_of
-
-        self.tokenizer = tokenizer
-        self.eot_id = eos_id_of(tokenizer)
-        self.prefix_ids = [self.eot_id]
-        self.stop_id = self.eot_id  # generation ends where a document would
-        self.vocab_size = tokenizer.get_vocab_size()
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` without special tokens."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens dropped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-
-class HFTokens:
-    """``Tokens`` of a transformers tokenizer, as lm-eval's ``hf`` backend uses it (default
-    ``add_bos_token``): the tokenizer's leading special tokens, empty context -> BOS (else EOS)."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
-        self.eot_id = bos if bos is not None else eos
-        if self.eot_id is None:
-            raise ValueError("the tokenizer has neither a BOS nor an EOS token")
-        self.stop_id = eos  # generation ends at the end-of-sequence token
-        with_special = tokenizer.encode("a")
-        plain = tokenizer.encode("a", add_special_tokens=False)
-        n_lead = len(with_special) - len(plain) if with_special[-len(plain):] == plain else 0
-        self.prefix_ids = list(with_special[:max(n_lead, 0)])
-        self.vocab_size = len(tokenizer)
-
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` without special tokens."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Text of ``ids``, special tokens dropped."""
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
 
 # -- identity --------------------------------------------------------------------------------
@@ -94,7 +48,7 @@ def _read_digest_cache() -> dict:
 def file_digest(path: Path) -> str:
     """sha256 of a file's bytes (``integrity.file_digest``), remembered per (real path, size, mtime)
     in ``DIGEST_CACHE``."""
-    from ..interop.integrity import file_digest as sha256_of_file
+    from ..checkpoint.integrity import file_digest as sha256_of_file
 
     path = Path(path).resolve()
     st = path.stat()
@@ -105,11 +59,7 @@ def file_digest(path: Path) -> str:
     digest = sha256_of_file(path)[1]
     cache[key] = digest
     try:  # best effort: a read-only cache directory only costs a re-read next time
-        DIGEST_CACHE.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=DIGEST_CACHE.parent, prefix=".digests-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(cache, f)
-        os.replace(tmp, DIGEST_CACHE)
+        atomic_write_text(DIGEST_CACHE, json.dumps(cache))
     except OSError:
         pass
     return digest
@@ -135,52 +85,46 @@ def _is_llama_dir(path: Path) -> bool:
 
 
 def _load_llama_source(path: str, gguf: str | None):
-    """``(dense StemLM, HFTokens, files)`` from a Llama directory, a GGUF file or a pinned name."""
+    """``(dense StemLM, TextCodec, files)`` from a Llama directory, a GGUF file or a pinned name."""
     from ..interop.convert import check_vocab, llama_to_stem, load_llama, resolve_source
-    from ..data.tokenizer import find_tokenizer
 
     directory, gguf_name = resolve_source(path, gguf)
-    tokenizer = find_tokenizer(directory, prefer="transformers", gguf_file=gguf_name).tokenizer
+    codec = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf_name, hint="")
     llama = load_llama(directory, gguf_name)
-    check_vocab(tokenizer, llama.config.vocab_size)
+    check_vocab(codec.tokenizer, llama.config.vocab_size)
     model = llama_to_stem(llama)
     del llama
     files = [directory / gguf_name] if gguf_name else sorted(directory.glob("*.safetensors")) or sorted(directory.glob("*.bin"))
     files += [directory / CONFIG_FILE] if not gguf_name else []
-    return model, HFTokens(tokenizer), files
+    return model, codec, files
 
 
-def _load_stem_checkpoint(path: str, tables: str, device, dtype, tokenizer, table_kw: dict):
-    """``(StemLM, Tokens, files, known digests)`` of a stemlm run or checkpoint with its tables on
-    ``tables``; the digests are those of the checksum manifest the load verified (none unverified)."""
-    from ..data.tokenizer import find_tokenizer, run_places
-    from ..interop.integrity import manifest_files
+def _load_stem_checkpoint(path: str, placement: Placement, tokenizer, verify: bool):
+    """``(StemLM, TextCodec, files, known digests)`` of a stemlm run or checkpoint with its tables placed;
+    the digests are those of the checksum manifest the load verified (none unverified)."""
+    from ..checkpoint.integrity import manifest_files
 
     ckpt = resolve_checkpoint(path)
-    places = [tokenizer] if tokenizer is not None else run_places(ckpt)
-    found = find_tokenizer(*places, prefer="hf", hint="pass tokenizer=PATH")
-    tokens = HFTokens(found.tokenizer) if found.hf else StemTokens(found.tokenizer)
-    if tables == "device" and not table_kw:
-        model = load_model(ckpt, device=device, dtype=dtype)
-    else:
-        from ..store import load_model_with_tables
-
-        model, _ = load_model_with_tables(ckpt, tables, device=device, dtype=dtype, **table_kw)
-    manifest = (manifest_files(ckpt) or {}) if table_kw.get("verify", True) else {}
+    codec = load_codec(ckpt, tokenizer, prefer="hf", hint="pass tokenizer=PATH")
+    model = open_model(ckpt, placement, verify=verify)
+    manifest = (manifest_files(ckpt) or {}) if verify else {}
     known = {ckpt / name: entry["sha256"] for name, entry in manifest.items()}
-    return model, tokens, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *found.files], known
+    return model, codec, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *codec.files], known
 
 
-def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "device", device: str = "cpu",
+def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement | str = "device", device: str = "cpu",
             batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
-            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "aten", **table_kw):
+            engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "aten", verify: bool = True,
+            **placement_kw):
     """A ``LanguageModel`` over the model at ``path``.
 
     ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory
     holding ``gguf`` (a GGUF file name or path), a ``.gguf`` file, or ``smollm2`` (the pinned
-    SmolLM2-135M-Instruct GGUF). ``tables``: ``device`` | ``host`` | ``disk`` (stemlm
-    checkpoints; ``table_kw`` such as ``cache_rows``, ``tables_path`` or ``prefetch`` go to
-    ``store.load_model_with_tables``). ``max_length`` defaults to the model's ``max_seq_len``.
+    SmolLM2-135M-Instruct GGUF). ``tables``: where the tables of a stemlm checkpoint live, a
+    ``stemlm.store.Placement`` or a tier name (``device`` | ``host`` | ``disk``) whose other fields
+    come as keywords (``cache_rows``, ``tables_file``, ``prefetch``, ``table_dtype`` ..., as lm-eval's
+    ``model_args`` give them); ``device`` and ``dtype`` are the compute device and dtype.
+    ``max_length`` defaults to the model's ``max_seq_len``.
     ``engine``: ``fast`` (batched, shared contexts) or ``reference`` (one forward per request).
     ``matmul``: GEMM kernels (``stemlm.runtime.matmul``). The default ``aten`` sums as the harness's ``hf``
     backend does (per-request log-likelihoods within 1e-4 of it); ``auto`` (oneDNN for fp32 on CPU)
@@ -188,10 +132,10 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
     """
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    check_tier(tables)
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
+    placement = placement_of(tables, device=device, dtype=dtype, **placement_kw)
     path = str(path)
     if path.endswith(".gguf") and gguf is None:
         path, gguf = str(Path(path).parent), Path(path).name
@@ -199,10 +143,10 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
         model, tokens, files = _load_llama_source(path, gguf)
         known = {}
         model = model.to(device=device, dtype=dtype)
-        if tables != "device" and model.cfg.table_layers:
+        if placement.off_device and model.cfg.table_layers:
             raise ValueError("a converted Llama model is dense: it has no tables to offload")
     else:
-        model, tokens, files, known = _load_stem_checkpoint(path, tables, device, dtype, tokenizer, table_kw)
+        model, tokens, files, known = _load_stem_checkpoint(path, placement, tokenizer, verify)
     backend = apply_matmul(model, matmul, device, str(dtype).removeprefix("torch."))
     vocab = model.cfg.vocab_size
     if tokens.vocab_size > vocab:
@@ -210,7 +154,8 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: str = "dev
                          "it is not this model's tokenizer; evaluate the model with the tokenizer it was trained with")
     max_length = max_length or model.cfg.max_seq_len
     codec = codec_of(model.tables)  # quantized tables score differently: keyed apart in the result cache
-    identity = model_identity(files, known, dtype=str(dtype), tokens=type(tokens).__name__, prefix=tokens.prefix_ids,
+    tokenization = "HFTokens" if tokens.hf else "StemTokens"  # as identities have named them: caches stay valid
+    identity = model_identity(files, known, dtype=str(dtype), tokens=tokenization, prefix=tokens.prefix_ids,
                               eot=tokens.eot_id, max_length=max_length, matmul=backend,
                               **({"table_dtype": codec.metadata()} if codec.quantized else {}))
     if engine == "reference":

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 from .. import __version__
+from ..runtime.files import atomic_write_text
 from ..version import git_commit
 from .api import LanguageModel
 from .cache import CachedLM
@@ -51,12 +51,8 @@ def results_document(path: str, identity: str, results: dict[str, dict], setting
 
 def write_results(path: Path, docs: list[dict]) -> None:
     """Write one document, or ``{"models": docs}`` for several, atomically (NaN as null)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".part")
     data = _nan_to_none(docs[0] if len(docs) == 1 else {"models": docs})
-    tmp.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 def _nan_to_none(x):
@@ -107,9 +103,9 @@ def format_table(docs: list[dict]) -> str:
 def draw_comparison(docs: list[dict], path: Path) -> None:
     """Grouped bars of each task's primary metric per model, with ±1 stderr and the chance level;
     accuracies (higher is better) and bits per byte (lower is better) on panels of their own."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ..runtime.plotting import pyplot, save
+
+    plt = pyplot()
 
     tasks = list(dict.fromkeys(t for d in docs for t in d["tasks"]))
     metric = {t: next(d["tasks"][t].get("metric", "?") for d in docs if t in d["tasks"]) for t in tasks}
@@ -122,9 +118,7 @@ def draw_comparison(docs: list[dict], path: Path) -> None:
         _bars(ax, docs, group, metric)
         ax.set_ylabel(label)
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)
 
 
 def _bars(ax, docs: list[dict], tasks: list[str], metric: dict[str, str]) -> None:

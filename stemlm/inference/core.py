@@ -13,7 +13,7 @@ evaluation's ``generate_until``) and the server's engine all drive a ``DecodeCor
   (the rows after it move up, keeping their order), as does one that is ``drop``ped;
 * right after sampling, the model's tables are asked to prefetch the rows of the next step's ids,
   so the gather overlaps with the caller's work (handing tokens out, scheduling) and the next
-  forward's attention.
+  forward's attention; the ticket the store returns is handed to that forward (``table_rows``).
 
 Each sequence samples from its own row with its own seeded generator (``sampling.sample_rows``),
 so its tokens are those it gets decoded alone. The decode forward runs eagerly (shapes follow the
@@ -102,6 +102,7 @@ class DecodeCore:
             self.static = StaticStep(model, max_rows, self.max_len, self.store, graphs=self.mode == "graphs")
             self.max_rows, self.cache = self.static.rows, self.static.cache
         self.running: list[Sequence] = []
+        self._ticket = None  # the rows prefetched for the next step's ids (store.prefetch), or None
 
     # -- joining ------------------------------------------------------------------------------
     @torch.no_grad()
@@ -136,22 +137,22 @@ class DecodeCore:
         emitted = self._sample([fresh[j] for j in going], logits[going])
         return Progress(emitted, done + self._retire(), ids, lengths)
 
-    def _prefill(self, group: list[Sequence], rows: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Run the group's prompts right-padded into cache rows ``rows``; ``(ids, lengths, last logits (n, V))``."""
+    def _prefill(self, group: list[Sequence], cache_rows: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Run the group's prompts right-padded into ``cache_rows``; ``(ids, lengths, last logits (n, V))``."""
         lengths = [len(s.prompt) for s in group]
         width = max(lengths)
-        self._reserve(rows[-1] + 1, width + 1)
+        self._reserve(cache_rows[-1] + 1, width + 1)
         ids = torch.full((len(group), width), self.pad_id, dtype=torch.long)
         for j, s in enumerate(group):
             ids[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
         ids = ids.to(self.device)
-        if self._prefetch:
-            self.store.prefetch(ids)
+        rows = self.store.prefetch(ids) if self._prefetch else None
         mask = None
         if min(lengths) != width:  # causal, the padding keys hidden
             real = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
             mask = padding_mask(real, 0, width)  # (n, 1, W, W)
-        hidden = self.model(ids, start_pos=0, cache=self.cache.prefill(rows), attn_mask=mask, return_hidden=True)
+        hidden = self.model(ids, start_pos=0, cache=self.cache.prefill(cache_rows), attn_mask=mask, return_hidden=True,
+                            table_rows=rows)
         last = hidden[torch.arange(len(group), device=self.device), torch.tensor(lengths, device=self.device) - 1]
         for j, s in enumerate(group):
             if s.prompt_logprobs is not None:
@@ -168,23 +169,25 @@ class DecodeCore:
             return Progress([], [])
         tokens = [s.tokens[-1] for s in seqs]
         slots = [s.next_slot for s in seqs]
+        rows, self._ticket = self._ticket, None  # prefetched by _retire for exactly these tokens
         if self.static is not None:
-            logits = self.static(tokens, slots)
+            logits = self.static(tokens, slots, rows)
         else:
-            logits = self._eager_step(tokens, slots)
+            logits = self._eager_step(tokens, slots, rows)
         emitted = self._sample(seqs, logits)
         return Progress(emitted, self._retire(), None, [1] * len(seqs))
 
-    def _eager_step(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+    def _eager_step(self, tokens: list[int], slots: list[int], rows=None) -> torch.Tensor:
         span = max(slots) + 1
         self._reserve(len(tokens), span)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (n, 1)
         if min(slots) == span - 1:  # every row at the same position: plain cached decode
-            return self.model(ids, start_pos=span - 1, cache=self.cache.uniform(len(tokens), span))[:, -1]
+            return self.model(ids, start_pos=span - 1, cache=self.cache.uniform(len(tokens), span),
+                              table_rows=rows)[:, -1]
         pos = torch.tensor(slots, device=self.device)  # (n,)
         mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None]  # (n, 1, 1, S)
         return self.model(ids, start_pos=0, cache=self.cache.ragged(pos, span), positions=pos[:, None],
-                          attn_mask=mask)[:, -1]
+                          attn_mask=mask, table_rows=rows)[:, -1]
 
     def _reserve(self, rows: int, length: int) -> None:
         if self.static is None:
@@ -211,7 +214,8 @@ class DecodeCore:
         self._retire()
 
     def _retire(self) -> list[Sequence]:
-        """Remove finished rows from the batch and the cache; prefetch the next step's rows."""
+        """Remove finished rows from the batch and the cache; prefetch the next step's rows (the ticket is
+        kept for ``step``: every change of the running batch passes here, so it is always for its tokens)."""
         done = [s for s in self.running if s.finish_reason is not None]
         if done:
             kept = [j for j, s in enumerate(self.running) if s.finish_reason is None]
@@ -219,7 +223,8 @@ class DecodeCore:
             self.running = [self.running[j] for j in kept]
             if kept:
                 self.cache.keep(kept, min(length, self.cache.max_len))
+        self._ticket = None
         if self.running and self._prefetch:
             device = "cpu" if self.static is not None else self.device  # ids as the step will look them up
-            self.store.prefetch(torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None])
+            self._ticket = self.store.prefetch(torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None])
         return done

@@ -15,7 +15,8 @@ data-dependent shape and no host synchronisation. ``StaticStep`` is that step, r
 
 With ``graphs=True`` (CUDA only) each bucket's step is captured once, on first use, into one shared
 memory pool (gpt-fast and vLLM do the same), and replayed afterwards. Offloaded tables: the core asks
-the store to prefetch the rows of step ``s + 1`` right after sampling step ``s``; the store's worker
+the store to prefetch the rows of step ``s + 1`` right after sampling step ``s`` and hands the ticket
+to the step; the store's worker
 gathers them on the host and copies them through pinned memory on a side stream
 (``stemlm.store.prefetch``), and the copy into the step's buffers waits on that stream's event, not
 on the CPU. The id of step ``s + 1`` is known only once step ``s`` is sampled, so the transfer
@@ -28,6 +29,7 @@ import logging
 
 import torch
 
+from ..ffn import ffn_kind
 from .kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,7 @@ def resolve_graphs(graphs: str, device, cfg=None) -> str:
     cuda = torch.device(device).type == "cuda"
     if graphs == "on" and not cuda:
         raise ValueError(f"graphs='on' needs a CUDA device, the model is on {device}; use 'auto', 'off' or 'static'")
-    routed = cfg is not None and "hash_moe" in cfg.layer_kinds
+    routed = cfg is not None and any(ffn_kind(k).routes_by_data for k in cfg.layer_kinds)
     if graphs == "on" and routed:
         raise ValueError("graphs='on' cannot capture Hash-MoE layers (they route by data); use 'static' or 'off'")
     if graphs == "auto":
@@ -87,7 +89,9 @@ class StaticStep:
         self._pool = None
         self._pinned = torch.zeros(2, self.rows, dtype=torch.long, pin_memory=graphs)  # ids, positions
 
-    def __call__(self, tokens: list[int], slots: list[int]) -> torch.Tensor:
+    def __call__(self, tokens: list[int], slots: list[int], rows=None) -> torch.Tensor:
+        """Logits ``(n, V)`` of the step feeding ``tokens`` at ``slots``; ``rows``: the tables' ticket for
+        ``tokens`` (``store.prefetch``), gathered here when None."""
         n, b = len(tokens), bucket(len(tokens))
         if b > self.rows:
             raise ValueError(f"{n} rows do not fit the static step's {self.rows}")
@@ -98,7 +102,8 @@ class StaticStep:
         self.ids[:b, 0].copy_(host[0, :b], non_blocking=True)
         self.pos[:b].copy_(host[1, :b], non_blocking=True)
         if self.offloaded:
-            rows = self.store.rows(torch.tensor(tokens)[:, None])  # the prefetched rows (ids on the host: no sync)
+            if rows is None:
+                rows = self.store.rows(torch.tensor(tokens)[:, None])  # ids on the host: no sync
             for key, buf in self.table_rows.items():
                 buf[:n].copy_(rows[key])  # (n, 1, d_ff)
         if not self.graphs_on:

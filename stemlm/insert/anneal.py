@@ -77,7 +77,7 @@ def to_stem(model):
     The tables and every other weight are shared with ``model`` (not copied); only the unused
     up-projections are left out. Raises ``ValueError`` if the schedule has not reached ``s = 0``.
     """
-    from ..interop.convert import model_from_state
+    from ..checkpoint.directory import model_from_state
 
     check_annealable(model.cfg)
     for ffn in annealed_layers(model):
@@ -93,7 +93,7 @@ def to_stem(model):
 def export_stem(model, out: Path, tokenizer_dir: Path | None = None) -> Path:
     """Write the pure STEM model of an annealed ``model`` (``to_stem``) as a checkpoint at ``out``
     (once: an existing ``out`` is kept); returns ``out``."""
-    from ..interop.checkpoint import save_model
+    from ..checkpoint.directory import save_model
 
     if not Path(out).exists():
         save_model(to_stem(model), out, tokenizer_dir=tokenizer_dir)

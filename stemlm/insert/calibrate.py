@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -30,9 +29,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ..config import TABLE_KINDS, ModelConfig
+from ..config import ModelConfig
+from ..ffn import ffn_kind
 from ..model.decoder import StemLM, rope_cos_sin
-from .fit import METHODS, UNSEEN, DownRefit, LayerStats, gate_and_up, refine_through_down
+from ..runtime.files import atomic_file, atomic_write_text
+from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
 
 @dataclass(frozen=True)
@@ -102,9 +103,7 @@ class _WorkDir:
 
     def save_stream(self, next_layer: int, stream: torch.Tensor) -> None:
         _atomic_save({"stream": stream}, self.root / "stream.safetensors")
-        tmp = self.root / "progress.json.tmp"
-        tmp.write_text(json.dumps({"key": self.key, "next_layer": next_layer}))
-        os.replace(tmp, self.root / "progress.json")
+        atomic_write_text(self.root / "progress.json", json.dumps({"key": self.key, "next_layer": next_layer}))
 
     def resume(self) -> tuple[int, dict[str, torch.Tensor]] | None:
         try:
@@ -117,9 +116,8 @@ class _WorkDir:
 
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    with atomic_file(path) as tmp:
+        save_file(tensors, str(tmp))
 
 
 def _chunks(n: int, size: int):
@@ -164,7 +162,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
     for i in range(target.n_layers):
         kind = target.layer_kinds[i]
         if i < start:
-            if kind in TABLE_KINDS:
+            if ffn_kind(kind).owns_table:
                 down = work.down_file(i)
                 out[i] = (work.table_file(i), down if down.exists() else None)
             continue
@@ -172,8 +170,8 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         for c in chunks:
             h = stream[c]
             h += block.attn(block.attn_norm(h), cos, sin, 0)
-        if kind in TABLE_KINDS:
-            refit = calib.refit_down and kind != "stem_dagger"  # a dagger start must stay the dense model
+        if ffn_kind(kind).owns_table:
+            refit = calib.refit_down and not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model
             kind = fitted_kind(kind, calib)
             rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refit)
             work.save_table(i, rows, w_down)
@@ -190,7 +188,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
                 h += block.ffn(x)
         del rows
         bar.update(1)
-        if kind in TABLE_KINDS and time.monotonic() - last_save > save_every_s and i + 1 < target.n_layers:
+        if ffn_kind(kind).owns_table and time.monotonic() - last_save > save_every_s and i + 1 < target.n_layers:
             work.save_stream(i + 1, stream)
             last_save = time.monotonic()
     bar.close()
@@ -206,13 +204,7 @@ def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
 def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None) -> torch.Tensor:
     """The converted layer's output at ``x (n, T, d)`` with its rows ``(n, T, d_ff)``."""
     wd = ffn.w_down.weight if w_down is None else w_down
-    if kind == "stem":
-        h = F.silu(F.linear(x, ffn.w_gate.weight)) * rows
-    elif kind == "stem_gate":
-        h = F.silu(rows) * F.linear(x, ffn.w_up.weight)
-    else:  # stem_dagger
-        h = F.silu(F.linear(x, ffn.w_gate.weight)) * (F.linear(x, ffn.w_up.weight) + rows)
-    return F.linear(h, wd)
+    return F.linear(ffn_kind(kind).hidden(ffn, x, rows), wd)
 
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
@@ -224,13 +216,13 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
     def ffn_input(c: slice) -> torch.Tensor:  # (n·T, d)
         return block.ffn_norm(stream[c]).reshape(-1, stream.shape[-1])
 
-    if kind == "stem_dagger" or calib.method == "zero":
+    if ffn_kind(kind).zero_rows_are_dense or calib.method == "zero":
         rows = torch.zeros(len(embedding), d_ff)
     else:
         stats = LayerStats.zeros(len(embedding), d_ff)
         for c in chunks:
             x = ffn_input(c)
-            target, weight = gate_and_up(ffn, x, kind)
+            target, weight = ffn_kind(kind).calibration_target(ffn, x)
             stats.add(ids[c].reshape(-1), target, None if calib.method == "mean" else weight)
         rows = stats.rows(calib.unseen, embedding)
         del stats
@@ -242,42 +234,32 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
     refit = DownRefit(d_ff, ffn.w_down.weight.shape[0])
     for c in chunks:
         x = ffn_input(c)
-        hidden = _stem_hidden(ffn, kind, x, rows[ids[c].reshape(-1)])
+        hidden = ffn_kind(kind).hidden(ffn, x, rows[ids[c].reshape(-1)])
         refit.add(hidden, ffn(x))
     return rows, refit.solve()
 
 
-def _stem_hidden(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    if kind == "stem_gate":
-        return F.silu(rows) * F.linear(x, ffn.w_up.weight)
-    return F.silu(F.linear(x, ffn.w_gate.weight)) * rows
-
-
 def _refine_down(ffn, kind, xs, ids, rows, iters):
-    if kind != "stem":
+    """Rows fitted through ``W_d`` where the kind's rows enter as ``W_d (g ⊙ rows)``; others unchanged."""
+    gate = ffn_kind(kind).gate_of_rows(ffn, xs)
+    if gate is None:
         return rows
-    gate = F.silu(F.linear(xs, ffn.w_gate.weight))
     target = ffn(xs)
     return refine_through_down(rows, ids.reshape(-1), gate, target, ffn.w_down.weight, iters)
-
-
-def replaced_weight(kind: str) -> str | None:
-    """The dense FFN weight a table layer of ``kind`` drops (``stem_dagger`` keeps all)."""
-    return {"stem": "w_up", "stem_gate": "w_gate"}.get(kind)
 
 
 def assemble(dense: StemLM, target: ModelConfig, fitted: dict[int, tuple[Path, Path | None]],
              mmap: bool = False) -> StemLM:
     """The STEM model of ``target``: the dense model's weights, the fitted tables (memory-mapped
     from the work dir with ``mmap``), refitted down-projections where there are any."""
-    from ..interop.convert import model_from_state
-    from ..store.safetensors_io import map_tensor, tensor_info
+    from ..checkpoint.directory import model_from_state
+    from ..checkpoint.safetensors_io import map_tensor, tensor_info
 
     state = dict(dense.state_dict())
     for i, kind in enumerate(target.layer_kinds):
         if i not in fitted:
             continue
-        if (name := replaced_weight(kind)) is not None:
+        if (name := ffn_kind(kind).replaces) is not None:
             del state[f"layers.{i}.ffn.{name}.weight"]
         table_file, down_file = fitted[i]
         if mmap:

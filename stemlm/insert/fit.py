@@ -18,7 +18,8 @@ ridge regression from the input embedding to the fitted rows of the seen ids (we
 often each was seen), applied to the embeddings of the unseen ones.
 
 ``stem_gate`` (the table feeds the gate) is fitted the same way with the roles of ``W_g`` and
-``W_u`` exchanged: the row replaces the gate's pre-activation ``W_g x``, weighted by ``a²``.
+``W_u`` exchanged: the row replaces the gate's pre-activation ``W_g x``, weighted by ``a²``. Each
+FFN kind gives its target and weight (``calibration_target``, ``stemlm.ffn``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 METHODS = ("gated", "mean", "down", "zero")
 UNSEEN = ("pooled", "zero", "regress")
@@ -80,16 +80,6 @@ def regress_rows(embedding: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor
     reg = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
     coef = torch.linalg.solve(gram + reg, xs.T @ (w * ys))  # (d + 1, d_ff)
     return x @ coef
-
-
-def gate_and_up(ffn, x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(target, weight)`` of a dense FFN at inputs ``x (N, d)``: the activation a ``kind`` row
-    replaces and its per-coordinate least-squares weight (``stem``/``stem_dagger``: ``W_u x``
-    weighted by ``SiLU(W_g x)²``; ``stem_gate``: ``W_g x`` weighted by ``(W_u x)²``)."""
-    gate, up = F.linear(x, ffn.w_gate.weight), F.linear(x, ffn.w_up.weight)  # (N, d_ff) each
-    if kind == "stem_gate":
-        return gate, up.square()
-    return up, F.silu(gate).square()
 
 
 @torch.no_grad()

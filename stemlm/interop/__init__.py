@@ -1,2 +1,2 @@
-"""Interop: checkpoints and their integrity, Hugging Face / GGUF conversion, and the transformers
-wrapper (``import stemlm.interop.hf`` registers it with the Auto classes)."""
+"""Interop: Hugging Face / GGUF conversion and the transformers wrapper (``import stemlm.interop.hf``
+registers it with the Auto classes). The checkpoint format itself is ``stemlm.checkpoint``."""

@@ -3,8 +3,9 @@
 * ``llama_to_stem``: a ``LlamaForCausalLM`` (or its state dict) -> ``StemLM``. Every weight is
   copied exactly; the chosen layers become ``ffn`` layers whose tables start from
   ``project`` (``U_l = E · W^T``: each token's input embedding through the layer's original
-  up-projection, or its gate projection for ``stem_gate``) or ``random`` (``table_init``).
-  ``stem`` drops ``W_u``; ``stem_dagger`` keeps it; ``stem_gate`` drops ``W_g``.
+  projection its rows stand for, the kind's ``table_from``: the up-projection, or the gate for
+  ``stem_gate``) or ``random`` (``table_init``). The kind drops the projection it ``replaces``
+  (``stemlm.ffn``: ``stem`` drops ``W_u``, ``stem_dagger`` keeps it, ``stem_gate`` drops ``W_g``).
 * ``stem_to_llama``: an all-dense ``StemLM`` -> ``LlamaForCausalLM``.
 * ``convert_from_hf`` / ``convert_to_hf``: the same between directories (or a GGUF file),
   written atomically, with the tokenizer carried along.
@@ -26,14 +27,17 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from .checkpoint import (CONFIG_FILE, atomic_directory, copy_tokenizer_files, hf_config_dict, load_model, read_config,
-                         resolve_checkpoint, write_model_files)
+from ..checkpoint.directory import (CONFIG_FILE, copy_tokenizer_files, load_model, model_from_state, read_config,
+                         read_config_extras, resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
+from ..ffn import ffn_kind
+from ..data.codec import load_codec
 from ..data.tokenizer import run_places
-from .integrity import write_manifest
+from ..checkpoint.integrity import write_manifest
 from ..model.decoder import StemLM
 from ..model.quant import quantize_tables
 from ..model.tables import init_table_
+from ..runtime.files import atomic_directory
 
 INITS = ("project", "random", "zero", "calibrate")
 # `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)
@@ -59,8 +63,13 @@ def llama_name(stem_name: str) -> str:
 
 
 def _table_source(kind: str) -> str:
-    """The Llama projection a table replaces (and is projected from)."""
-    return "mlp.gate_proj" if kind == "stem_gate" else "mlp.up_proj"
+    """The Llama projection whose activation a table of ``kind`` stands for (and is projected from)."""
+    return _LAYER_NAMES[f"ffn.{ffn_kind(kind).table_from}"]
+
+
+def _check_from_dense(ffn: str) -> None:
+    if not ffn_kind(ffn).from_dense:
+        raise ValueError(f"ffn {ffn!r} is not supported for conversion (its layers have no Llama counterpart)")
 
 
 # -- configs ---------------------------------------------------------------------------------
@@ -85,8 +94,7 @@ def llama_config_to_stem(llama_cfg, ffn: str = "dense", stem_layers: str | list[
                          table_init: str | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a Llama config, with ``ffn`` layers placed by ``stem_layers``."""
     check_llama_supported(llama_cfg)
-    if ffn == "hash_moe":
-        raise ValueError("ffn 'hash_moe' is not supported for conversion (its experts have no Llama counterpart)")
+    _check_from_dense(ffn)
     rope = getattr(llama_cfg, "rope_parameters", None) or {}
     theta = rope.get("rope_theta", getattr(llama_cfg, "rope_theta", 10000.0))
     extra = {"table_init": table_init} if table_init else {}
@@ -161,21 +169,6 @@ def llama_state_to_stem(state: dict[str, torch.Tensor], cfg: ModelConfig, init: 
     return out
 
 
-def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
-    """A StemLM holding exactly ``state``, tensors shared (built on the meta device: no throw-away
-    init); a tied LM head may be absent from ``state``."""
-    with torch.device("meta"):
-        model = StemLM(cfg)
-    if cfg.tie_embeddings:
-        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
-    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
-    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
-        raise ValueError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_embeddings.weight
-    return model.eval()
-
-
 def llama_to_stem(source, llama_config=None, *, ffn: str = "dense", stem_layers: str | list[int] = "1/3",
                   init: str = "project", table_init: str | None = None, seed: int = 0) -> StemLM:
     """A ``StemLM`` from a ``LlamaForCausalLM`` (or its state dict plus ``llama_config``).
@@ -235,12 +228,11 @@ def resolve_source(source: str | os.PathLike, gguf_file: str | None = None) -> t
     return src, None
 
 
-def load_tokenizer(directory: Path, gguf_file: str | None = None):
-    """The transformers tokenizer stored in ``directory`` (or in its GGUF file), or None if there is none."""
-    from ..data.tokenizer import find_tokenizer
-
+def _hf_tokenizer(directory: Path, gguf_file: str | None = None):
+    """The transformers tokenizer stored in ``directory`` (or in its GGUF file), carried along by a
+    conversion, or None if there is none."""
     try:
-        return find_tokenizer(directory, prefer="transformers", gguf_file=gguf_file).tokenizer
+        return load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf_file, hint="").tokenizer
     except FileNotFoundError:
         return None
 
@@ -286,7 +278,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
     directory, gguf = resolve_source(source, gguf_file)
     out = Path(out)
     _check_out(out, directory)
-    tokenizer = load_tokenizer(directory, gguf)
+    tokenizer = _hf_tokenizer(directory, gguf)
     llama = load_llama(directory, gguf)
     check_vocab(tokenizer, llama.config.vocab_size)
     generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
@@ -325,8 +317,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
 
 def llama_config_to_stem_of(dense: ModelConfig, ffn: str, stem_layers: str | list[int]) -> ModelConfig:
     """The converted config: ``dense`` (an all-dense stemlm config) with ``ffn`` layers at ``stem_layers``."""
-    if ffn == "hash_moe":
-        raise ValueError("ffn 'hash_moe' is not supported for conversion (its experts have no Llama counterpart)")
+    _check_from_dense(ffn)
     return dense.replace(ffn=ffn, stem_layers="none" if ffn == "dense" else stem_layers)
 
 
@@ -345,8 +336,7 @@ def convert_tables(ckpt: str | os.PathLike, out: str | os.PathLike, table_dtype:
     model = load_model(ckpt)
     _check_has_tables(model.cfg, str(ckpt))
     quantize_tables(model, table_dtype)
-    raw = json.loads((ckpt / CONFIG_FILE).read_text())
-    extra = {k: v for k, v in raw.items() if k not in hf_config_dict(model.cfg)}
+    extra = read_config_extras(ckpt)
     with atomic_directory(out) as tmp:
         write_model_files(model, tmp, extra_config=extra)
         for place in reversed(run_places(ckpt)):  # the run's files, then the checkpoint's own over them
@@ -364,9 +354,9 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     _check_out(out, ckpt)
     cfg = read_config(ckpt)
     check_exportable(cfg)
-    raw = json.loads((ckpt / CONFIG_FILE).read_text())
-    generation = {k: raw[k] for k in GENERATION_KEYS if raw.get(k) is not None}
-    tokenizer = load_tokenizer(ckpt)
+    extras = read_config_extras(ckpt)
+    generation = {k: extras[k] for k in GENERATION_KEYS if extras.get(k) is not None}
+    tokenizer = _hf_tokenizer(ckpt)
     check_vocab(tokenizer, cfg.vocab_size)
     llama = stem_to_llama(load_model(ckpt), **generation)
     with atomic_directory(out) as tmp:

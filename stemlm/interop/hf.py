@@ -26,10 +26,11 @@ from transformers import initialization as hf_init
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .checkpoint import WEIGHTS_FILE, resolve_checkpoint, stored_codec
+from ..checkpoint.directory import WEIGHTS_FILE, resolve_checkpoint, stored_codec
 from ..config import ModelConfig
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM, init_module_, padding_mask
+from ..store import Placement, open_model, placement_of
 
 def _mirrored_fields() -> dict:
     """Class namespace holding every ``ModelConfig`` constructor field with its default.
@@ -170,17 +171,41 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs):
         """transformers' ``from_pretrained``; a stemlm training run directory loads its newest
-        checkpoint (``checkpoint.resolve_checkpoint``), so ``from_pretrained("runs/default")`` works."""
+        checkpoint (``checkpoint.resolve_checkpoint``), so ``from_pretrained("runs/default")`` works.
+
+        The tables go where ``stemlm.store.Placement`` says: ``placement=Placement(...)``, or its fields
+        as keywords, ``tables="host"`` (the tier), ``cache_rows``, ``tables_file``, ``table_dtype``,
+        ``prefetch`` ...; ``dtype`` is the compute dtype. Off the model's memory (or re-encoded) the
+        model is opened by ``stemlm.store.open_model`` (a disk tier's rows never enter RAM whole) and
+        ``model.model.tables`` is the tier's handle (``stats``, ``close`` ...).
+        """
         path = Path(str(pretrained_model_name_or_path))
         if path.is_dir() and (path / "checkpoints").is_dir():
             path = resolve_checkpoint(path)
             pretrained_model_name_or_path = str(path)
+        placement = _placement_of_kwargs(kwargs)
+        if placement is not None:
+            return cls._placed(path, placement, kwargs)
         weights = path / WEIGHTS_FILE
         if weights.is_file() and (codec := stored_codec(weights)).quantized:
             raise ValueError(f"{path} stores its STEM tables as {codec.name}, which transformers cannot load: use "
                              f"stemlm.load_model, or write fp32 tables with `stemlm convert --ckpt {path} "
                              "--table-dtype fp32 --out DIR`")
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+
+    @classmethod
+    def _placed(cls, path: Path, placement: Placement, kwargs: dict) -> "StemForCausalLM":
+        """The model of checkpoint ``path`` opened by ``open_model`` with its tables placed."""
+        unsupported = sorted(k for k, v in kwargs.items() if v not in (None, False, {}) and k not in _HUB_KWARGS)
+        if unsupported:
+            raise ValueError(f"from_pretrained with a table placement takes no {', '.join(unsupported)}")
+        model = open_model(path, placement)
+        config = kwargs.get("config") or StemConfig.from_pretrained(str(path))
+        with torch.device("meta"):
+            hf = cls(config)
+        hf.model = model
+        apply_matmul(model, "auto")
+        return hf.eval()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -230,6 +255,25 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
         out_cache = {_OUTPUT_CACHE_FIELD: past_key_values if use_cache else None}
         return CausalLMOutputWithPast(loss=loss, logits=logits, **out_cache)
+
+
+# what the Auto classes pass along to from_pretrained about finding files (a local checkpoint needs none)
+_HUB_KWARGS = {"config", "cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
+               "trust_remote_code", "adapter_kwargs", "_from_auto", "_commit_hash", "code_revision"}
+
+
+def _placement_of_kwargs(kwargs: dict) -> Placement | None:
+    """The ``Placement`` that ``from_pretrained``'s keywords ask for (taken out of ``kwargs``), or None
+    for the default (tables in memory as stored, loaded by transformers)."""
+    fields = {f.name for f in dataclasses.fields(Placement)} - {"tier", "device", "dtype"}
+    given = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+    placement, tables = kwargs.pop("placement", None), kwargs.pop("tables", None)
+    if placement is None and tables is None and not given:
+        return None
+    dtype = kwargs.pop("dtype", None)
+    dtype = None if dtype in (None, "auto") else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    placement = placement_of(placement if placement is not None else tables, dtype=dtype, **given)
+    return None if placement == Placement() else placement
 
 
 # transformers 5.24 renamed the output's `past_key_values` field to `cache` (the old name is kept for

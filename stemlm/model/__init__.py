@@ -1,4 +1,4 @@
-"""The model: the decoder (``decoder.StemLM``, architecture only), its FFN kinds (``ffn``), the
+"""The model: the decoder (``decoder.StemLM``, architecture only; its FFN kinds are ``stemlm.ffn``), the
 token-indexed tables (``tables``) and their quantized codecs (``quant``), and the loss (``loss``).
 """
 

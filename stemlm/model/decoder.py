@@ -2,7 +2,7 @@
 token-indexed table row instead of (or added to) the up-projection.
 
 Differences from a plain Llama:
-* ``cfg.layer_kinds[i]`` selects the FFN of layer ``i`` (see ``ffn.py``);
+* ``cfg.layer_kinds[i]`` selects the FFN kind of layer ``i`` (``stemlm.ffn``, one class per kind);
 * every table layer ``i`` has a table ``self.tables[str(i)]``; ``forward`` gets the rows of all
   of them in one call, ``self.tables.rows(ids)`` (the ids are made unique once), and passes each
   block its layer's rows, as nanochat passes value embeddings. A caller may pass the rows itself
@@ -22,8 +22,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import TABLE_KINDS, ModelConfig
-from .ffn import FFN_CLASSES, HashMoEFFN, token_expert_hash
+from ..config import ModelConfig
+from ..ffn import FFNKind, ffn_kind
+from ..runtime.matmul import matmul_backend_of
 from .loss import linear_cross_entropy
 from .tables import StemTable, Tables, check_ids, init_table_
 
@@ -96,7 +97,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, layer_idx)
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.ffn = FFN_CLASSES[self.kind](cfg)
+        self.ffn = ffn_kind(self.kind)(cfg)
 
     def forward(self, x, cos, sin, start_pos, ids, rows=None, cache=None, mask=None):
         x = x + self.attn(self.attn_norm(x), cos, sin, start_pos, cache, mask)
@@ -151,11 +152,8 @@ def init_module_(module: nn.Module, cfg: ModelConfig, init=_TorchInit) -> None:
         init.normal_(module.weight, std=cfg.init_std)
     elif isinstance(module, RMSNorm):
         init.ones_(module.weight)
-    elif isinstance(module, HashMoEFFN):
-        for w in (module.w_gate, module.w_up, module.w_down):
-            init.normal_(w, std=cfg.init_std)
-        # a non-persistent buffer: rebuilt here because from_pretrained leaves it uninitialised
-        init.copy_(module.expert_of_token, token_expert_hash(cfg.vocab_size, cfg.n_experts, cfg.hash_seed))
+    elif isinstance(module, FFNKind):  # parameters of a kind's own (Hash-MoE's experts); its Linears come above
+        module.init_weights_(cfg, init)
     elif isinstance(module, StemTable):
         init_table_(module.weight, cfg.table_init, cfg.d_model, cfg.init_std)
 
@@ -225,11 +223,11 @@ class StemLM(nn.Module):
         elif missing := [str(i) for i in cfg.table_layers if str(i) not in table_rows]:
             raise ValueError(f"table_rows has no rows for table layer(s) {', '.join(missing)}")
         for i, block in enumerate(self.layers):
-            rows = table_rows[str(i)] if block.kind in TABLE_KINDS else None  # (B, T, d_ff)
+            rows = table_rows[str(i)] if block.ffn.owns_table else None  # (B, T, d_ff)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
         if targets is not None:
-            backend = getattr(self.lm_head, "matmul_backend", "aten")  # set by stemlm.runtime.matmul.use_matmul_backend
+            backend = matmul_backend_of(self.lm_head)  # the head's own kernels (stemlm.runtime.matmul)
             return linear_cross_entropy(h, self.lm_head.weight, targets, backend=backend)
         return h if return_hidden else self.lm_head(h)
 

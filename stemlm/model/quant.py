@@ -244,7 +244,7 @@ def quantize_tables(model: nn.Module, table_dtype: str | RowCodec, group_size: i
     """Re-encode the model's tables on the device tier with ``table_dtype``; returns the new ``model.tables``.
 
     ``fp32`` turns quantized tables back into ``StemTable``s (their decoded rows). Tables on the host
-    or disk tier are re-encoded with ``store.offload_tables(model, tier, table_dtype=...)`` instead.
+    or disk tier are re-encoded with ``store.offload_tables(model, Placement(tier, table_dtype=...))`` instead.
     """
     from .tables import StemTable
 
@@ -252,7 +252,7 @@ def quantize_tables(model: nn.Module, table_dtype: str | RowCodec, group_size: i
     old = model.tables
     if getattr(old, "tier", "device") != "device":
         raise ValueError(f"quantize_tables works on tables in the model's memory; these are on the {old.tier} tier "
-                         "(use store.offload_tables(model, tier, table_dtype=...))")
+                         "(use store.offload_tables(model, Placement(tier, table_dtype=...)))")
     new = Tables()
     for key, table in old.items():
         if not codec.quantized:

@@ -31,7 +31,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import TIERS
 
 
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,6 +189,9 @@ class LayerRows(Mapping):
     def __iter__(self) -> Iterator[str]:
         return iter(self._gathers)
 
+    def __contains__(self, key) -> bool:  # without gathering (Mapping's own would read the key)
+        return key in self._gathers
+
     def __len__(self) -> int:
         return len(self._gathers)
 
@@ -220,7 +222,7 @@ class Tables(nn.ModuleDict):
     no-ops here, and it is a context manager.
     """
 
-    tier = TIERS[0]
+    tier = "device"  # the model's own memory (stemlm.store.tiers.DeviceTier)
 
     def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(unique_ids, inverse)`` of ``ids`` for all layers at once (the tables of a model index

@@ -17,6 +17,8 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .files import atomic_file
+
 
 @dataclass(frozen=True)
 class Artifact:
@@ -96,11 +98,8 @@ def extract(key: str, member: str) -> Path:
             info = zf.getinfo(member)
         except KeyError:
             raise ArtifactError(f"{art.spec} has no member {member!r}") from None
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".part")
-        with zf.open(info) as src, open(tmp, "wb") as dst:
+        with atomic_file(out) as tmp, zf.open(info) as src, open(tmp, "wb") as dst:
             shutil.copyfileobj(src, dst)
-        os.replace(tmp, out)
     return out
 
 

@@ -7,8 +7,9 @@ input-gradient GEMMs through oneDNN; the weight gradient (``grad.T @ x``, a long
 tokens) stays on ATen. Measurements: docs/training.md ("GEMMs on CPU") and docs/generation.md.
 
 Applied from outside, like compile and parallelism: ``use_matmul_backend(model, "onednn")`` turns
-every ``nn.Linear`` of the model into a ``OneDNNLinear`` (same parameters, same state-dict names),
-and the model's chunked loss follows its LM head's ``matmul_backend``. A product falls back to
+every ``nn.Linear`` of the model into a ``OneDNNLinear`` (same parameters, same state-dict names);
+the class of a linear layer is its backend (``matmul_backend_of``), and the model's chunked loss
+asks it of the LM head. A product falls back to
 ATen whenever oneDNN does not apply: a non-CPU tensor, a dtype other than float32, or autocast.
 The results equal ATen's up to float summation order.
 
@@ -22,12 +23,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 BACKENDS = ("auto", "aten", "onednn")
-
-
-def add_matmul_argument(parser, default: str = "auto") -> None:
-    """``--matmul auto|aten|onednn`` on an ``argparse`` parser, as the CLIs take it."""
-    parser.add_argument("--matmul", choices=BACKENDS, default=default,
-                        help=f"GEMM kernels: auto (oneDNN for fp32 on CPU, else aten) | aten | onednn (default: {default})")
 
 
 def onednn_available() -> bool:
@@ -131,10 +126,13 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 class OneDNNLinear(nn.Linear):
     """An ``nn.Linear`` without bias whose product runs through oneDNN (see ``onednn_linear``)."""
 
-    matmul_backend = "onednn"
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return onednn_linear(x, self.weight)
+
+
+def matmul_backend_of(linear: nn.Module) -> str:
+    """The backend a linear layer's products run on: ``onednn`` for a ``OneDNNLinear``, else ``aten``."""
+    return "onednn" if isinstance(linear, OneDNNLinear) else "aten"
 
 
 def use_matmul_backend(model: nn.Module, backend: str) -> int:

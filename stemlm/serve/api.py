@@ -128,13 +128,14 @@ def sampling(req: _Common, max_tokens: int) -> SamplingParams:
 
 
 def completion_prompts(req: CompletionRequest, codec) -> list[list[int]]:
-    """The prompts of a completions request as token id lists (texts are encoded)."""
+    """The prompts of a completions request as token id lists (texts are encoded as prompts: with the
+    tokenizer's leading special tokens, or stemlm's document start)."""
     p = req.prompt
     if isinstance(p, str):
-        return [codec.encode(p)]
+        return [codec.encode(p, special=True)]
     if p and all(isinstance(x, int) for x in p):
         return [list(p)]
-    return [codec.encode(x) if isinstance(x, str) else list(x) for x in p]
+    return [codec.encode(x, special=True) if isinstance(x, str) else list(x) for x in p]
 
 
 def check_prompt(ids: list[int], vocab_size: int, context: int, param: str = "prompt") -> None:

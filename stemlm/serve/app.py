@@ -264,7 +264,7 @@ def create_app(served: Served) -> FastAPI:
             raise ApiError(400, f"model {served.name!r} has no chat template; use /v1/completions, or start the "
                                 "server with --chat-template FILE", "messages", "no_chat_template")
         text = served.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
-        ids = codec.encode(text)
+        ids = codec.encode(text, special=True)
         check_prompt_limit(len(ids), limits, "messages")
         api.check_prompt(ids, served.vocab_size, served.context, "messages")
         requested, param = (body.max_completion_tokens, "max_completion_tokens") \

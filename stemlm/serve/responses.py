@@ -62,7 +62,7 @@ def usage(outcomes: list[Outcome]) -> dict:
 
 def token_text(codec, tok: int) -> str:
     """One token's text, special tokens included (logprob entries name every token)."""
-    return codec.tokenizer.decode([tok], skip_special_tokens=False)
+    return codec.decode([tok], skip_special=False)
 
 
 def completion_logprobs(codec, o: Outcome, echo: bool, offset: int) -> dict:

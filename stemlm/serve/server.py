@@ -2,47 +2,42 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
 import threading
 from pathlib import Path
 
+from ..data.codec import load_codec
+from ..checkpoint.directory import read_config_extras, resolve_checkpoint
+from ..store import Placement, open_model
 from .app import Served, create_app
 from .chat import ChatTemplate, find_chat_template
 from .engine import Engine
 from .guard import Limits
 
 
-def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int = 0, device: str = "cpu",
-                max_batch: int = 16, model_name: str | None = None, chat_template: str | os.PathLike | None = None,
-                tokenizer: str | os.PathLike | None = None, tables_path: str | os.PathLike | None = None,
-                verify: bool = True, table_dtype: str | None = None, limits: Limits | None = None,
+def load_served(ckpt: str | os.PathLike, placement: Placement | str | None = None, max_batch: int = 16,
+                model_name: str | None = None, chat_template: str | os.PathLike | None = None,
+                tokenizer: str | os.PathLike | None = None, verify: bool = True, limits: Limits | None = None,
                 graphs: str = "auto") -> Served:
-    """Load a checkpoint (or a run's newest one) with its tables on ``tier`` into an engine, not yet started.
+    """Open a checkpoint (or a run's newest one) with its tables placed (``stemlm.store.Placement`` or a tier
+    name; default: in memory on the CPU) into an engine, not yet started.
 
     The served name defaults to the checkpoint's directory name (the run's, for a run directory);
-    ``tables_path`` is a separate tables file (``store.export_tables``); ``table_dtype`` re-encodes
-    the tables (``stemlm.model.quant``; default: as stored); ``limits`` bounds what one client may ask
-    (``guard.Limits``; default: no API key, 1 MiB bodies, a queue of 256); ``graphs`` picks the decode
-    step (``stemlm.inference.core``).
+    ``limits`` bounds what one client may ask (``guard.Limits``; default: no API key, 1 MiB bodies, a
+    queue of 256); ``graphs`` picks the decode step (``stemlm.inference.core``).
     """
-    from ..interop.checkpoint import resolve_checkpoint
-    from ..store import load_model_with_tables
-    from ..inference.text import load_text_codec
-
     given = Path(ckpt)
     ckpt = resolve_checkpoint(ckpt)
-    codec = load_text_codec(ckpt, tokenizer)
+    codec = load_codec(ckpt, tokenizer)
     template = find_chat_template(ckpt, codec, chat_template)
     chat = None
     if template is not None:
-        eos = "" if codec.eos_id is None else codec.tokenizer.decode([codec.eos_id], skip_special_tokens=False)
+        eos = "" if codec.eos_id is None else codec.decode([codec.eos_id], skip_special=False)
         chat = ChatTemplate(template, eos_token=eos)
-    model, store = load_model_with_tables(ckpt, tier=tier, tables_path=tables_path, cache_rows=cache_rows,
-                                          device=device, verify=verify, table_dtype=table_dtype)
-    model.eval()
+    model = open_model(ckpt, placement, verify=verify)
+    store = model.tables
     limits = limits or Limits()
     engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store, max_queue=limits.max_queue,
                     request_timeout=limits.request_timeout, graphs=graphs)
@@ -52,8 +47,7 @@ def load_served(ckpt: str | os.PathLike, tier: str = "device", cache_rows: int =
 def _end_ids(ckpt: Path, codec) -> list[int]:
     """Tokens that end a request: the tokenizer's end of text and a converted model's ``eos_token_id``
     (e.g. SmolLM2-Instruct's end of turn ``<|im_end|>``, which its tokenizer.json does not mark)."""
-    config = json.loads((ckpt / "config.json").read_text())
-    eos = config.get("eos_token_id")
+    eos = read_config_extras(ckpt).get("eos_token_id")
     ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
     return list(dict.fromkeys(([codec.eos_id] if codec.eos_id is not None else []) + ids))
 

@@ -1,4 +1,6 @@
-"""Tiered storage for STEM tables behind the table lookup API.
+"""Where the rows of STEM tables live: a ``Placement`` (tier, tables file, cache, prefetch, table dtype,
+device) and ``open_model(checkpoint, placement)``, the one way every command opens a model; the tiers
+themselves are named once, in ``tiers.py`` (one class each).
 
 ``device`` (``StemTable``s in the model's memory), ``host`` (CPU RAM) and ``disk`` (a
 memory-mapped safetensors file) tiers; a ``TableStore`` installed as ``model.tables`` owns the
@@ -7,15 +9,13 @@ that gathers the rows of all layers in the background; row-sparse training goes 
 ``read_rows``/``write_rows``. See docs/offload.md.
 """
 
-from ..config import TIERS
 from .backends import DiskRows, HostRows, QuantRows
 from .cache import HotRowCache
-from .offload import export_tables, load_model_with_tables, offload_tables, table_key
+from .offload import offload_tables, open_model
+from .placement import Placement, placement_of
 from .prefetch import Prefetcher
-from .safetensors_io import TableFileError, read_header, read_metadata, write_safetensors
 from .table import OffloadedTable, TableStore
+from .tiers import TIERS, export_tables, table_key, tier_of
 
-__all__ = ["TIERS", "DiskRows", "HostRows", "HotRowCache", "OffloadedTable", "Prefetcher", "QuantRows", "TableFileError",
-           "TableStore", "export_tables", "load_model_with_tables", "offload_tables", "read_header", "read_metadata",
-           "table_key",
-           "write_safetensors"]
+__all__ = ["TIERS", "DiskRows", "HostRows", "HotRowCache", "OffloadedTable", "Placement", "Prefetcher", "QuantRows",
+           "TableStore", "export_tables", "offload_tables", "open_model", "placement_of", "table_key", "tier_of"]

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from .safetensors_io import TableFileError, map_tensor, tensor_info
+from ..checkpoint.safetensors_io import TableFileError, map_tensor, tensor_info
 
 DISK_MODES = ("r", "c", "r+")
 

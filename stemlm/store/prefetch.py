@@ -1,13 +1,14 @@
 """Background gathering of table rows, issued as soon as the token ids of a forward pass are known.
 
 The prefetcher belongs to a ``TableStore``. ``Prefetcher.prefetch(ids)`` deduplicates the ids
-once and hands one job to a single worker thread, which gathers the rows of every table layer in
+once, hands one job to a single worker thread, which gathers the rows of every table layer in
 layer order (through each table's cache, under the store's lock) and publishes them layer by
-layer. The forward's ``TableStore.rows(ids)`` ``take``s the job when its ids are the prefetched
-ones, and each layer ``wait``s for its own rows when the model reaches it: if the worker has not
-finished that layer yet the forward waits, and the wait is counted as a stall. A forward whose ids
-differ from the prefetched ones (or for which nothing was prefetched) gathers synchronously, so
-issuing a prefetch never changes results, only timing.
+layer, and returns the job. ``TableStore.prefetch(ids)`` hands the caller that job as a ticket (a
+``LayerRows``) which the caller passes to the forward of those ids (``model(ids,
+table_rows=ticket)``): nothing is matched after the fact. Each layer ``wait``s for its own rows
+when the model reaches it: if the worker has not finished that layer yet the forward waits, and
+the wait is counted as a stall. A forward given no ticket gathers synchronously, so issuing a
+prefetch never changes results, only timing.
 
 On CUDA the worker runs on a side stream: rows go through pinned staging memory and are copied
 with ``non_blocking=True``; each layer records an event the consuming stream waits on (no CPU
@@ -42,9 +43,9 @@ READ_AHEAD_LAYERS = 3  # layers hinted beyond the one being gathered
 
 @dataclass
 class Job:
-    """One prefetch: the ids, their unique ids and inverse, and one future per layer."""
+    """One prefetch: its unique ids and inverse, and one future per layer."""
 
-    ids: torch.Tensor  # a private copy of the ids the rows belong to
+    shape: torch.Size  # of the ids the rows belong to
     uniq: torch.Tensor
     inverse: torch.Tensor
     futures: dict[str, Future]  # layer key -> (rows, event); never mutated after creation
@@ -68,11 +69,11 @@ class Prefetcher:
         cuda = self.device.type == "cuda" and torch.cuda.is_available()
         self._stream = torch.cuda.Stream(self.device) if cuda else None
 
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start gathering the rows of ``ids`` for every table (returns at once)."""
+    def prefetch(self, ids: torch.Tensor) -> Job:
+        """Start gathering the rows of ``ids`` for every table; returns the job at once."""
         check_ids(ids, self.num_rows)
         uniq, inverse = unique_ids(ids)
-        job = Job(ids.detach().clone(), uniq, inverse, {k: Future() for k in self.tables},
+        job = Job(ids.shape, uniq, inverse, {k: Future() for k in self.tables},
                   {k: t.version for k, t in self.tables.items()})
         if self._stream is not None:
             job.main_stream = torch.cuda.current_stream(self.device)
@@ -82,6 +83,7 @@ class Prefetcher:
             for fut in old.futures.values():
                 fut.cancel()  # layers the worker has not started are skipped
         self._pool.submit(self._run, job)
+        return job
 
     def _run(self, job: Job) -> None:
         try:
@@ -114,14 +116,6 @@ class Prefetcher:
             fut.set_result((rows, event))
         except BaseException as e:  # re-raised in the forward that takes this layer
             fut.set_exception(e)
-
-    def take(self, ids: torch.Tensor) -> Job | None:
-        """The current job if it was issued for exactly ``ids``, else None."""
-        with self._jobs:
-            job = self._job
-        if job is None or job.ids.shape != ids.shape or job.ids.device != ids.device or not torch.equal(job.ids, ids):
-            return None
-        return job
 
     def wait(self, job: Job, key: str) -> tuple[torch.Tensor, float | None] | None:
         """``(rows, seconds waited or None)`` of layer ``key`` of ``job``; None when that layer was

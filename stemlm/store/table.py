@@ -2,9 +2,10 @@
 hot-row cache) and ``TableStore`` (all of a model's offloaded tables, installed as
 ``model.tables``, with the prefetcher, the lock and the traffic counters).
 
-``TableStore.rows(ids)`` is the one entry of a forward pass: it takes the rows a ``prefetch(ids)``
-gathered in the background when the ids match, else makes the ids unique once and gathers every
-layer synchronously. Tables hold no pointer to their store: the store hands each table its lock
+A forward gets its rows from the store in one of two ways: ``prefetch(ids)`` returns a ticket (a
+``LayerRows`` over the rows a worker gathers in the background) that the caller passes to the
+forward of those ids as ``table_rows``; without one, ``TableStore.rows(ids)`` makes the ids unique
+once and gathers every layer synchronously when the model reaches it. Tables hold no pointer to their store: the store hands each table its lock
 when it builds it, and a write bumps the table's ``version``, which tells the prefetcher that rows
 gathered before it are stale.
 
@@ -172,12 +173,6 @@ class TableStore(Tables):
             self[key] = OffloadedTable(backends[key], device, dtype, caches.get(key), self.lock)
         self.prefetcher = Prefetcher(dict(self.items()), device) if prefetch and len(self) else None
 
-    def rows(self, ids: torch.Tensor) -> LayerRows:
-        """Every layer's rows for ``ids``: those of a matching ``prefetch(ids)``, else gathered now."""
-        job = self.prefetcher.take(ids) if self.prefetcher is not None else None
-        if job is None:
-            return super().rows(ids)
-        return LayerRows({k: (lambda k=k: self._take_layer(job, k)) for k in self.keys()}, job.inverse, ids.shape)
 
     def _take_layer(self, job, key: str) -> torch.Tensor:
         """One layer's rows of a prefetch job (gathered again if a write made them stale)."""
@@ -190,10 +185,14 @@ class TableStore(Tables):
         table.stats.stall_seconds += stall_seconds or 0.0
         return table.gather(job.uniq, rows)
 
-    def prefetch(self, ids: torch.Tensor) -> None:
-        """Start gathering the rows of ``ids`` for every layer (no-op without prefetch)."""
-        if self.prefetcher is not None:
-            self.prefetcher.prefetch(ids)
+    def prefetch(self, ids: torch.Tensor) -> LayerRows | None:
+        """Start gathering the rows of ``ids`` for every layer; returns the ticket to pass to the forward of
+        those ids (``model(ids, table_rows=ticket)``), or None without a prefetch worker (the forward then
+        gathers). A layer a write made stale is gathered again when the forward reaches it."""
+        if self.prefetcher is None:
+            return None
+        job = self.prefetcher.prefetch(ids)
+        return LayerRows({k: (lambda k=k: self._take_layer(job, k)) for k in self.keys()}, job.inverse, job.shape)
 
     def stats(self) -> dict:
         """Totals and per-layer traffic counters, plus cache counters when a cache is on."""

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import ConfigError
-from .spec import RunSpec, slug
+from .runspec import RunSpec, slug
 
 MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..analyze.figures import pyplot, save
+from ..runtime.plotting import pyplot, save
 from .tables import bucket, mean_curve
 
 

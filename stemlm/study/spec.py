@@ -22,41 +22,17 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
 from ..config import ConfigError
+from .runspec import STUDY_VERSION, RunSpec, slug  # noqa: F401  (re-exported: the study's vocabulary)
 
-STUDY_VERSION = 2
 STAGES = ("sweep", "compare", "context", "controls", "midtrain")
 SPEC_KEYS = {"name", "description", "skipped", "data_dir", "optim", "train", "sizes", "budget", "eval", "timing",
              "stability", "probes", "keep_checkpoints", *STAGES}
 STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
-
-
-@dataclass
-class RunSpec:
-    """One training run of a study: what to train, from what, and what to measure afterwards."""
-
-    name: str
-    stage: str
-    overrides: list[str]                          # train config overrides (run.out/data.dir/init_from added at run time)
-    labels: dict[str, Any]                        # size, variant, seed, lr, ... (for the report)
-    parent: str | None = None                     # run whose newest checkpoint starts this one (run.init_from)
-    convert: dict | None = None                   # midtrain: convert_from_hf arguments for run.init_from
-    data: dict = field(default_factory=dict)      # {"dir": path}, {"tokenizer_of_init": True}, {"control": kind}
-    measures: dict = field(default_factory=dict)  # position_loss, geometry, probes: {knowledge: {...}, needle: {...}}
-    eval_tasks: list[str] = field(default_factory=list)
-    eval_init: bool = False                       # also evaluate the model the run starts from (step 0)
-    pending: str | None = None                    # why the run cannot be planned yet (it waits for the sweep)
-    spec_hash: str = ""
-
-    def hash_input(self, parent_hash: str | None) -> dict:
-        return {"version": STUDY_VERSION, "stage": self.stage, "overrides": sorted(self.overrides),
-                "parent": parent_hash, "convert": self.convert, "data": self.data, "measures": self.measures}
 
 
 def load_spec(path_or_name: str | Path) -> dict:
@@ -121,11 +97,6 @@ def _check_eval_tasks(spec: dict, path: Path) -> None:
             raise ConfigError(f"study spec {path}: unknown eval.{key} {unknown} (`stemlm eval --help` lists the tasks)")
 
 
-def slug(text: str) -> str:
-    """A file-name-safe form of a label (``stem-1/3`` -> ``stem-1_3``)."""
-    return str(text).replace("/", "_").replace(",", "+").replace("=", "")
-
-
 def plan(spec: dict, tuned: dict[str, float] | None = None) -> list[RunSpec]:
     """Every run of ``spec`` in execution order (parents first), with ``spec_hash`` filled in.
 
@@ -139,7 +110,8 @@ def plan(spec: dict, tuned: dict[str, float] | None = None) -> list[RunSpec]:
     runs += stages.context_runs(spec, runs)
     runs += stages.control_runs(spec, runs)
     if (m := spec.get("midtrain")):
-        runs += stages.midtrain_runs(spec, m)
+        from .midtrain import midtrain_runs
+        runs += midtrain_runs(spec, m)
     for r in runs:
         r.data = r.data or {"dir": spec.get("data_dir")}
     by_name = {r.name: r for r in runs}

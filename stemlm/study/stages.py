@@ -7,7 +7,7 @@ Naming: ``sweep-SIZE-VARIANT-lrLR-seedS``, ``compare-SIZE-VARIANT-seedS``, ``con
 from __future__ import annotations
 
 from ..config import ConfigError
-from .spec import RunSpec, slug
+from .runspec import RunSpec, slug
 
 DEFAULT_PROBES = {"knowledge": {"limit": None}, "needle": {"trials": 4}}
 
@@ -197,10 +197,3 @@ def control_runs(spec: dict, runs: list[RunSpec]) -> list[RunSpec]:
                            parent=parent, data={"control": "passkey", "seq_len": n["seq_len"]},
                            measures={"probes": {"needle": probe_settings(spec, "needle")}}))
     return out
-
-
-def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
-    """The mid-training arms (``stemlm.study.midtrain.midtrain_runs``)."""
-    from .midtrain import midtrain_runs as runs
-
-    return runs(spec, m)

@@ -5,7 +5,9 @@ docs/training.md.
 """
 
 from .config import TrainConfig, describe_fields, load_train_config, train_defaults
-from .loop import Trainer, TrainingDiverged, TrainResult, train
+from .loop import Trainer, TrainingDiverged
+from .result import TrainResult
+from .run import train
 from .sparse_adam import SparseRowAdamW
 
 __all__ = ["SparseRowAdamW", "TrainConfig", "TrainResult", "Trainer", "TrainingDiverged", "describe_fields",

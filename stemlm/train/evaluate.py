@@ -14,11 +14,12 @@ from pathlib import Path
 import torch
 
 from ..args import yaml_mapping
-from ..interop.checkpoint import load_model, read_config, resolve_checkpoint
+from ..checkpoint.directory import read_config, resolve_checkpoint
 from ..data import TokenDataset, count_eval_batches, iter_eval_batches
 from ..runtime.devices import resolve_device
 from ..runtime.matmul import apply_matmul
 from ..model.quant import codec_of
+from ..store import Placement, open_model, placement_of
 
 
 def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
@@ -68,13 +69,14 @@ DEFAULT_EVAL_BATCHES = 50
 
 def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, batches: int | None = None,
                         batch_size: int | None = None, seq_len: int | None = None,
-                        device: str = "cpu", dtype: str = "float32", matmul: str = "auto",
-                        progress: bool = False, verify: bool = True, table_dtype: str | None = None) -> dict:
+                        placement: Placement | str | None = None, dtype: str = "float32", matmul: str = "auto",
+                        progress: bool = False, verify: bool = True) -> dict:
     """Validation loss/perplexity of a checkpoint or of a run's newest checkpoint.
 
-    ``matmul`` picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.runtime.matmul``);
-    ``verify`` checks the checkpoint's checksums first (``stemlm.interop.integrity``); ``table_dtype``
-    re-encodes the STEM tables (``stemlm.model.quant``; default: as stored).
+    ``placement`` says where the tables live and the compute device (``stemlm.store.Placement``, or a
+    tier name; default: in memory on the CPU, as stored); ``dtype`` is the autocast dtype; ``matmul``
+    picks the GEMM kernels as training's ``run.matmul`` does (``stemlm.runtime.matmul``); ``verify``
+    checks the checkpoint's checksums first (``stemlm.checkpoint.integrity``).
 
     ``data_dir``, ``batch_size`` and ``seq_len`` default to the training config stored beside the
     checkpoint (``config.yaml``), the data dir to the default corpus when that is unknown too.
@@ -84,7 +86,8 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     model is loaded. The result names the batches read.
     """
     path = resolve_checkpoint(ckpt)
-    device = str(resolve_device(device))
+    placement = placement_of(placement)
+    device = str(resolve_device(placement.device or "cpu"))
     run_cfg = _stored_run_config(path)
     data_dir = data_dir or run_cfg.get("data", {}).get("dir")
     if data_dir is None:
@@ -99,12 +102,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     elif batches > available:
         raise ValueError(f"batches {batches}: the validation split of {data_dir} holds only {available} batches of "
                          f"{batch_size} x {seq_len} tokens; ask for {available} or fewer")
-    if table_dtype is None:
-        model = load_model(path, device=device, verify=verify)
-    else:
-        from ..store import load_model_with_tables
-
-        model, _ = load_model_with_tables(path, "device", device=device, verify=verify, table_dtype=table_dtype)
+    model = open_model(path, placement.replace(device=device), verify=verify)
     apply_matmul(model, matmul, device, dtype)
     if ds.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"data vocab_size {ds.vocab_size} exceeds the model's {model.cfg.vocab_size}: wrong --data?")

@@ -6,34 +6,35 @@ gradients, the global norm over backbone *and* table gradients is clipped, and b
 step. The loop never asks where table rows live: ``SparseRowAdamW`` talks to every table object
 through the lookup protocol, so host/disk tables installed in ``model.tables`` train unchanged.
 
-The table path (``run.table_path``, ``run.tables``; ``stemlm.fused``) is applied to the built model
+The table path (``run.table_path``, ``run.tables``; ``stemlm.train.fused``) is applied to the built model
 from outside; ``model.tables`` may take each step's ids ahead (``begin_step``, ``prefetch_step``).
 A step reads back from the device once (the losses and the gradient norm, after backward).
 
 Everything that depends on where the model runs is a seam a subclass overrides, so the loop is
 written once: ``prepare_model`` (install sharded or off-device tables before the optimizers are
 built), ``wrap_forward`` (DDP/FSDP), ``host_batch`` (a rank's slice of ``get_batch``), ``step_values``
-and ``clip_gradients`` (cross-process reductions), ``is_main`` (who writes files). See
-``stemlm.dist.trainer`` for the torchrun implementation.
+and ``clip_gradients`` (cross-process reductions), ``is_main`` (who writes files), and on resume
+``load_weights`` / ``load_optimizer_state`` / ``rng_of`` (a rank's share of a checkpoint). See
+``stemlm.train.dist.trainer`` for the torchrun implementation; ``stemlm.train.run.train`` picks it.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 
 from ..accounting import train_flops_per_token
-from ..interop.checkpoint import CheckpointError, atomic_write_text, clean_interrupted_saves, load_model, write_run_config
+from ..checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_model, load_state_into, write_run_config
 from ..config import ConfigError
 from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
 from ..runtime.devices import resolve_device
+from ..runtime.files import atomic_write_text, clean_interrupted_saves
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
-from ..fused.apply import apply_table_path, resolve_table_path
+from .fused.apply import apply_table_path, resolve_table_path
 from ..model.decoder import StemLM
 from ..insert.anneal import apply_schedule, check_annealable, export_stem
 from ..model.quant import codec_of
@@ -159,11 +160,11 @@ class Trainer:
         self.last_ckpt: Path | None = None
         self.peak_flops: float | None = None  # measured in fit(); MFU is None until then
         if resume_from is not None:
-            self._restore(resume_from)
+            self.restore(resume_from)
 
     # -- setup -----------------------------------------------------------------------------
     def _check_resume(self, resume: bool, allow_changes: tuple[str, ...]) -> Path | None:
-        """The checkpoint to resume (None: a fresh run); the config changes it allows are kept for ``_restore``."""
+        """The checkpoint to resume (None: a fresh run); the config changes it allows are kept for ``restore``."""
         if not ckpt_io.list_checkpoints(self.run_dir):
             return None
         if not resume:
@@ -191,11 +192,19 @@ class Trainer:
         if data.seq_len > mcfg.max_seq_len:
             raise ConfigError(f"data.seq_len={data.seq_len} exceeds model.max_seq_len={mcfg.max_seq_len}")
 
-    def _restore(self, ckpt: Path) -> None:
-        from ..interop.checkpoint import WEIGHTS_FILE, load_state_into
-        load_state_into(self.model, ckpt / WEIGHTS_FILE)
-        ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt)
+    def restore(self, ckpt: Path) -> None:
+        """Resume from ``ckpt``: weights, optimizer state, then counters and RNG (``restore_trainer_state``)."""
+        self.load_weights(ckpt)
+        self.load_optimizer_state(ckpt)
         self.restore_trainer_state(ckpt)
+
+    def load_weights(self, ckpt: Path) -> None:
+        """The weights of ``ckpt`` into ``self.model`` (seam: a rank keeps its own table rows)."""
+        load_state_into(self.model, ckpt / WEIGHTS_FILE)
+
+    def load_optimizer_state(self, ckpt: Path) -> None:
+        """The optimizer state of ``ckpt`` into the optimizers (seam: a rank keeps its rows' table moments)."""
+        ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt)
 
     def restore_trainer_state(self, ckpt: Path) -> None:
         """Counters, spike window, RNG state and the history of allowed config changes of ``ckpt``."""
@@ -214,7 +223,7 @@ class Trainer:
         """The RNG state this process restores from a trainer state (seam: one per rank under torchrun)."""
         return state["rng"]
 
-    # -- seams for distribution applied from outside (stemlm.dist.trainer overrides these) ---
+    # -- seams for distribution applied from outside (stemlm.train.dist.trainer overrides these) ---
     is_main = True  # the process that writes logs, plots and checkpoints
 
     def prepare_model(self, model: StemLM) -> StemLM:
@@ -310,8 +319,13 @@ class Trainer:
         return apply_schedule(self.model, r.anneal, self.step, r.steps, r.anneal_ratio)
 
     def _diverged(self, what: str, step: int | None = None, done: str = "stopped before updating the weights") -> None:
+        raise self.divergence(what, step, done)
+
+    def divergence(self, what: str, step: int | None = None,
+                   done: str = "stopped before updating the weights") -> TrainingDiverged:
+        """The error that stops a diverged run: what happened, at which step, what is intact, how to retry."""
         where = f"the last good checkpoint {self.last_ckpt} is intact" if self.last_ckpt else "no checkpoint was written yet"
-        raise TrainingDiverged(f"{what} at step {step or self.step + 1}; {done}; {where}. {self.retry_advice()}")
+        return TrainingDiverged(f"{what} at step {step or self.step + 1}; {done}; {where}. {self.retry_advice()}")
 
     def retry_advice(self) -> str:
         """The command that resumes this run with a tenth of the learning rate (tested verbatim)."""
@@ -414,18 +428,3 @@ class _NoLog:
 
     def close(self) -> None:
         pass
-
-
-def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None,
-          allow_changes: tuple[str, ...] = ()) -> TrainResult:
-    """Run (or ``resume``) the training described by ``cfg``; ``stop_at`` pauses early (see ``Trainer.fit``).
-
-    ``allow_changes`` names the ``optim.*``/``data.*`` fields that may differ from the resumed
-    checkpoint's config (recorded in ``metrics.jsonl``, the checkpoints and ``config.yaml``).
-    Under ``torchrun`` (``WORLD_SIZE`` > 1) the run is distributed (``stemlm.dist.trainer``).
-    """
-    trainer_cls = Trainer
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from ..dist.trainer import DistributedTrainer as trainer_cls
-    with trainer_cls(cfg, resume=resume, allow_changes=allow_changes) as trainer:
-        return trainer.fit(stop_at=stop_at)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ..interop.checkpoint import atomic_write_text
+from ..runtime.files import atomic_write_text
 from ..runtime.matmul import mm_nn, onednn_available
 
 PEAK_FILE = "peak_flops.json"

@@ -28,7 +28,7 @@ from .sparse_adam import SparseRowAdamW
 
 def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.AdamW, SparseRowAdamW | None]:
     """``(AdamW over the backbone [+ tables in dense mode], SparseRowAdamW | FusedRowAdamW | None)``."""
-    from ..fused import FusedRowAdamW, FusedTables  # here: stemlm.fused builds on this package
+    from .fused import FusedRowAdamW, FusedTables
     tables = dict(model.tables.items()) if hasattr(model, "tables") else {}
     table_params = {id(p) for t in tables.values() if isinstance(t, nn.Module) for p in t.parameters()}
     backbone = [p for p in _unique_params(model) if id(p) not in table_params and p.requires_grad]

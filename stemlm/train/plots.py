@@ -23,10 +23,9 @@ def plot_run(run_dir: str | Path, runs: dict[str, str | Path] | None = None, bas
     by default only ``run_dir`` itself is drawn. ``baseline`` (e.g. the unigram entropy) is drawn
     as a dotted line. Returns the written files.
     """
-    import matplotlib
+    from ..runtime.plotting import pyplot, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     run_dir = Path(run_dir)
     runs = runs or {run_dir.name: run_dir}
@@ -51,8 +50,6 @@ def plot_run(run_dir: str | Path, runs: dict[str, str | Path] | None = None, bas
         ax.set_ylabel("loss (nats/token)")
         ax.grid(alpha=0.3)
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(run_dir / f"{prefix}{name}", dpi=110)
-        plt.close(fig)
+        save(fig, run_dir / f"{prefix}{name}", dpi=110)
         written.append(run_dir / f"{prefix}{name}")
     return written

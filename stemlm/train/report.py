@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import TABLE_KINDS
+from ..ffn import TABLE_KINDS
 from .result import TrainResult
 
 

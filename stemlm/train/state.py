@@ -7,7 +7,7 @@
 * ``trainer_state.json``: step (= data position), tokens/FLOPs seen, spike counter, RNG states,
   the hash of the resume-checked config sections;
 * ``config.yaml`` (the run's ``TrainConfig``) and the tokenizer files of the data dir;
-* ``manifest.json``: size and sha256 of every other file (``stemlm.interop.integrity``), written last.
+* ``manifest.json``: size and sha256 of every other file (``stemlm.checkpoint.integrity``), written last.
 
 Everything loads without executing code (safetensors and json). NaN/inf weights or optimizer
 state are never written; ``resume_checkpoint`` picks the newest checkpoint whose files match their
@@ -28,9 +28,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from ..interop.checkpoint import (CheckpointError, atomic_directory, copy_tokenizer_files, remove_directory, save_pause,
-                          write_model_files)
-from ..interop.integrity import check_finite, verify_checkpoint, write_manifest
+from ..checkpoint.directory import CheckpointError, copy_tokenizer_files, read_json, save_pause, write_model_files
+from ..checkpoint.integrity import check_finite, verify_checkpoint, write_manifest
+from ..runtime.files import atomic_directory, remove_directory
 from .sparse_adam import SparseRowAdamW
 
 OPT_TENSORS, OPT_META, TRAINER_STATE, RUN_CONFIG = "optimizer.safetensors", "optimizer.json", "trainer_state.json", "config.yaml"
@@ -208,10 +208,4 @@ def set_rng_state(state: dict) -> None:
 
 def read_trainer_state(ckpt: Path) -> dict:
     """``trainer_state.json`` of a training checkpoint (clear error if missing or corrupt)."""
-    path = Path(ckpt) / TRAINER_STATE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"{ckpt} is not a training checkpoint (no {TRAINER_STATE})") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt {path}: {e}") from None
+    return read_json(Path(ckpt) / TRAINER_STATE, f"{ckpt} is not a training checkpoint (no {TRAINER_STATE})")

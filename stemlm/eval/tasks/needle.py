@@ -120,9 +120,9 @@ class Needle(Task):
 
 def draw_heatmap(result: dict, path, title: str) -> None:
     """The ``grid`` of a needle result as a depth x length heatmap PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from ...runtime.plotting import pyplot, save
+
+    plt = pyplot()
 
     g = result["grid"]
     fig, ax = plt.subplots(figsize=(1.2 * len(g["lengths"]) + 2.5, 3.6))
@@ -136,6 +136,4 @@ def draw_heatmap(result: dict, path, title: str) -> None:
     ax.set_ylabel("needle depth")
     ax.set_title(f"{title}: pass-key retrieval, trials per cell: {g['trials']}", fontsize=9)
     fig.colorbar(im, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save(fig, path, dpi=120)

@@ -27,14 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..interop.checkpoint import WEIGHTS_FILE, load_state_into
-from ..interop.checkpoint import CheckpointError
-from ..config import ConfigError
-from ..data import get_batch
-from ..interop.integrity import non_finite
-from ..model.decoder import StemLM
-from ..train import state as ckpt_io
-from ..train.loop import Trainer
+from ...config import ConfigError
+from ...data import get_batch
+from ...checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_state_into
+from ...checkpoint.integrity import non_finite
+from ...model.decoder import StemLM
+from .. import state as ckpt_io
+from ..loop import Trainer
 from .sharded_table import ShardedTable, gather_interleaved
 
 
@@ -141,7 +140,8 @@ class DistributedTrainer(Trainer):
                    if isinstance(v, torch.Tensor))]
         bad = non_finite(every)  # the same gathered tensors on every rank: all ranks stop together
         if bad:
-            self._diverged(f"NaN/inf in {', '.join(bad)}; checkpoint not written", self.step, "the weights were updated")
+            raise self.divergence(f"NaN/inf in {', '.join(bad)}; checkpoint not written", self.step,
+                                  "the weights were updated")
         state = self.trainer_state()
         ranks = [None] * self.world_size
         dist.all_gather_object(ranks, state["rng"])
@@ -157,7 +157,8 @@ class DistributedTrainer(Trainer):
         self.last_ckpt = path
         return path
 
-    def _restore(self, ckpt: Path) -> None:
+    def load_weights(self, ckpt: Path) -> None:
+        """The whole checkpoint, then this rank's rows of every table."""
         if self.parallel == "fsdp":
             raise ConfigError("resuming with run.parallel=fsdp is not supported yet; checkpoints are world-size "
                               "independent, so resume this run with run.parallel=ddp or on one process")
@@ -168,9 +169,11 @@ class DistributedTrainer(Trainer):
         with torch.no_grad():
             for name, table in self.model.tables.items():
                 table.weight.copy_(full.tables[name].weight[self.rank::self.world_size])
+
+    def load_optimizer_state(self, ckpt: Path) -> None:
+        """The optimizer state of the checkpoint, the table moments of this rank's rows only."""
         rows = lambda t: t[self.rank::self.world_size].clone()  # noqa: E731
         ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt, table_rows=rows)
-        self.restore_trainer_state(ckpt)
 
     def rng_of(self, state: dict) -> dict:
         ranks = state.get("rng_ranks") or []

@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..runtime.files import atomic_file
+
 
 class TableFileError(ValueError):
     """A table file is corrupt, truncated, or does not hold the expected tensor."""
@@ -183,19 +185,10 @@ def write_safetensors(path: str | os.PathLike, specs: Iterable[tuple[str, torch.
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the format pads the header to an 8-byte boundary
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
-            for key, dtype, shape, rows_fn in specs:
-                _write_rows(f, dtype, shape, rows_fn, chunk_bytes, progress)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp, open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)) + blob)
+        for key, dtype, shape, rows_fn in specs:
+            _write_rows(f, dtype, shape, rows_fn, chunk_bytes, progress)
     return path
 
 

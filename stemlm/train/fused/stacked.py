@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..model.tables import LayerRows, StemTable, Tables, check_ids
+from ...model.tables import LayerRows, StemTable, Tables, check_ids
 from .dedup import Dedup, dedup
 from .mover import to_device_async
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..model.tables import TableLookup, WeightRows, check_ids, unique_ids
+from ...model.tables import TableLookup, WeightRows, check_ids, unique_ids
 
 
 class ShardedTable(WeightRows, TableLookup, nn.Module):

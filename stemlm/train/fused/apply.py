@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..config import ConfigError
-from ..model.tables import StemTable
+from ...config import ConfigError
+from ...model.tables import StemTable
 from .host import install_host_tables
 from .stacked import install_fused_tables
 

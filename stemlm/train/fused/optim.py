@@ -15,7 +15,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..train.sparse_adam import load_scalars, table_state_dict
+from ..sparse_adam import load_scalars, table_state_dict
 from . import cpu_kernel
 from .kernels import Kernel, indexed_update_, row_factors, window_update_
 from .stacked import FusedTables

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ..model.tables import LayerRows, StemTable, check_ids
+from ...model.tables import LayerRows, StemTable, check_ids
 from .dedup import Dedup, dedup
 from .mover import Mover, to_device_async
 from .stacked import FusedTables, StepRows

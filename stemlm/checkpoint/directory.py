@@ -11,19 +11,16 @@ Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_p
 A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
 newest complete one, so every command taking ``--ckpt`` accepts a run or a checkpoint.
 
-Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.interop.integrity``),
+Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.checkpoint.integrity``),
 refuses to write NaN/inf weights, and ``load_model`` verifies the checksums (``verify=False`` skips
 that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
 import json
 import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 
@@ -35,101 +32,13 @@ from ..config import ConfigError, ModelConfig
 from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
 from ..model.decoder import StemLM
 from ..model.quant import RowCodec, codec_of, quantized_tables
+from ..runtime.files import atomic_directory, atomic_write_text
+from .safetensors_io import write_safetensors
 
 CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
-# Names of the work directories beside a final one: ".<name>.tmp-*" (being written), ".<name>.old-<pid>"
-# (the replaced version, while the new one is renamed in), ".<name>.del-<pid>" (being deleted).
-_TMP, _OLD, _DEL = ".tmp-", ".old-", ".del-"
 # Test-only: seconds to sleep between the files of a checkpoint save, so a test can kill a process
 # inside the save window reliably (benchmarks/robustness_kill_resume.py). Never set it otherwise.
 SAVE_PAUSE_ENV = "STEMLM_TEST_SAVE_PAUSE"
-
-
-@contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike):
-    """Yield a temporary directory beside ``final``; on success it replaces ``final`` by rename.
-
-    If the block raises, the temporary directory is removed and ``final`` is untouched. A process
-    killed inside the block leaves a ``.<name>.tmp-*`` directory that ``clean_interrupted_saves``
-    removes.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}{_TMP}", dir=final.parent))
-    try:
-        yield tmp
-        for f in tmp.rglob("*"):  # make the bytes durable before the rename publishes them
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        if final.exists():
-            old = final.with_name(f".{final.name}{_OLD}{os.getpid()}")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(final.parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable (best effort: not every platform allows it)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Replace the file ``path`` by ``text`` atomically (a killed process leaves old or new, never half)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}{_TMP}{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def remove_directory(path: str | os.PathLike) -> None:
-    """Delete a directory so that a kill midway never leaves a half-deleted one under its name."""
-    path = Path(path)
-    doomed = path.with_name(f".{path.name}{_DEL}{os.getpid()}")
-    os.replace(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def clean_interrupted_saves(parent: str | os.PathLike, names: tuple[str, ...] = ("*",)) -> list[Path]:
-    """Tidy what killed ``atomic_directory``/``remove_directory``/``atomic_write_text`` calls left in ``parent``
-    for final names matching a glob of ``names``; returns what was removed.
-
-    Half-written ``.tmp-`` directories and files and half-deleted ``.del-`` directories are removed; an
-    ``.old-`` version whose replacement never arrived (killed between the two renames) is put back.
-    Only call it while no other process writes into ``parent`` (a training run holds its lock).
-    """
-    parent, removed = Path(parent), []
-    if not parent.is_dir():
-        return removed
-    for p in sorted(parent.glob(".*")):
-        marker = next((m for m in (_TMP, _OLD, _DEL) if m in p.name), None)
-        name = p.name[1:].split(marker)[0] if marker else ""
-        if not marker or not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
-            continue
-        if marker == _OLD and not (parent / name).exists():
-            os.replace(p, parent / name)
-            continue
-        shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        removed.append(p)
-    return removed
 
 
 def save_pause() -> None:
@@ -162,8 +71,6 @@ def write_model_files(model: StemLM, directory: Path, extra_config: dict | None 
     state = model_state_for_save(model)
     check_finite(state.items(), "the model to save", "not saved (the model diverged)")
     (directory / CONFIG_FILE).write_text(json.dumps({**hf_config_dict(model.cfg), **(extra_config or {})}, indent=2))
-    from ..store.safetensors_io import write_safetensors  # stemlm.store imports this module
-
     metadata = {"format": "pt", **codec_of(model.tables).metadata()}
     # streamed tensor by tensor, 64 MB at a time: no second copy of the weights in memory
     write_safetensors(directory / WEIGHTS_FILE, [(k, t.dtype, tuple(t.shape), _rows_of(t)) for k, t in state.items()],
@@ -217,21 +124,33 @@ def write_run_config(run_dir: str | os.PathLike, cfg: ModelConfig) -> Path:
     ``AutoModelForCausalLM.from_pretrained(run_dir)`` recognise a training run directory; the
     model then loads from the run's newest checkpoint (``resolve_checkpoint``)."""
     file = Path(run_dir) / CONFIG_FILE
-    tmp = file.with_name(f".{CONFIG_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(hf_config_dict(cfg), indent=2))
-    os.replace(tmp, file)
+    atomic_write_text(file, json.dumps(hf_config_dict(cfg), indent=2))
     return file
+
+
+def read_json(path: str | os.PathLike, missing: str | None = None) -> dict:
+    """A JSON file of a checkpoint; ``CheckpointError`` when it is absent (``missing``, else "missing
+    PATH") or not valid JSON."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(missing or f"missing {path}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"corrupt {path}: {e}") from None
+
+
+def read_config_extras(ckpt_dir: str | os.PathLike) -> dict:
+    """The entries of a checkpoint's ``config.json`` beyond its model config: a converted model's
+    generation token ids (``eos_token_id`` ...) and its provenance (``stemlm_conversion``)."""
+    data = read_json(Path(ckpt_dir) / CONFIG_FILE)
+    return {k: v for k, v in data.items() if k not in hf_config_dict(read_config(ckpt_dir))}
 
 
 def read_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
     """The ``ModelConfig`` stored in a checkpoint directory."""
     file = Path(ckpt_dir) / CONFIG_FILE
-    try:
-        data = json.loads(file.read_text())
-    except FileNotFoundError:
-        raise CheckpointError(f"missing {file}") from None
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"corrupt {file}: {e}") from None
+    data = read_json(Path(ckpt_dir) / CONFIG_FILE)
     if data.get("model_type") != "stemlm":
         raise CheckpointError(f"{file} has model_type={data.get('model_type')!r}, expected 'stemlm' "
                               "(convert a Llama checkpoint with `stemlm convert --from-hf`)")
@@ -287,7 +206,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
 
     ``skip_tables`` leaves the tables uninitialised, for callers that serve them from another
     tier (host, disk) straight from the checkpoint file. ``verify`` first checks the files against
-    the checkpoint's checksum manifest (``stemlm.interop.integrity``).
+    the checkpoint's checksum manifest (``stemlm.checkpoint.integrity``).
     """
     ckpt = resolve_checkpoint(path)
     if verify:
@@ -301,3 +220,18 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype else model.to(device)
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> StemLM:
+    """A StemLM holding exactly ``state``, tensors shared (built on the meta device: no throw-away
+    init); a tied LM head may be absent from ``state``."""
+    with torch.device("meta"):
+        model = StemLM(cfg)
+    if cfg.tie_embeddings:
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    if unexpected or set(missing) - ({"lm_head.weight"} if cfg.tie_embeddings else set()):
+        raise ValueError(f"converted weights do not fit the model: missing {missing}, unexpected {unexpected}")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_embeddings.weight
+    return model.eval()

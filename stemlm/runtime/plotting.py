@@ -1,4 +1,4 @@
-"""Matplotlib without a display: the Agg backend and one way to write a figure."""
+"""Matplotlib without a display: the Agg backend, and one way to write a figure."""
 
 from __future__ import annotations
 

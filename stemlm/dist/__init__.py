@@ -1,1 +1,0 @@
-"""Distribution applied from outside the model: process groups, DDP/FSDP wrapping, sharded tables."""
