@@ -168,7 +168,7 @@ def decode_section(s, preset: str) -> dict:
         torch.manual_seed(0)
         model = StemLM(cfg).to(s["device"]).eval()
         if tier == "host":
-            offload_tables(model, "host", prefetch=True)
+            offload_tables(model, "host")  # Placement("host"): prefetch on
         for batch, graphs in ((1, "off"), (1, "auto"), (16, "auto")):
             if tier == "host" and graphs == "off":
                 continue
