@@ -53,12 +53,15 @@ def convert(calib_tokens: int, out: Path) -> Path:
                            log=print)
 
 
-def facts_and_tokenizer(ckpt: Path):
+def open_for_edits(ckpt: Path):
+    """``(model, facts, codec)``: the model with its tables mapped from disk copy-on-write (29 tables of
+    SmolLM2 are 8.8 GB: only the rows the prompts use are read, and edits never reach the file)."""
     from stemlm.data import corpus_in_vocabulary, load_facts
-    from stemlm.data.codec import load_codec
+    from stemlm.edit.load import load_model_and_tokenizer
 
     corpus = corpus_in_vocabulary(ckpt / "tokenizer.json")
-    return load_facts(corpus), load_codec(ckpt, data_dir=corpus)
+    model, tok = load_model_and_tokenizer(ckpt, corpus, "disk")
+    return model, load_facts(corpus), tok
 
 
 def summarise(result: dict) -> dict:
@@ -107,11 +110,10 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
 
 def evaluate_checkpoint(path: str, args) -> dict:
     from stemlm.edit.evaluate import EditEvalConfig, run_edit_eval
-    from stemlm.checkpoint.directory import load_model, resolve_checkpoint
+    from stemlm.checkpoint.directory import resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
-    model = load_model(ckpt)
-    facts, tok = facts_and_tokenizer(ckpt if (ckpt / "tokenizer.json").exists() else Path(path))
+    model, facts, tok = open_for_edits(ckpt if (ckpt / "tokenizer.json").exists() else Path(path))
     out = {}
     for split in SPLITS:
         cfg = EditEvalConfig(split=split, n_pairs=args.pairs, n_locality=args.locality, relations=("capital",))
@@ -140,12 +142,10 @@ def main() -> None:
     if args.quick:
         args.pairs, args.locality, args.calib_tokens = 4, 8, 16384
     from stemlm.config import resolve_stem_layers
-    from stemlm.checkpoint.directory import load_model
 
     t0 = time.perf_counter()
     ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-full-fit-{args.calib_tokens}")
-    model = load_model(ckpt)
-    facts, tok = facts_and_tokenizer(ckpt)
+    model, facts, tok = open_for_edits(ckpt)
     n = model.cfg.n_layers
     third = list(resolve_stem_layers("1/3", n))
     placements = {"1/3": third, "full": list(model.cfg.table_layers)}
