@@ -63,7 +63,7 @@ def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
                                           **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
                 convert["calib_data"] = m.get("calib_data")
             anneal = arm.get("anneal", "off")
-            ov = (list(spec.get("train") or []) + budget(spec, m) + seeded(seed)
+            ov = (budget(spec, m) + seeded(seed)  # the stage's own settings: the same runs whichever spec includes it
                   + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}"] + list(m.get("train") or [])
                   + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else []))
             suffix = f"-seed{seed}" if len(seeds) > 1 else ""
