@@ -13,7 +13,7 @@ import torch
 from _train_bench import make_trainer, paired_ratio, time_interleaved
 
 from stemlm.accounting import train_flops_per_token
-from stemlm.train.loop import compile_blocks
+from stemlm.train.build import compile_blocks
 
 ARMS = {"dense": ["model.ffn=dense"], "stem-1/3": ["model.ffn=stem", "model.stem_layers=1/3"],
         "stem-full": ["model.ffn=stem", "model.stem_layers=full"]}

@@ -160,7 +160,7 @@ def test_transformers_and_training_refuse_quantized_tables(setup, tmp_path):
             table.sparse_grad = True
     from stemlm.config import ConfigError
     from stemlm.train import load_train_config
-    from stemlm.train.loop import build_model
+    from stemlm.train.build import build_model
 
     cfg = load_train_config("debug", None, ["run.stage=midtrain", f"run.init_from={tmp_path / 'int8'}"])
     with pytest.raises(ConfigError, match="stores its tables as int8, which cannot be trained.*--table-dtype fp32"):

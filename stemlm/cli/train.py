@@ -66,7 +66,7 @@ def _flag_overrides(args) -> list[str]:
 
 def run(args) -> int:
     from ..train import TrainingDiverged, load_train_config, train
-    from ..train.loop import resolve_data_dir
+    from ..train.build import resolve_data_dir
     from ..runtime.devices import resolve_device
     from ..train.report import next_steps_lines, summary_lines, unigram_entropy
 

@@ -240,7 +240,7 @@ class Study:
         final eval batches' losses, geometry and capacity of its tables, the probes."""
         from ..data import iter_eval_batches
         from ..train.evaluate import loss_by_position
-        from ..train.loop import build_model
+        from ..train.build import build_model
 
         out, cfg, m = {}, trainer.cfg, run.measures
         if (pos := m.get("position_loss")):

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 from ..accounting import train_flops_per_token
-from ..checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_model, load_state_into, write_run_config
+from ..checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_state_into, write_run_config
 from ..config import ConfigError
-from ..data import TokenDataset, get_batch, looks_prepared, prepare_default_corpus, prepare_user_data
+from ..data import TokenDataset, get_batch
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_write_text, clean_interrupted_saves
 from ..runtime.malloc import keep_freed_memory
@@ -37,10 +37,10 @@ from ..runtime.matmul import apply_matmul
 from .fused.apply import apply_table_path, resolve_table_path
 from ..model.decoder import StemLM
 from ..insert.anneal import apply_schedule, check_annealable, export_stem
-from ..model.quant import codec_of
 from ..model.tables import check_ids, ids_checked
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
+from .build import build_model, compile_blocks, resolve_data_dir
 from .config import TrainConfig, config_from_yaml_text, resume_changes
 from .lock import RunLock
 from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
@@ -51,51 +51,6 @@ from .schedule import lr_factor
 
 class TrainingDiverged(RuntimeError):
     """The loss or gradient norm became NaN/inf; training stopped before updating the weights."""
-
-
-def resolve_data_dir(cfg: TrainConfig) -> Path:
-    """The prepared data dir a run trains on: ``data.dir`` itself when it is one (or does not exist:
-    the dataset then says so); raw text there (file or directory) prepared once into the cache with
-    a BPE of the explicitly set ``model.vocab_size``; or, with no ``data.dir``, the default corpus."""
-    if cfg.data.dir:
-        path = Path(cfg.data.dir)
-        if not path.exists() or looks_prepared(path):
-            return path
-        return prepare_user_data(path, cfg.model.overrides().get("vocab_size"))
-    return Path(prepare_default_corpus())
-
-
-def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
-    """A fresh model from ``cfg.model`` (vocab from the data unless set), or ``run.init_from``
-    with the explicitly set ``model.*`` fields applied (e.g. ``max_seq_len`` for context extension)."""
-    if not cfg.run.init_from:
-        torch.manual_seed(cfg.run.seed)
-        return StemLM(cfg.model.build(vocab_size=vocab_size))
-    base = load_model(cfg.run.init_from)
-    if (codec := codec_of(base.tables)).quantized:
-        raise ConfigError(f"run.init_from: {cfg.run.init_from} stores its tables as {codec.name}, which cannot be trained; "
-                          f"write fp32 tables first: stemlm convert --ckpt {cfg.run.init_from} --table-dtype fp32 --out DIR")
-    overrides = cfg.model.overrides()
-    if not overrides:
-        return base
-    model = StemLM(base.cfg.replace(**overrides))
-    try:
-        model.load_state_dict(base.state_dict())
-    except RuntimeError as e:
-        raise ConfigError(f"model overrides {sorted(overrides)} change tensor shapes of run.init_from: {str(e).splitlines()[0]}") from None
-    return model
-
-
-def compile_blocks(model: StemLM) -> None:
-    """``torch.compile`` each transformer block in place (``run.compile``).
-
-    Per block rather than the whole model: the table lookups (data-dependent ``unique``) and the
-    chunked loss stay eager outside the compiled regions, blocks of the same kind share one graph,
-    and parameter names are unchanged (checkpoints are the same as eager ones). Measured effect:
-    docs/training.md ("Benchmarks").
-    """
-    for block in model.layers:
-        block.compile()
 
 
 class Trainer:
