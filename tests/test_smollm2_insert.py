@@ -11,7 +11,8 @@ import torch
 from stemlm.data import TokenDataset, corpus_in_vocabulary
 from stemlm.insert.anneal import set_scales
 from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
-from stemlm.interop.convert import llama_config_to_stem_of, llama_to_stem, load_llama, load_tokenizer, resolve_source
+from stemlm.data.codec import load_codec
+from stemlm.interop.convert import llama_config_to_stem_of, llama_to_stem, load_llama, resolve_source
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.slow
 def dense_and_text(tmp_path_factory):
     directory, gguf = resolve_source("smollm2")
     dense = llama_to_stem(load_llama(directory, gguf), ffn="dense")
-    tok = load_tokenizer(directory, gguf)
+    tok = load_codec(tokenizer=directory, prefer="transformers", gguf_file=gguf, hint="").tokenizer
     d = tmp_path_factory.mktemp("tok")
     tok.save_pretrained(d)
     data = corpus_in_vocabulary(d / "tokenizer.json", progress=False)
