@@ -9,9 +9,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# Known and left on purpose: the study runs `stemlm eval` as a subprocess (evalstage.py) while it is
-# being reworked on its own branch; remove the exception with the in-process evaluation.
-ALLOWED_PACKAGE_EDGES = {("stemlm.study", "stemlm.cli")}
+# No package may import a package that imports it back (the study evaluates in-process, without the CLI).
+ALLOWED_PACKAGE_EDGES: set[tuple[str, str]] = set()
 
 
 def _modules() -> dict[str, Path]:

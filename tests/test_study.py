@@ -157,16 +157,14 @@ def test_changed_spec_reruns_only_changed_runs_and_a_stopped_run_resumes(data_di
     assert json.loads((tmp_path / "res" / "runs" / f"{dense.name}.json").read_text())["spec_hash"] != stale
 
 
-def test_eval_unavailable_is_one_line_and_the_study_goes_on(data_dir, tmp_path, capsys, monkeypatch):
-    import stemlm.cli
-
-    monkeypatch.delitem(stemlm.cli.COMMANDS, "eval", raising=False)
+def test_eval_unavailable_is_one_line_and_the_study_goes_on(data_dir, tmp_path, capsys):
     spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, stability=None, context=None,
-                      budget={"steps": 2, "batch_size": 2, "seq_len": 16}, eval={"tasks": ["arc_easy"]},
+                      budget={"steps": 2, "batch_size": 2, "seq_len": 16},
+                      eval={"tasks": ["arc_easy"], "command": [str(tmp_path / "no-such-stemlm"), "eval"]},
                       compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "geometry": False, "lr": 3e-3})
     assert _run(spec, tmp_path) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if "eval" in line]
-    assert lines == ["stemlm study: eval stage skipped: `stemlm eval` is not available in this stemlm (no eval command); "
+    assert lines == [f"stemlm study: eval stage skipped: eval command {str(tmp_path / 'no-such-stemlm')!r} not found; "
                      "the report shows no eval scores (use --skip-eval to silence this)"]
 
 
