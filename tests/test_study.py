@@ -346,3 +346,14 @@ def test_checkpoints_are_found_in_the_scratch_dir_given_now(data_dir, tmp_path):
     here.mkdir(parents=True)
     assert study.checkpoint(run, recorded) == str(here)
     assert study.checkpoint(run, {"checkpoint": None}) is None
+
+
+def test_midtrain_specs_plan_every_arm_on_the_same_tokens():
+    """The CPU and GPU mid-training specs plan dense, calibrated, project and gradual arms with one
+    budget each (same steps, batch, sequence length and lr in every arm)."""
+    for name in ("midtrain", "midtrain-gpu"):
+        runs = [r for r in plan(load_spec(name)) if r.stage == "midtrain"]
+        assert {"dense", "stem-calibrated", "stem-project", "stem-gradual"} <= {r.labels["variant"] for r in runs}, name
+        budgets = {tuple(o for o in r.overrides if o.split("=")[0] in
+                         ("run.steps", "data.batch_size", "data.seq_len", "optim.lr")) for r in runs}
+        assert len(budgets) == 1, (name, budgets)
