@@ -172,3 +172,29 @@ def test_one_writer_per_run_dir(data_dir, tmp_path):
             with pytest.raises(RunLocked, match=f"pid {os.getpid()}"):  # also within one process
                 Trainer(debug_config(data_dir, out, "run.steps=3"))
     assert (out / "train.lock").read_text() == ""  # released cleanly: nothing stale for the next one
+
+
+def test_a_full_disk_while_saving_is_one_line_and_the_previous_checkpoint_is_kept(data_dir, tmp_path, capsys,
+                                                                                   monkeypatch):
+    import stemlm.train.state as state
+    from safetensors import SafetensorError
+
+    run = tmp_path / "run"
+    args = ["train", "--preset", "debug", "--data", str(data_dir), "--out", str(run), "run.steps=4", "run.ckpt_every=2",
+            *QUIET]
+    real = state.save_file
+
+    def full_disk_at_step_4(tensors, path):
+        if "step_00000004" in path:  # what safetensors raises when the disk fills up
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return real(tensors, path)
+
+    monkeypatch.setattr(state, "save_file", full_disk_at_step_4)
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "No space left on device" in err[0] and "step_00000004" in err[0], err
+    assert [p.name for p in list_checkpoints(run)] == ["step_00000002"]
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]  # no half-written directory
+    monkeypatch.setattr(state, "save_file", real)
+    assert main([*args, "--resume"]) == 0  # continues from step 2
+    assert [p.name for p in list_checkpoints(run)][-1] == "step_00000004"

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from ..runtime.files import SaveError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "info": ("stemlm.cli.info", "parameters, FLOPs, bytes per decode step and STEM layer placement of a model"),
     "convert": ("stemlm.cli.convert", "convert a Hugging Face Llama checkpoint to stemlm, or a dense stemlm model back"),
@@ -27,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("stemlm.cli.demo", "train a small STEM model that knows country facts and edit one by swapping rows"),
 }
 
-USER_ERRORS = (ValueError, IndexError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
+USER_ERRORS = (ValueError, IndexError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError, SaveError)
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -4,7 +4,8 @@
   block ends the bytes are made durable and renamed over ``path``; if it raises, the temporary file is
   removed and ``path`` is untouched;
 * ``atomic_write_text(path, text)`` is that for a text;
-* ``atomic_directory(final)`` does the same for a whole directory (checkpoints);
+* ``atomic_directory(final)`` does the same for a whole directory (checkpoints); a write that fails
+  (disk full, ...) raises ``SaveError``, one line naming the directory, and the old version stays;
 * ``remove_directory(path)`` deletes a directory so that a kill midway leaves no half-deleted one;
 * ``clean_interrupted_saves(parent)`` tidies what killed writers left behind.
 
@@ -22,6 +23,15 @@ import tempfile
 from pathlib import Path
 
 TMP, OLD, DEL = ".tmp-", ".old-", ".del-"
+
+
+class SaveError(OSError):
+    """A directory could not be written (disk full, permissions, ...); what was there before is kept."""
+
+
+def _save_error(final: Path, e: BaseException) -> SaveError:
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+    return SaveError(f"could not write {final}: {reason}; nothing already saved there was changed")
 
 
 def _tmp_name(path: Path) -> Path:
@@ -96,9 +106,11 @@ def atomic_directory(final: str | os.PathLike):
         else:
             os.replace(tmp, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if isinstance(e, SaveError) or not (isinstance(e, OSError) or type(e).__name__ == "SafetensorError"):
+            raise
+        raise _save_error(final, e) from e  # e.g. "No space left on device", from os or from safetensors
 
 
 def remove_directory(path: str | os.PathLike) -> None:
