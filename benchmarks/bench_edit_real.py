@@ -134,6 +134,7 @@ def main() -> None:
     p.add_argument("--layers", default="all", help="single layers to attribute: 'all', 'none' or '2,5,...'")
     p.add_argument("--placement", action="append", default=[], metavar="LABEL=LAYERS",
                    help="another placement to evaluate, e.g. 'early=1,2,3,4,5,6' (repeatable)")
+    p.add_argument("--singles-only", action="store_true", help="only the single layers of --layers (no 1/3 and full)")
     p.add_argument("--ckpt", action="append", default=[], help="also evaluate this mid-trained STEM checkpoint")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
@@ -148,7 +149,7 @@ def main() -> None:
     model, facts, tok = open_for_edits(ckpt)
     n = model.cfg.n_layers
     third = list(resolve_stem_layers("1/3", n))
-    placements = {"1/3": third, "full": list(model.cfg.table_layers)}
+    placements = {} if args.singles_only else {"1/3": third, "full": list(model.cfg.table_layers)}
     singles = [] if args.layers == "none" else list(model.cfg.table_layers) if args.layers == "all" else \
         [int(x) for x in args.layers.split(",")]
     if args.quick:
