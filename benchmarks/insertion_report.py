@@ -215,24 +215,26 @@ def edit_section(data: dict) -> list[str]:
            f"`python benchmarks/bench_edit_real.py`: the dense model with STEM placed at a set of layers (calibrated "
            f"rows, {data['calib_tokens']:,} calibration tokens, fitted on the dense activations), {data['pairs']} country "
            "pairs, capitals; a pair's rows are swapped in the placed layers and every known capital question of each "
-           "country is asked. *Known* = the placed model answers both countries right before the edit; *flip* = the "
+           "country is asked. *Knows* = capital questions the placed model answers right (top-1 first token) of those asked; "
+           "*edited facts* = facts of the edit pairs it answers right for both countries before the edit; *flip* = the "
            "other country's capital is the top-1 answer after it; locality = other countries' top-1 answers "
            f"unchanged ({data['locality']} per edit); undo = logits bitwise equal after undoing. Goal: ≥ "
            f"{EDIT_FLIP_GOAL:.0%} flips on held-out phrasings with ≥ {EDIT_LOCALITY_GOAL:.0%} locality.", "",
-           "| phrasing | dense model knows | STEM at | knows | flips | p(target) before → after | locality | undo |",
-           "|---|---:|---|---:|---:|---:|---:|---:|"]
+           "| phrasing | dense model knows | STEM at | knows | edited facts | flips | p(target) before → after | locality | undo |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for split, rows in pl.items():
         dk = data["dense_known"][split]
         for label in [k for k in rows if not k.isdigit()]:
             r = rows[label]
-            out.append(f"| {split} | {dk['first']}/{dk['asked']} | {label} ({len(r['layers'])} layers) | {r['known']} | "
+            out.append(f"| {split} | {dk['first']}/{dk['asked']} | {label} ({len(r['layers'])} layers) | "
+                       f"{r['known_facts']}/{r['probes']} | {r['known']} | "
                        f"{_pct(r['success'])} | {_f(r['prob_target_before'])} → {_f(r['prob_target_after'])} | "
                        f"{_pct(r['locality_top1'])} | {_pct(r['reversible'])} |")
     for m in data.get("midtrained", []):
         for split in ("train", "heldout_template"):
             r = m[split]
             out.append(f"| {split} | | mid-trained `{Path(m['checkpoint']).parent.parent.name}` ({len(m['layers'])} "
-                       f"layers) | {r['known']} | {_pct(r['success'])} | {_f(r['prob_target_before'])} → "
+                       f"layers) | {r['known_facts']}/{r['probes']} | {r['known']} | {_pct(r['success'])} | {_f(r['prob_target_before'])} → "
                        f"{_f(r['prob_target_after'])} | {_pct(r['locality_top1'])} | {_pct(r['reversible'])} |")
     singles = {int(k): v for k, v in pl.get("heldout_template", {}).items() if k.isdigit()}
     if singles:

@@ -271,13 +271,20 @@ REAL_FLIP_GOAL = 0.8
 def edit_real(r: dict) -> tuple[str, str]:
     held = r["placements"]["heldout_template"]
     named = {k: v for k, v in held.items() if not k.isdigit()}
-    best = max(named, key=lambda k: named[k]["success"] or 0)
-    cells = ", ".join(f"STEM at {k}: **{pct(v['success'])}** flips (n={v['known']}), locality "
-                      f"{pct(v['locality_top1'])}" for k, v in named.items())
-    undo = all(v["reversible"] == 1 for v in held.values())
-    b = named[best]
-    ok = b["success"] >= REAL_FLIP_GOAL and b["locality_top1"] >= LOCALITY_GOAL and undo
-    return (f"{r['pairs']} country pairs, held-out phrasings: {cells}; undo {'exact' if undo else 'not exact'} "
+
+    def flips(v: dict) -> str:
+        return f"{pct(v['success'])} of {v['known']}" if v["success"] is not None else f"none of {v['known']}"
+
+    cells = ", ".join(f"STEM at {k}: knows {v['known_facts']}/{v['probes']}, flips {flips(v)}" for k, v in named.items())
+    mid = [(m["heldout_template"], m["train"]) for m in r.get("midtrained", [])]
+    mid_cell = "".join(f"; mid-trained STEM-1/3: knows {h['known_facts']}/{h['probes']}, flips {flips(h)} "
+                       f"(training phrasing {flips(t)}), locality {pct(h['locality_top1'])}" for h, t in mid)
+    runs = list(named.values()) + [h for h, _ in mid]
+    undo = all(v["reversible"] in (1, None) for v in runs)
+    ok = any((v["success"] or 0) >= REAL_FLIP_GOAL and v["locality_top1"] >= LOCALITY_GOAL for v in runs) and undo
+    dense = r["dense_known"]["heldout_template"]
+    return (f"{r['pairs']} country pairs, held-out phrasings, dense knows {dense['first']}/{dense['asked']}: {cells}"
+            f"{mid_cell}; undo {'exact' if undo else 'not exact'} "
             "([docs](docs/insertion.md#editing-a-real-models-facts-by-rows-smollm2-135m))"), yes(ok)
 
 
