@@ -135,6 +135,7 @@ def main() -> None:
         if seen is not None:
             entry["heldout_tokens_seen_share"] = float(seen[val_ids].float().mean())
         result["runs"][k] = entry
+        result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
         print(f"{k}: loss {loss:.3f} (dense {result['runs'][key]['loss']:.3f}, +{entry['delta_vs_dense']:.2f})", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
