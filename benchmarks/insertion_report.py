@@ -140,6 +140,9 @@ def midtrain_section(study: Path) -> list[str]:
                 s = e["result"]["tasks"].get(t) or {}
                 cells.append(f"{s['acc']:.3f} ± {s.get('acc_stderr') or 0:.3f}" if s.get("acc") is not None else "–")
             out.append(f"| {run.split('-', 2)[-1]} | {point} | " + " | ".join(cells) + " |")
+        missing = [name for name, r in by.items() if not any(run == r["name"] for run, _ in evals)]
+        if missing:
+            out += ["", f"Not evaluated zero-shot (yet): {', '.join(missing)}."]
     plot = plot_midtrain(by)
     if plot:
         out += ["", f"![mid-training curves]({Path('..') / plot.relative_to(ROOT)})"]
@@ -203,6 +206,8 @@ def plot_midtrain(by: dict) -> Path | None:
             b.plot(steps[k - 1:], np.convolve(gap, np.ones(k) / k, mode="valid"), label=name)
     a.set(xlabel="tokens", ylabel="validation loss (nats)", yscale="log", title="SmolLM2-135M mid-training")
     b.axhline(0, color="k", lw=0.8)
+    if any(r["labels"].get("anneal", "off") != "off" for r in by.values()):
+        b.axhline(ANNEAL_GOAL, color="grey", ls="--", lw=0.8, label=f"gradual-insertion bound (+{ANNEAL_GOAL})")
     b.set(xlabel="step", ylabel="training loss − dense, same batch (10-step mean)", title="gap to dense continued")
     a.legend(fontsize=8)
     b.legend(fontsize=8)
