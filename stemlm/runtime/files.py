@@ -4,8 +4,8 @@
   block ends the bytes are made durable and renamed over ``path``; if it raises, the temporary file is
   removed and ``path`` is untouched;
 * ``atomic_write_text(path, text)`` is that for a text;
-* ``atomic_directory(final)`` does the same for a whole directory (checkpoints); a write that fails
-  (disk full, ...) raises ``SaveError``, one line naming the directory, and the old version stays;
+* ``atomic_directory(final)`` does the same for a whole directory (checkpoints);
+* in both, a write the storage refuses (disk full, read-only, ...) raises ``SaveError``, one line naming the target;
 * ``remove_directory(path)`` deletes a directory so that a kill midway leaves no half-deleted one;
 * ``clean_interrupted_saves(parent)`` tidies what killed writers left behind.
 
@@ -16,6 +16,7 @@ replaced directory, while the new one is renamed in), ``.<name>.del-<pid>`` (bei
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import os
 import shutil
@@ -29,7 +30,19 @@ class SaveError(OSError):
     """A directory could not be written (disk full, permissions, ...); what was there before is kept."""
 
 
-def _save_error(final: Path, e: BaseException) -> SaveError:
+# Write failures of the storage itself; any other error (a missing input, a bad tensor) passes through as it is.
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EIO}
+
+
+def _save_error(final: Path, e: BaseException) -> SaveError | None:
+    """``e`` as a one-line ``SaveError`` naming ``final`` when the storage refused the write, else None.
+    safetensors reports the same failures as ``SafetensorError("... I/O error: ...")``."""
+    if isinstance(e, OSError) and not isinstance(e, SaveError):
+        storage = e.errno in _STORAGE_ERRNOS
+    else:
+        storage = type(e).__name__ == "SafetensorError" and "I/O error" in str(e)
+    if not storage:
+        return None
     reason = (str(e).strip().splitlines() or [type(e).__name__])[-1]
     return SaveError(f"could not write {final}: {reason}; nothing already saved there was changed")
 
@@ -71,9 +84,12 @@ def atomic_file(path: str | os.PathLike):
         yield tmp
         _fsync_file(tmp)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
-        raise
+        error = _save_error(path, e)
+        if error is None:
+            raise
+        raise error from e
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -108,9 +124,10 @@ def atomic_directory(final: str | os.PathLike):
         fsync_dir(final.parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, SaveError) or not (isinstance(e, OSError) or type(e).__name__ == "SafetensorError"):
+        error = _save_error(final, e)  # e.g. "No space left on device", from os or from safetensors
+        if error is None:
             raise
-        raise _save_error(final, e) from e  # e.g. "No space left on device", from os or from safetensors
+        raise error from e
 
 
 def remove_directory(path: str | os.PathLike) -> None:
