@@ -231,16 +231,12 @@ def edit_section(data: dict) -> list[str]:
         dk = data["dense_known"][split]
         for label in [k for k in rows if not k.isdigit()]:
             r = rows[label]
-            out.append(f"| {split} | {dk['first']}/{dk['asked']} | {label} ({len(r['layers'])} layers) | "
-                       f"{r['known_facts']}/{r['probes']} | {r['known']} | "
-                       f"{_pct(r['success'])} | {_f(r['prob_target_before'])} → {_f(r['prob_target_after'])} | "
-                       f"{_pct(r['locality_top1'])} | {_pct(r['reversible'])} |")
+            out.append(_edit_row(split, f"{dk['first']}/{dk['asked']}", f"{label} ({len(r['layers'])} layers)", r))
     for m in data.get("midtrained", []):
         for split in ("train", "heldout_template"):
             r = m[split]
-            out.append(f"| {split} | | mid-trained `{Path(m['checkpoint']).parent.parent.name}` ({len(m['layers'])} "
-                       f"layers) | {r['known_facts']}/{r['probes']} | {r['known']} | {_pct(r['success'])} | {_f(r['prob_target_before'])} → "
-                       f"{_f(r['prob_target_after'])} | {_pct(r['locality_top1'])} | {_pct(r['reversible'])} |")
+            out.append(_edit_row(split, "", f"mid-trained `{Path(m['checkpoint']).parent.parent.name}` "
+                                 f"({len(m['layers'])} layers)", r))
     singles = {int(k): v for k, v in pl.get("heldout_template", {}).items() if k.isdigit()}
     if singles:
         plot = plot_layers(singles, {int(k): v for k, v in pl.get("train", {}).items() if k.isdigit()})
@@ -250,6 +246,13 @@ def edit_section(data: dict) -> list[str]:
                 ", ".join(f"{i} ({singles[i]['prob_shift']:+.3f})" for i in best) + ".",
                 "", f"![per-layer attribution]({Path('..') / plot.relative_to(ROOT)})" if plot else ""]
     return out
+
+
+def _edit_row(split: str, dense_knows: str, placed: str, r: dict) -> str:
+    """One row of the edit table: a placement's (or a mid-trained model's) result on one phrasing split."""
+    return (f"| {split} | {dense_knows} | {placed} | {r['known_facts']}/{r['probes']} | {r['known']} | "
+            f"{_pct(r['success'])} | {_f(r['prob_target_before'])} → {_f(r['prob_target_after'])} | "
+            f"{_pct(r['locality_top1'])} | {_pct(r['reversible'])} |")
 
 
 def plot_layers(held: dict, train: dict) -> Path | None:
