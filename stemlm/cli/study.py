@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "step time side by side)")
             p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` on each checkpoint)")
             p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+            p.add_argument("--jobs", type=int, default=1,
+                           help="train in this many processes at once, cores // JOBS threads each (default 1; "
+                                "separately started `study run` processes on the same dirs also share the work)")
     p = sub.add_parser("report", help="write report.md and PNGs from a results dir",
                        description="write report.md and PNGs from a results dir (reads its JSON only)")
     p.add_argument("results_dir", help="results dir of a study (holds runs/*.json)")
@@ -48,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..study import Study, default_dirs, load_spec, parse_stages, run_study, write_report
+    from ..study.spec import STAGES
 
     if args.action == "report":
         print(f"wrote {write_report(args.results_dir, args.out)}")
@@ -73,11 +78,22 @@ def run(args) -> int:
                   + f"; total {total / 60:.0f} min" + (f" ({len(est['untimed'])} runs not timed)" if est["untimed"] else ""))
         return 0
     log = lambda msg: print(f"stemlm study: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    out = run_study(spec, results, scratch, parse_stages(args.stages), args.skip_eval, not args.no_report, log)
+    stages, t0 = parse_stages(args.stages), time.perf_counter()
+    if args.jobs < 1:
+        raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
+    if args.jobs > 1 and (train := [s for s in stages if s in STAGES]):
+        from ..study.workers import run_workers
+
+        run_workers(["study", "run", "--spec", "quick" if args.quick else args.spec, "--results", str(results),
+                     "--scratch", str(scratch), "--stages", ",".join(train), "--no-report"], args.jobs, log)
+        stages = tuple(s for s in stages if s not in STAGES)  # timing, eval and the report: here, on every core
+    out = run_study(spec, results, scratch, stages, args.skip_eval, not args.no_report, log)
     c = out["runs"]
-    print(f"study {spec['name']}: {c['trained']} runs trained ({c['diverged']} diverged), {c['skipped']} skipped"
-          + (f", {c['pending']} waiting for the sweep" if c.get("pending") else "")
-          + (f"; eval {out['eval']}" if out["eval"] else "") + f"; {out['seconds']:.0f}s")
+    trained = (f"runs trained by {args.jobs} workers (their lines above)" if stages != parse_stages(args.stages) else
+               f"{c['trained']} runs trained ({c['diverged']} diverged), {c['skipped']} skipped"
+               + (f", {c['pending']} waiting for the sweep" if c.get("pending") else ""))
+    print(f"study {spec['name']}: {trained}"
+          + (f"; eval {out['eval']}" if out["eval"] else "") + f"; {time.perf_counter() - t0:.0f}s")
     if out["report"]:
         print(f"report: {out['report']}")
     return 0

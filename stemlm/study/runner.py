@@ -101,11 +101,16 @@ class Study:
         return str(here) if here.exists() else stored
 
     # -- the study --------------------------------------------------------------------------
-    def run(self, stages: tuple[str, ...] = STAGES) -> dict:
+    def run(self, stages: tuple[str, ...] = STAGES, poll: float = 10.0) -> dict:
         """Train every run of the selected stages (and the runs they continue); returns counts.
 
-        The sweep goes first; then the study is planned again with the lrs it picked. A selected
-        run that waits for the sweep has its sweep runs trained first."""
+        The sweep goes first; the study is planned again with the lrs it picked after every run. A
+        selected run that waits for the sweep has its sweep runs trained first. Each run is claimed
+        before training (``workers.RunClaims``), so other processes on the same results/scratch
+        dirs train other runs meanwhile; a run held by another process is waited for (every
+        ``poll`` seconds) only when nothing else is left to do."""
+        from .workers import RunClaims
+
         counts = {"trained": 0, "skipped": 0, "diverged": 0, "pending": 0}
         for stage in STAGES:
             if stage in stages and not any(r.stage == stage for r in self.runs):
@@ -114,17 +119,58 @@ class Study:
         waiting = any(r.pending for r in self.runs if r.stage in stages)
         if waiting and "sweep" not in stages:
             self.log("the runs selected wait for the sweep's lrs: training the sweep first")
-        for run in self.runs:
-            if run.stage == "sweep" and ("sweep" in stages or waiting):
-                self.ensure(run, counts)
-        self.replan()
-        for run in self.runs:
-            if run.stage in stages and run.stage != "sweep":
-                if run.pending:
-                    counts["pending"] += 1
-                    self.log(f"{run.name}: not trained, it {run.pending}")
+        wanted = lambda r: r.stage in stages or (r.stage == "sweep" and waiting)  # noqa: E731
+        for r in self.runs:
+            if wanted(r) and (done := self.result(r)) is not None:
+                counts["skipped"] += 1
+                self.log(f"{r.name}: finished earlier ({done['status']}), skipped")
+        claims, given_up = RunClaims(self.scratch), set()
+        while True:
+            self.replan()
+            need = {r.name for r in self.runs if wanted(r)}
+            for r in reversed(self.runs):  # the runs they continue (parents come first in the plan)
+                if r.name in need and r.parent:
+                    need.add(r.parent)
+            sweep_left = any(r.stage == "sweep" and r.name in need and self.result(r) is None for r in self.runs)
+            busy, picked = False, None
+            for r in self.runs:
+                if r.name not in need or r.name in given_up or self.result(r) is not None:
                     continue
-                self.ensure(run, counts)
+                if r.pending:
+                    busy |= sweep_left
+                    if not sweep_left:
+                        given_up.add(r.name)
+                        counts["pending"] += 1
+                        self.log(f"{r.name}: not trained, it {r.pending}")
+                    continue
+                if r.parent and (parent := self.result(self.by_name[r.parent])) is None:
+                    busy = True  # its parent is being trained, here or by another process
+                    continue
+                if r.parent and parent["status"] != "finished":
+                    given_up.add(r.name)
+                    self.log(f"{r.name}: not trained, the run it continues ({r.parent}) diverged")
+                    continue
+                key = self.run_dir(r).name
+                if not claims.take(key):
+                    busy = True
+                    continue
+                picked = r
+                break
+            if picked is None:
+                if not busy:
+                    break
+                time.sleep(poll)
+                continue
+            try:
+                self.log(f"{picked.name}: training")
+                result = self.execute(picked)
+            finally:
+                claims.release(self.run_dir(picked).name)
+            counts["trained"] += 1
+            counts["diverged"] += result["status"] == "diverged"
+            self.log(f"{picked.name}: {result['status']}, val loss {result['metrics']['final_val_loss']}, "
+                     f"{result['timings']['total_seconds']:.0f}s")
+        self.replan()
         write_json(self.results / "study.json", {"name": self.spec["name"], "spec": self.spec,
                                                  "runs": [r.name for r in self.runs], "tuned": self.tuned, **provenance()})
         return counts
