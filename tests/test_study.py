@@ -357,3 +357,10 @@ def test_midtrain_specs_plan_every_arm_on_the_same_tokens():
         budgets = {tuple(o for o in r.overrides if o.split("=")[0] in
                          ("run.steps", "data.batch_size", "data.seq_len", "optim.lr")) for r in runs}
         assert len(budgets) == 1, (name, budgets)
+
+
+def test_plan_of_a_midtrain_spec_lists_its_arms(tmp_path, capsys):
+    """A spec without model sizes (a pretrained model's mid-training) plans and estimates without error."""
+    assert main(["study", "plan", "--spec", "midtrain", "--results", str(tmp_path / "res")]) == 0
+    out = capsys.readouterr().out
+    assert "midtrain-smollm2-dense" in out and "midtrain-smollm2-stem-calibrated" in out

@@ -136,7 +136,11 @@ def estimate(study, timing: dict | None = None, eval_cost: float = 0.35, run_ove
     untimed = []
     for run in study.runs:
         ov = dict(o.split("=", 1) for o in run.overrides if "=" in o)
-        size = run.labels.get("size") or next(iter(study.spec["sizes"]))
+        # mid-training runs are a pretrained model's, not one of the spec's sizes: not timed here
+        size = run.labels.get("size") or (None if run.stage == "midtrain" else next(iter(study.spec["sizes"] or {}), None))
+        if size is None:
+            untimed.append(run.name)
+            continue
         variant = run.labels.get("variant", "dense")
         entry = ((timing.get("sizes") or {}).get(size) or {})
         step = (entry.get(variant) or entry.get("dense") or {}).get("step_seconds")
