@@ -163,3 +163,17 @@ def test_seeds_needed_to_settle_an_inconclusive_difference():
     sd = d.se * math.sqrt(3)
     assert mde(sd / math.sqrt(n), n - 1) <= 0.05 < mde(sd / math.sqrt(n - 1), n - 2)
     assert seeds_needed(one_sample([0.3])) is None and seeds_needed(one_sample([1.0, -1.0, 0.01])) == 101
+
+
+def test_a_best_lr_at_the_grid_top_is_flagged_unless_a_worse_run_beyond_it_brackets_it():
+    from stemlm.study.tuning import best_lrs
+
+    def run(variant, lr, loss):
+        return {"stage": "sweep", "status": "finished", "name": f"{variant}-{lr}", "metrics": {"final_val_loss": loss},
+                "labels": {"variant": variant, "lr": lr, "roles": ["tune"]}}
+    runs = [run("a", 1e-3, 6.0), run("a", 4e-3, 5.5), run("b", 1e-3, 6.0), run("b", 4e-3, 5.5), run("b", 3e-2, 5.8),
+            run("c", 1e-3, 6.0), run("c", 4e-3, 5.5), run("c", 3e-2, 5.4)]
+    best = best_lrs(runs, [1e-3, 4e-3])
+    assert (best["a"]["lr"], best["a"]["edge"]) == (4e-3, "high")  # nothing measured above: the optimum may be there
+    assert (best["b"]["lr"], best["b"]["edge"]) == (4e-3, None)    # 3e-2 did worse: bracketed
+    assert (best["c"]["lr"], best["c"]["edge"]) == (4e-3, "high")  # 3e-2 did better, outside the grid: still flagged

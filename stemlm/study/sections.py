@@ -28,7 +28,7 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
     lines = ["## 1. Equal tuning: the learning-rate sweep", "",
              f"Every variant at every peak lr of the grid, the same seeds{f', {steps} steps' if steps else ''}, the same "
              "optimizer setting; the best lr of each variant (lowest mean final validation loss; bold) is the one its "
-             "comparison runs use. ◂ / ▸: the best lr is the grid's smallest / largest (the optimum may lie outside). "
+             "comparison runs use. ◂ / ▸: the best lr is the grid's smallest / largest and no worse run lies beyond it (the optimum may lie outside). "
              "Cells without a tuning role are the stability stage's extra lrs.", ""]
     body = []
     for variant, cells in sweep.items():

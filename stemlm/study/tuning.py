@@ -3,7 +3,8 @@
 The sweep trains each variant at each lr of its tuning grid (``sweep.lrs``) with the same seeds,
 steps and optimizer setting. A variant's best lr is the one with the lowest mean final validation
 loss over the sweep seeds (a diverged run counts as infinitely bad); ties go to the smaller lr. A
-best lr at either end of the grid is flagged: the optimum may lie outside it.
+best lr at either end of the grid is flagged — the optimum may lie outside it — unless a run at an lr
+beyond that end (the stability stage's extra lrs) did worse, which brackets the optimum.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def best_lrs(runs: list[dict], grid: list[float] | None = None) -> dict[str, dic
         lrs = sorted(tune)
         best = min(lrs, key=lambda lr: (tune[lr]["loss"], lr))
         edge = "low" if best == lrs[0] and len(lrs) > 1 else "high" if best == lrs[-1] and len(lrs) > 1 else None
+        beyond = [c["loss"] for lr, c in cells.items() if lr not in tune and (lr < best if edge == "low" else lr > best)]
+        if edge and any(loss > tune[best]["loss"] for loss in beyond):
+            edge = None  # a worse run beyond the grid's end brackets the optimum
         out[variant] = {"lr": best, "loss": tune[best]["loss"], "edge": edge, "grid": lrs}
     return out
 
