@@ -364,3 +364,26 @@ def test_plan_of_a_midtrain_spec_lists_its_arms(tmp_path, capsys):
     assert main(["study", "plan", "--spec", "midtrain", "--results", str(tmp_path / "res")]) == 0
     out = capsys.readouterr().out
     assert "midtrain-smollm2-dense" in out and "midtrain-smollm2-stem-calibrated" in out
+
+
+def test_a_stored_evaluation_covering_more_tasks_is_not_redone(data_dir, tmp_path):
+    """An eval JSON with the run's hash and limit that covers the tasks asked counts (a mid-training run
+    evaluated by its own spec on more tasks, reused by a study that asks for fewer); one that lacks a task is redone."""
+    from stemlm.study.evalstage import run_evals
+
+    spec = write_spec(tmp_path / "ci.yaml", data_dir, sweep=None, stability=None, context=None,
+                      budget={"steps": 2, "batch_size": 2, "seq_len": 16},
+                      eval={"tasks": ["arc_easy"], "limit": 5, "command": [sys.executable, str(FIXTURES / "fake_eval.py")]},
+                      compare={"sizes": ["d64"], "seeds": [0], "variants": ["dense"], "geometry": False, "lr": 3e-3})
+    study = Study(load_spec(spec), tmp_path / "res", tmp_path / "scratch", log=lambda m: None)
+    study.run(("compare",))
+    run = study.runs[0]
+    stored = {"run": run.name, "run_spec_hash": run.spec_hash, "limit": 5, "point": "final",
+              "tasks": ["arc_easy", "piqa"], "result": {"tasks": {"arc_easy": {"acc": 0.5}, "piqa": {"acc": 0.5}}}}
+    path = tmp_path / "res" / "eval" / f"{run.name}.final.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(stored))
+    assert run_evals(study) == {"done": 0, "skipped": 1, "failed": 0, "unavailable": 0}
+    path.write_text(json.dumps({**stored, "tasks": ["piqa"]}))
+    assert run_evals(study)["done"] == 1
+    assert json.loads(path.read_text())["tasks"] == ["arc_easy"]

@@ -7,7 +7,8 @@ Each target is evaluated as
 would do it (``stemlm.eval.run.evaluate_paths``, called in-process), whose JSON is ``{"model": {...}, "stemlm": ..., "tasks": {TASK: {"acc", "acc_norm", "acc_stderr", "n", ...}}}``,
 and stores it wrapped as ``<results>/eval/<run>.<point>.json`` with the run's spec hash, the tasks
 and the limit (``point``: ``final``, or ``init`` for the model a mid-training run starts from). An
-evaluation whose file matches is skipped. The spec's ``eval.command`` (a list of arguments, e.g.
+evaluation whose file has the run's hash and limit and covers its tasks is skipped (a mid-training
+run evaluated on more tasks by its own spec counts for a study that asks for fewer). The spec's ``eval.command`` (a list of arguments, e.g.
 another environment's ``stemlm eval``) runs that command as a subprocess instead.
 """
 
@@ -65,9 +66,9 @@ def run_evals(study: Study) -> dict:
         return counts
     for name, point, ckpt, tasks in targets:
         out = study.results / "eval" / f"{name}.{point}.json"
-        key = {"run_spec_hash": study.by_name[name].spec_hash, "tasks": tasks, "limit": limit, "point": point}
+        key = {"run_spec_hash": study.by_name[name].spec_hash, "limit": limit, "point": point}
         stored = read_json(out)
-        if stored and all(stored.get(k) == v for k, v in key.items()):
+        if stored and all(stored.get(k) == v for k, v in key.items()) and set(tasks) <= set(stored.get("tasks") or []):
             counts["skipped"] += 1
             continue
         raw = study.scratch / "eval" / f"{name}.{point}.json"
@@ -79,7 +80,7 @@ def run_evals(study: Study) -> dict:
             study.log(f"eval {name} ({point}) failed: {error}")
             counts["failed"] += 1
             continue
-        write_json(out, {"run": name, **key, "checkpoint": str(ckpt), "result": data})
+        write_json(out, {"run": name, **key, "tasks": tasks, "checkpoint": str(ckpt), "result": data})
         counts["done"] += 1
     return counts
 
