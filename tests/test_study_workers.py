@@ -65,3 +65,13 @@ def test_two_workers_train_every_run_once_with_the_sequential_losses(tmp_path, c
 def test_jobs_must_be_positive(tmp_path, capsys):
     assert main(["study", "run", "--quick", "--jobs", "0", "--results", str(tmp_path / "r")]) != 0
     assert "--jobs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_claim_being_written_is_held_and_an_old_empty_one_is_stale(tmp_path):
+    claims = RunClaims(tmp_path)
+    (tmp_path / "claims").mkdir()
+    empty = tmp_path / "claims" / "run-c.claim"
+    empty.write_text("")  # another process between creating its claim and writing it
+    assert claims.holder("run-c") is not None and not claims.take("run-c")
+    os.utime(empty, (1, 1))  # empty for decades: a crash between the two
+    assert claims.holder("run-c") is None and claims.take("run-c")

@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -30,10 +31,17 @@ class RunClaims:
 
     def holder(self, key: str) -> dict | None:
         """The live process that claimed ``key`` ({host, pid}), or None (unclaimed, or its process is gone)."""
+        path = self.path(key)
         try:
-            owner = json.loads(self.path(key).read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None  # a claim being written reads as empty for an instant: take() settles the race
+            owner = json.loads(path.read_text())
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError:  # being written (for an instant), or left empty by a crash long ago
+            try:
+                fresh = time.time() - path.stat().st_mtime < 60
+            except FileNotFoundError:
+                return None
+            return {"host": "?", "pid": 0} if fresh else None
         if owner.get("host") == self.host and not _alive(int(owner.get("pid", -1))):
             return None
         return owner
