@@ -41,7 +41,8 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
                 continue
             text = "diverged" if math.isinf(c["loss"]) else f"{c['loss']:.3f}"
             text = f"**{text}**" if b.get("lr") == lr else text
-            row.append(text + ("" if "tune" in c["roles"] else " (stress)"))
+            tuned_on = lr in b["grid"] if b.get("grid") else "tune" in c["roles"]  # the spec's grid decides, not the run's label
+            row.append(text + ("" if tuned_on else " (stress)"))
         edge = {"low": " ◂", "high": " ▸"}.get(b.get("edge"), "")
         body.append(row + [f"{b['lr']:g}{edge}" if b else "–"])
     return lines + table(["variant", *(f"lr {lr:g}" for lr in lrs), "best"], body)
