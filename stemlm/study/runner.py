@@ -162,14 +162,9 @@ class Study:
                 time.sleep(poll)
                 continue
             try:
-                self.log(f"{picked.name}: training")
-                result = self.execute(picked)
+                self.train(picked, counts)
             finally:
-                claims.release(self.run_dir(picked).name)
-            counts["trained"] += 1
-            counts["diverged"] += result["status"] == "diverged"
-            self.log(f"{picked.name}: {result['status']}, val loss {result['metrics']['final_val_loss']}, "
-                     f"{result['timings']['total_seconds']:.0f}s")
+                claims.release(key)
         self.replan()
         write_json(self.results / "study.json", {"name": self.spec["name"], "spec": self.spec,
                                                  "runs": [r.name for r in self.runs], "tuned": self.tuned, **provenance()})
@@ -186,6 +181,10 @@ class Study:
         if run.parent and self.ensure(self.by_name[run.parent], counts, as_parent=True)["status"] != "finished":
             self.log(f"{run.name}: not trained, the run it continues ({run.parent}) diverged")
             return {"status": "not run"}
+        return self.train(run, counts)
+
+    def train(self, run: RunSpec, counts: dict) -> dict:
+        """Train ``run`` now (``execute``), count it and log its start and outcome."""
         self.log(f"{run.name}: training")
         result = self.execute(run)
         counts["trained"] += 1
