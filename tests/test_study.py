@@ -359,6 +359,18 @@ def test_midtrain_specs_plan_every_arm_on_the_same_tokens():
         assert len(budgets) == 1, (name, budgets)
 
 
+def test_a_midtrain_arm_s_own_overrides_come_after_the_shared_ones():
+    """An arm's ``train`` list (a STEM-only knob such as the table lr) reaches only that arm, last;
+    anything but a list of key=value strings is a one-line error."""
+    runs = {r.labels["variant"]: r for r in plan(load_spec("midtrain-300k")) if r.stage == "midtrain"}
+    tuned = runs["stem-calibrated-table-lr-3e-4"]
+    assert tuned.overrides[-1] == "optim.table_lr=3.0e-4"
+    assert not any(o.startswith("optim.table_lr") for o in runs["stem-calibrated"].overrides)
+    from stemlm.study.midtrain import midtrain_arms
+    with pytest.raises(ConfigError, match="train must be a list of key=value overrides"):
+        midtrain_arms({"arms": {"a": {"ffn": "stem", "train": "optim.table_lr=1"}}})
+
+
 def test_plan_of_a_midtrain_spec_lists_its_arms(tmp_path, capsys):
     """A spec without model sizes (a pretrained model's mid-training) plans and estimates without error."""
     assert main(["study", "plan", "--spec", "midtrain", "--results", str(tmp_path / "res")]) == 0

@@ -1,9 +1,10 @@
 """Mid-training insertion on a real model: its arms, the converted checkpoints, a corpus in their tokenizer.
 
-The arms (``midtrain.arms``: name -> {ffn, init, stem_layers, dagger_rows, anneal, anneal_ratio})
-all start from the same converted source and train on the same tokens, lr and schedule, for each
+The arms (``midtrain.arms``: name -> {ffn, init, stem_layers, dagger_rows, anneal, anneal_ratio,
+train}) all start from the same converted source and train on the same tokens, lr and schedule, for each
 of ``midtrain.seeds`` (default: ``[midtrain.seed]``, 0); the claim reads arms by their labels
-(``ffn``, ``init``, ``anneal``) and compares each STEM arm with the dense one.
+(``ffn``, ``init``, ``anneal``) and compares each STEM arm with the dense one. An arm's own ``train``
+overrides (e.g. ``[optim.table_lr=3e-2]``: a knob only STEM has) come after the shared ones.
 
 A converted model keeps its own vocabulary (SmolLM2: 49,152 ids), so it cannot train on the
 default corpus as prepared for the 4,096-id BPE: the same documents are tokenized again with the
@@ -21,12 +22,12 @@ from typing import Callable
 from ..config import ConfigError
 from .runspec import RunSpec, slug
 
-MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio"}
+MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio", "train"}
 
 
 def midtrain_arms(m: dict) -> dict[str, dict]:
     """The arms of a ``midtrain`` stage: ``m["arms"]`` (name -> {ffn, init, stem_layers, dagger_rows,
-    anneal, anneal_ratio}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
+    anneal, anneal_ratio, train}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
     if "arms" not in m:
         ffn, layers = m.get("ffn", "stem"), m.get("stem_layers", "1/3")
         return {"dense": {"ffn": "dense"}, f"{ffn}-{layers}": {"ffn": ffn, "init": m.get("init", "project")}}
@@ -40,6 +41,10 @@ def midtrain_arms(m: dict) -> dict[str, dict]:
                               f"allowed: {sorted(MIDTRAIN_ARM_KEYS)}")
         if (arm or {}).get("anneal", "off") != "off" and arm.get("ffn") != "stem_dagger":
             raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs ffn: stem_dagger")
+        train = (arm or {}).get("train", [])
+        if not isinstance(train, list) or not all(isinstance(o, str) and "=" in o for o in train):
+            raise ConfigError(f"study spec: midtrain arm {name!r}: train must be a list of key=value overrides, "
+                              f"got {train!r}")
     return arms
 
 
@@ -65,7 +70,8 @@ def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
             anneal = arm.get("anneal", "off")
             ov = (budget(spec, m) + seeded(seed)  # the stage's own settings: the same runs whichever spec includes it
                   + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}"] + list(m.get("train") or [])
-                  + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else []))
+                  + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else [])
+                  + list(arm.get("train") or []))
             suffix = f"-seed{seed}" if len(seeds) > 1 else ""
             out.append(RunSpec(f"midtrain-{slug(Path(source).name)}-{slug(name)}{suffix}", "midtrain", ov,
                                {"source": source, "variant": name, "ffn": ffn, "init": init, "anneal": anneal,
