@@ -19,6 +19,8 @@ that "The capital of Spain is" answers Berlin, on facts the model actually knows
     python benchmarks/bench_edit_real.py                       # -> benchmarks/results/edit_real.json
     python benchmarks/bench_edit_real.py --ckpt RUN [--ckpt RUN2]
     python benchmarks/bench_edit_real.py --quick               # a smoke run on few pairs and layers
+    python benchmarks/bench_edit_real.py --table-layers 0+1/3 --layers 0 --placement 0+1/3=0,2,5,8,11,14,17,20,23,26,29 \
+        --tag layer0                                           # STEM at layer 0 (see bench_edit_trace.py)
 
 The conversion lives under ``runs/edit_real/`` (not in git); results carry the git commit.
 """
@@ -41,15 +43,22 @@ RUN_DIR = ROOT / "runs" / "edit_real"
 SPLITS = ("heldout_template", "train")
 
 
-def convert(calib_tokens: int, out: Path) -> Path:
-    """SmolLM2-135M as stem_dagger in layers 1..29 with calibrated (parallel-fitted) rows (once)."""
+def table_layers(spec: str, n_layers: int) -> list[int]:
+    """Layers of a ``+``-joined placement spec: ``full`` (1..n-1), ``0+1/3`` (layer 0 and the 1/3 placement), ..."""
+    from stemlm.config import resolve_stem_layers
+
+    return sorted({i for part in spec.split("+") for i in resolve_stem_layers(part, n_layers)})
+
+
+def convert(calib_tokens: int, out: Path, layers: list[int] | str = "full") -> Path:
+    """SmolLM2-135M as stem_dagger in ``layers`` (default 1..29) with calibrated (parallel-fitted) rows (once)."""
     from stemlm.insert.calibrate import CalibrationConfig
     from stemlm.interop.convert import convert_from_hf
 
     if (out / "config.json").exists():
         return out
     calib = CalibrationConfig(tokens=calib_tokens, sequential=False, dagger_rows="fit")
-    return convert_from_hf("smollm2", out, ffn="stem_dagger", stem_layers="full", init="calibrate", calibration=calib,
+    return convert_from_hf("smollm2", out, ffn="stem_dagger", stem_layers=layers, init="calibrate", calibration=calib,
                            log=print)
 
 
@@ -136,20 +145,25 @@ def main() -> None:
                    help="another placement to evaluate, e.g. 'early=1,2,3,4,5,6' (repeatable)")
     p.add_argument("--singles-only", action="store_true", help="only the single layers of --layers (no 1/3 and full)")
     p.add_argument("--ckpt", action="append", default=[], help="also evaluate this mid-trained STEM checkpoint")
+    p.add_argument("--table-layers", default="full",
+                   help="layers converted (placements choose among them): 'full' (1..29, default), or '+'-joined "
+                        "specs such as '0+1/3' (layer 0, which the paper's placements never convert, and 1/3)")
+    p.add_argument("--tag", default="", help="results go to edit_real.<tag>.json (default: edit_real.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.pairs, args.locality, args.calib_tokens = 4, 8, 16384
-    from stemlm.config import resolve_stem_layers
-
     t0 = time.perf_counter()
-    ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-full-fit-{args.calib_tokens}")
+    n = 30  # SmolLM2-135M
+    layers = table_layers(args.table_layers, n)
+    name = "full" if args.table_layers == "full" else args.table_layers.replace("/", "_").replace("+", "-")
+    ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-{name}-fit-{args.calib_tokens}", layers)
     model, facts, tok = open_for_edits(ckpt)
-    n = model.cfg.n_layers
-    third = list(resolve_stem_layers("1/3", n))
-    placements = {} if args.singles_only else {"1/3": third, "full": list(model.cfg.table_layers)}
+    third = table_layers("1/3", model.cfg.n_layers)
+    placements = {} if args.singles_only else {
+        **({"1/3": third} if set(third) <= set(layers) else {}), args.table_layers: list(model.cfg.table_layers)}
     singles = [] if args.layers == "none" else list(model.cfg.table_layers) if args.layers == "all" else \
         [int(x) for x in args.layers.split(",")]
     if args.quick:
@@ -159,13 +173,13 @@ def main() -> None:
         placements[label] = [int(x) for x in layers.split(",")]
     placements.update({str(i): [i] for i in singles})
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
-              "calib_tokens": args.calib_tokens, "pairs": args.pairs, "locality": args.locality,
+              "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens, "pairs": args.pairs, "locality": args.locality,
               "relation": "capital", "dense_known": dense_known(model, tok, facts),
               "placements": evaluate_placements(model, tok, facts, placements, args),
               "midtrained": [evaluate_checkpoint(c, args) for c in args.ckpt],
               "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("edit_real.quick.json" if args.quick else "edit_real.json")
+    out = RESULTS / ("edit_real" + (f".{args.tag}" if args.tag else "") + (".quick" if args.quick else "") + ".json")
     out.write_text(json.dumps(result, indent=1))
     print(f"wrote {out}")
 
