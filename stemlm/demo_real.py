@@ -5,9 +5,10 @@ stem --init calibrate``; cached, a few minutes the first time), counts the capit
 before any edit, and swaps the table rows of two countries in the STEM layers, printing the
 paper's Fig. 5 panels on the training phrasing and on a held-out phrasing. The edit is undone and
 the checkpoint never changes. Which placement carries facts in rows is measured in
-docs/insertion.md: none does in a converted model (0 flips at every placement measured). The default,
-one early layer, is a placement where the model keeps what it knows, so the demo shows the real
-outcome: the model answers Madrid before the edit, and swapping the rows barely moves the answer.
+docs/insertion.md: SmolLM2 writes a country's facts at the country's token in its *first* FFN layer
+(activation patching, ``benchmarks/bench_edit_trace.py``), which the paper's placements never
+convert; with calibrated STEM rows there (the default placement, layer 0) swapping two countries' rows
+moves the capital, while rows at the paper's 1/3 placement carry no facts.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_PLACEMENT = "2"  # keeps 94 of 214 held-out capitals known (dense: 85); docs/insertion.md
+DEFAULT_PLACEMENT = "0"  # the layer whose rows carry the capitals (docs/insertion.md)
 DEFAULT_CALIB_TOKENS = 65_536
 PROMPTS = ("The capital of {} is", "The capital city of {} is")  # the facts corpus's training and a held-out phrasing
 
@@ -93,6 +94,6 @@ def format_real_demo(demo: RealDemoResult) -> str:
     for report in demo.reports:
         lines += ["", format_report(report)]
     lines += ["", f"checkpoint: {demo.checkpoint}", "plots: " + ", ".join(map(str, demo.plots)), "",
-              "measured over many facts: python benchmarks/bench_edit_real.py (docs/insertion.md): in a converted",
-              "SmolLM2 no placement's rows carry the capitals (0 flips), unlike a STEM model trained from scratch"]
+              "measured over many facts: python benchmarks/bench_edit_real.py --table-layers 0+1/3 (docs/insertion.md):",
+              "rows of layer 0 carry SmolLM2's capitals; rows at the paper's 1/3 placement carry none"]
     return "\n".join(lines)

@@ -36,8 +36,8 @@ def add_arguments(parser) -> None:
                         help="facts: train a small model on the country facts; smollm2: the real pretrained "
                         "SmolLM2-135M with calibrated STEM rows (default: facts)")
     parser.add_argument("--placement", default=None, metavar="SPEC",
-                        help="with --model smollm2: the STEM layers ('full', '1/3', '2,5,...'; default: 2, one early layer "
-                        "where the model keeps its facts; no placement's rows carry them: docs/insertion.md)")
+                        help="with --model smollm2: the STEM layers ('full', '1/3', '0,2,5,...'; default: 0, the first "
+                        "layer, whose rows carry the model's facts: docs/insertion.md)")
     parser.add_argument("--calib-tokens", type=positive_int, default=None,
                         help="with --model smollm2: calibration tokens of the conversion (default: 65536)")
 
