@@ -169,8 +169,8 @@ def main() -> None:
     if args.quick:
         singles = singles[:3]
     for extra in args.placement:
-        label, _, layers = extra.partition("=")
-        placements[label] = [int(x) for x in layers.split(",")]
+        label, _, chosen = extra.partition("=")
+        placements[label] = [int(x) for x in chosen.split(",")]
     placements.update({str(i): [i] for i in singles})
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
               "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens, "pairs": args.pairs, "locality": args.locality,

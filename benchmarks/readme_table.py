@@ -253,7 +253,7 @@ STEP0_GOAL = 2.0  # nats above dense at step 0
 def insertion(r: dict) -> tuple[str, str]:
     runs = list(r["runs"].values())
     dense = {x["eval_batches"]: x["loss"] for x in runs if x["setting"] == "dense"}
-    cal = [x for x in runs if x.get("init") == "calibrate"]
+    cal = [x for x in runs if x.get("init") == "calibrate" and x.get("layers", "1/3") == "1/3"]
     best = min(cal, key=lambda x: x["loss"])
     other = {x["setting"]: x for x in runs if x.get("init") in ("project", "zero")}
     measured = (f"{best['eval_batches'] * 1024:,} held-out tokens, dense {dense[best['eval_batches']]:.2f}: best calibrated "
@@ -267,8 +267,9 @@ REAL_FLIP_GOAL = 0.8
 
 
 @row(f"real-model edit (SmolLM2-135M, calibrated rows): ≥ {pct(REAL_FLIP_GOAL, 0)} of known capitals flip on held-out "
-     f"phrasings, ≥ {pct(LOCALITY_GOAL, 0)} locality, exact undo", "bench_edit_real.py", RES + "edit_real.json")
-def edit_real(r: dict) -> tuple[str, str]:
+     f"phrasings, ≥ {pct(LOCALITY_GOAL, 0)} locality, exact undo", "bench_edit_real.py", RES + "edit_real.json",
+     RES + "edit_real.layer0.json")
+def edit_real(r: dict, layer0: dict) -> tuple[str, str]:
     held = r["placements"]["heldout_template"]
     named = {k: v for k, v in held.items() if not k.isdigit()}
 
@@ -279,7 +280,11 @@ def edit_real(r: dict) -> tuple[str, str]:
     mid = [(m["heldout_template"], m["train"]) for m in r.get("midtrained", [])]
     mid_cell = "".join(f"; mid-trained STEM-1/3: knows {h['known_facts']}/{h['probes']}, flips {flips(h)} "
                        f"(training phrasing {flips(t)}), locality {pct(h['locality_top1'])}" for h, t in mid)
-    runs = list(named.values()) + [h for h, _ in mid]
+    extra = {k: v for k, v in layer0["placements"]["heldout_template"].items()  # tables at 0+1/3 (--tag layer0)
+             if not k.isdigit() and k != "1/3"}
+    cells += "".join(f", STEM at {k}: knows {v['known_facts']}/{v['probes']}, flips {flips(v)}, locality "
+                     f"{pct(v['locality_top1'])}" for k, v in extra.items())
+    runs = list(named.values()) + [h for h, _ in mid] + list(extra.values())
     undo = all(v["reversible"] in (1, None) for v in runs)
     ok = any((v["success"] or 0) >= REAL_FLIP_GOAL and v["locality_top1"] >= LOCALITY_GOAL for v in runs) and undo
     dense = r["dense_known"]["heldout_template"]

@@ -362,11 +362,15 @@ def test_midtrain_specs_plan_every_arm_on_the_same_tokens():
 def test_a_midtrain_arm_s_own_overrides_come_after_the_shared_ones():
     """An arm's ``train`` list (a STEM-only knob such as the table lr) reaches only that arm, last;
     anything but a list of key=value strings is a one-line error."""
-    runs = {r.labels["variant"]: r for r in plan(load_spec("midtrain-300k")) if r.stage == "midtrain"}
-    tuned = runs["stem-calibrated-table-lr-3e-4"]
-    assert tuned.overrides[-1] == "optim.table_lr=3.0e-4"
-    assert not any(o.startswith("optim.table_lr") for o in runs["stem-calibrated"].overrides)
-    from stemlm.study.midtrain import midtrain_arms
+    from stemlm.study.midtrain import midtrain_arms, midtrain_runs
+
+    m = {"source": "smollm2", "steps": 2, "batch_size": 1, "seq_len": 8, "train": ["run.eval_every=1"],
+         "arms": {"dense": {"ffn": "dense"}, "stem": {"ffn": "stem", "init": "zero"},
+                  "stem-lr": {"ffn": "stem", "init": "zero", "train": ["optim.table_lr=3e-4"]}}}
+    runs = {r.labels["variant"]: r for r in midtrain_runs({"budget": {}}, m)}
+    assert runs["stem-lr"].overrides[-1] == "optim.table_lr=3e-4"
+    assert runs["stem-lr"].overrides[:-1] == runs["stem"].overrides
+    assert not any(o.startswith("optim.table_lr") for o in runs["stem"].overrides)
     with pytest.raises(ConfigError, match="train must be a list of key=value overrides"):
         midtrain_arms({"arms": {"a": {"ffn": "stem", "train": "optim.table_lr=1"}}})
 
