@@ -19,7 +19,7 @@ that "The capital of Spain is" answers Berlin, on facts the model actually knows
     python benchmarks/bench_edit_real.py                       # -> benchmarks/results/edit_real.json
     python benchmarks/bench_edit_real.py --ckpt RUN [--ckpt RUN2]
     python benchmarks/bench_edit_real.py --quick               # a smoke run on few pairs and layers
-    python benchmarks/bench_edit_real.py --table-layers 0+1/3 --layers 0 --placement 0+1/3=0,2,5,8,11,14,17,20,23,26,29 \
+    python benchmarks/bench_edit_real.py --table-layers 0+1/3 --layers none --placement layer0=0 \
         --tag layer0                                           # STEM at layer 0 (see bench_edit_trace.py)
 
 The conversion lives under ``runs/edit_real/`` (not in git); results carry the git commit.
@@ -173,7 +173,8 @@ def main() -> None:
         placements[label] = [int(x) for x in chosen.split(",")]
     placements.update({str(i): [i] for i in singles})
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
-              "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens, "pairs": args.pairs, "locality": args.locality,
+              "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens,
+              "pairs": args.pairs, "locality": args.locality,
               "relation": "capital", "dense_known": dense_known(model, tok, facts),
               "placements": evaluate_placements(model, tok, facts, placements, args),
               "midtrained": [evaluate_checkpoint(c, args) for c in args.ckpt],
