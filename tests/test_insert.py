@@ -191,11 +191,20 @@ def test_calibration_windows_spread_over_the_stream():
         calibration_windows(np.arange(10), 100, 50)
 
 
+def test_calibration_device_is_not_part_of_the_key():
+    """The same fit wherever it runs: a pass resumed on another device reuses the work dir."""
+    target = model_config("debug", ffn="stem", vocab_size=V)
+    assert CalibrationConfig(device="cpu").key("m", "i", target) == CalibrationConfig(device="auto").key("m", "i", target)
+    assert CalibrationConfig(device="cpu").torch_device().type == "cpu"
+
+
 def test_bad_calibration_settings_are_one_line_errors():
     with pytest.raises(ValueError, match="unknown calibration method 'bogus'"):
         CalibrationConfig(method="bogus")
     with pytest.raises(ValueError, match="calibration tokens"):
         CalibrationConfig(tokens=10, seq_len=64)
+    with pytest.raises(ValueError, match="calibration device: unknown device 'gpu0'"):
+        CalibrationConfig(device="gpu0")
     with pytest.raises(ValueError, match="all-dense model"):
         calibrate(StemLM(model_config("debug", ffn="stem", vocab_size=V)), model_config("debug", ffn="stem", vocab_size=V),
                   calib_ids(), CalibrationConfig(tokens=144, seq_len=24), "unused", progress=False)

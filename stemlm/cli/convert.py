@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib.add_argument("--calib-dagger-rows", choices=["zero", "fit"], default="zero",
                        help="--ffn stem_dagger tables: zero (exactly the dense model) or fit (the calibrated STEM rows, "
                        "the start of gradual insertion with `stemlm train run.anneal=blend`) (default: %(default)s)")
+    calib.add_argument("--calib-device", default=CalibrationConfig.device,
+                       help="where the calibration pass runs: auto (the GPU if there is one), cpu, cuda, cuda:N "
+                       "(default: %(default)s)")
     parser.add_argument("--table-init", choices=TABLE_INITS, help="distribution of --init random tables "
                         "(default: the config default, xavier_normal)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --init random tables (default: 0)")
@@ -107,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     if args.init == "calibrate":
         calibration = CalibrationConfig(method=args.calib_method, unseen=args.calib_unseen, sequential=not args.calib_parallel,
                                         refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len,
-                                        dagger_rows=args.calib_dagger_rows)
+                                        dagger_rows=args.calib_dagger_rows, device=args.calib_device)
     elif args.calib_data is not None:
         raise ValueError("--calib-data applies to --init calibrate only")
     out = convert_from_hf(args.from_hf, args.out, args.gguf, ffn=args.ffn, stem_layers=args.stem_layers or "1/3",

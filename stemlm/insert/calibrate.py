@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from ..config import ModelConfig
 from ..ffn import ffn_kind
 from ..model.decoder import StemLM, rope_cos_sin
+from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_file, atomic_write_text
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
@@ -50,6 +51,7 @@ class CalibrationConfig:
     down_iters: int = 8  # conjugate-gradient iterations of ``method=down``
     dagger_rows: str = "zero"  # stem_dagger tables: zero (exactly the dense model) | fit (rows replacing W_u x,
     #                            for run.anneal=blend, which weighs them against the annealed-out up-projection)
+    device: str = "auto"  # where the pass runs: auto (the GPU if there is one) | cpu | cuda[:N]; not part of the key
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -63,9 +65,15 @@ class CalibrationConfig:
             raise ValueError(f"unknown dagger_rows {self.dagger_rows!r}; choose zero or fit")
         if self.tokens < self.seq_len:
             raise ValueError(f"calibration tokens ({self.tokens}) must cover one window of seq_len {self.seq_len}")
+        resolve_device(self.device, "calibration device")
+
+    def torch_device(self) -> torch.device:
+        """The ``torch.device`` the pass runs on."""
+        return resolve_device(self.device, "calibration device")
 
     def key(self, model_digest: str, ids_digest: str, target: ModelConfig) -> str:
-        text = json.dumps({"calib": asdict(self), "model": model_digest, "ids": ids_digest,
+        settings = {k: v for k, v in asdict(self).items() if k != "device"}  # the same fit on any device
+        text = json.dumps({"calib": settings, "model": model_digest, "ids": ids_digest,
                            "target": target.to_dict()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -80,7 +88,7 @@ def calibration_windows(tokens: np.ndarray, n_tokens: int, seq_len: int) -> torc
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(t.detach().cpu().contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
 class _WorkDir:
@@ -117,7 +125,7 @@ class _WorkDir:
 
 def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
     with atomic_file(path) as tmp:
-        save_file(tensors, str(tmp))
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
 
 
 def _chunks(n: int, size: int):
@@ -129,6 +137,8 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
               progress: bool = True, save_every_s: float = 60.0,
               log: Callable[[str], None] = lambda s: None) -> dict[int, tuple[Path, Path | None]]:
     """Fit the tables of ``target``'s table layers from the all-dense ``dense`` over ``ids (n_seq, T)``.
+
+    The pass runs where ``dense`` is (``calibrated_model`` moves it to ``calib.device``).
 
     Returns ``{layer: (table file, refitted w_down file or None)}`` in ``work_dir``; every table
     is ``(V, d_ff)`` fp32 under key ``rows``. ``stem_dagger`` layers get zero tables (with its
@@ -144,14 +154,16 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             dense.cfg.d_model, dense.cfg.n_layers, dense.cfg.d_ff, dense.cfg.vocab_size):
         raise ValueError("the target config's shape differs from the dense model's")
     dense = dense.float().eval()
+    device = dense.tok_embeddings.weight.device
+    ids = ids.to(device)
     work = _WorkDir(work_dir, calib.key(_digest(dense.tok_embeddings.weight[:64]), _digest(ids), target))
     n_seq, T = ids.shape
-    cos, sin = rope_cos_sin(torch.arange(T), target.head_dim, target.rope_theta, torch.float32)
+    cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(T), target.head_dim, target.rope_theta, torch.float32))
     chunks = _chunks(n_seq, calib.chunk)
     resumed = work.resume()
     if resumed is not None:
         start, saved = resumed
-        stream = saved["stream"]
+        stream = saved["stream"].to(device)
         log(f"calibration resumed at layer {start} from {work.root}")
     else:
         start = 0
@@ -217,9 +229,9 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
         return block.ffn_norm(stream[c]).reshape(-1, stream.shape[-1])
 
     if ffn_kind(kind).zero_rows_are_dense or calib.method == "zero":
-        rows = torch.zeros(len(embedding), d_ff)
+        rows = torch.zeros(len(embedding), d_ff, device=embedding.device)
     else:
-        stats = LayerStats.zeros(len(embedding), d_ff)
+        stats = LayerStats.zeros(len(embedding), d_ff, embedding.device)
         for c in chunks:
             x = ffn_input(c)
             target, weight = ffn_kind(kind).calibration_target(ffn, x)
@@ -231,7 +243,7 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
             rows = _refine_down(ffn, kind, xs, ids, rows, calib.down_iters)
     if not refit_down:
         return rows, None
-    refit = DownRefit(d_ff, ffn.w_down.weight.shape[0])
+    refit = DownRefit(d_ff, ffn.w_down.weight.shape[0], embedding.device)
     for c in chunks:
         x = ffn_input(c)
         hidden = ffn_kind(kind).hidden(ffn, x, rows[ids[c].reshape(-1)])

@@ -56,7 +56,13 @@ def calibrated_model(dense: StemLM, target: ModelConfig, tokens: np.ndarray, cal
     ids = calibration_windows(tokens, calib.tokens, calib.seq_len)
     log(f"calibrating {len(target.table_layers)} {target.ffn} layers on {ids.numel():,} tokens "
         f"({ids.unique().numel():,} distinct ids of {target.vocab_size:,}); work dir {work_dir}")
-    fitted = calibrate(dense, target, ids, calib, work_dir, progress=progress, log=log)
+    device = calib.torch_device()
+    if device.type != "cpu":
+        log(f"calibrating on {device}")
+    try:
+        fitted = calibrate(dense.to(device), target, ids, calib, work_dir, progress=progress, log=log)
+    finally:
+        dense.cpu()
     return assemble(dense, target, fitted, mmap=True)
 
 

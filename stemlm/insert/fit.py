@@ -41,9 +41,10 @@ class LayerStats:
     count: torch.Tensor  # occurrences    (V,)
 
     @classmethod
-    def zeros(cls, vocab: int, dim: int) -> "LayerStats":
-        return cls(torch.zeros(vocab, dim, dtype=torch.float64), torch.zeros(vocab, dim, dtype=torch.float64),
-                   torch.zeros(vocab, dtype=torch.int64))
+    def zeros(cls, vocab: int, dim: int, device: torch.device | str | None = None) -> "LayerStats":
+        def z(*shape, dtype=torch.float64):
+            return torch.zeros(*shape, dtype=dtype, device=device)
+        return cls(z(vocab, dim), z(vocab, dim), z(vocab, dtype=torch.int64))
 
     def add(self, ids: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None) -> None:
         """Accumulate ``target (N, d_ff)`` (the activation a row replaces) at token ``ids (N,)``,
@@ -74,10 +75,10 @@ def regress_rows(embedding: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor
                  ridge: float = 1e-2) -> torch.Tensor:
     """Rows predicted from the embedding: ``[e, 1] @ A`` with ``A`` the ridge fit of the ``seen``
     rows on their embeddings (each weighted by ``weight``, e.g. its count); ``(V, d_ff)``."""
-    x = torch.cat([embedding, torch.ones(len(embedding), 1, dtype=embedding.dtype)], 1)  # (V, d + 1)
+    x = torch.cat([embedding, embedding.new_ones(len(embedding), 1)], 1)  # (V, d + 1)
     xs, ys, w = x[seen], rows[seen].to(x.dtype), weight[seen][:, None]
     gram = xs.T @ (w * xs)
-    reg = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    reg = ridge * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device)
     coef = torch.linalg.solve(gram + reg, xs.T @ (w * ys))  # (d + 1, d_ff)
     return x @ coef
 
@@ -121,9 +122,9 @@ class DownRefit:
     """Least-squares refit of ``W_d`` given the STEM hidden activations: ``min_W Σ ||y − W h||²``
     with ``h = g ⊙ u_t`` (``(d, d_ff)``; ``ridge`` scales a Tikhonov term by the mean diagonal)."""
 
-    def __init__(self, d_ff: int, d: int):
-        self.hh = torch.zeros(d_ff, d_ff, dtype=torch.float64)
-        self.yh = torch.zeros(d, d_ff, dtype=torch.float64)
+    def __init__(self, d_ff: int, d: int, device: torch.device | str | None = None):
+        self.hh = torch.zeros(d_ff, d_ff, dtype=torch.float64, device=device)
+        self.yh = torch.zeros(d, d_ff, dtype=torch.float64, device=device)
 
     def add(self, hidden: torch.Tensor, target_out: torch.Tensor) -> None:
         h, y = hidden.double(), target_out.double()
@@ -132,5 +133,5 @@ class DownRefit:
 
     def solve(self, ridge: float = 1e-3) -> torch.Tensor:
         reg = ridge * self.hh.diagonal().mean().clamp_min(1e-30)
-        a = self.hh + reg * torch.eye(self.hh.shape[0], dtype=self.hh.dtype)
+        a = self.hh + reg * torch.eye(self.hh.shape[0], dtype=self.hh.dtype, device=self.hh.device)
         return torch.linalg.solve(a, self.yh.T).T.float()  # (d, d_ff)
