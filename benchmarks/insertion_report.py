@@ -5,7 +5,7 @@
 
 Reads ``benchmarks/results/insertion_step0.json`` (``bench_insertion.py``), the mid-training study
 studies ``results/study/midtrain/`` and ``results/study/midtrain-300k/`` (``stemlm study run --spec NAME``) and
-the edit results (``benchmarks/_edit_report.py``: ``bench_edit_trace.py``, ``bench_edit_real.py``); a part
+the GPU runs of ``gpu_midtrain.py`` (``benchmarks/_gpu_midtrain_report.py``), the edit results (``benchmarks/_edit_report.py``: ``bench_edit_trace.py``, ``bench_edit_real.py``); a part
 whose results do not exist yet is left out. Plots go to ``results/insertion/``.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from _gpu_midtrain_report import gpu_midtrain_section
 from _edit_report import edit_sections, num as _f, pct as _pct, pyplot_or_none as _pyplot
 from stemlm.runtime.plotting import save
 
@@ -243,6 +244,7 @@ def render() -> str:
     for name in STUDIES:
         if (ROOT / "results" / "study" / name / "runs").is_dir():
             lines += midtrain_section(ROOT / "results" / "study" / name)
+    lines += gpu_midtrain_section()
     lines += edit_sections()
     return "\n".join(lines) if lines else "(the tables appear here once the measurements exist)"
 

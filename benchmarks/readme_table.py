@@ -263,6 +263,24 @@ def insertion(r: dict) -> tuple[str, str]:
     return measured, yes(best["delta_vs_dense"] <= STEP0_GOAL)
 
 
+@row("mid-training insertion on one GPU (SmolLM2-135M, ≤ 10 min, ≥ 50M tokens): STEM-1/3 below dense continued",
+     "gpu_midtrain.py", RES + "gpu_midtrain/*.json")
+def gpu_midtrain(files: dict) -> tuple[str, str]:
+    from _gpu_midtrain_report import _gaps, _interval, experiments, main_experiment
+
+    exps = experiments(files)
+    e = exps[main_experiment(exps)]
+    st = e["settings"]
+    tokens = st["steps"] * st["batch_size"] * st["seq_len"]
+    arms = [a for a in next(iter(e["seeds"].values())) if a != "dense"]
+    cells = "; ".join(f"{a} {_interval(_gaps(e, a))} nats (step 0 {sum(_gaps(e, a, 'init_loss')) / len(e['seeds']):+.2f})"
+                      for a in arms)
+    gaps = [g for a in arms for g in _gaps(e, a)]
+    return (f"{e['device']}, {tokens:,} tokens per arm (one epoch of the offline corpus; 50M tokens need more text "
+            f"than it holds): {cells} ([docs](docs/insertion.md#mid-training-on-one-gpu))"
+            ), yes(max(gaps) < 0 and tokens >= 50_000_000)
+
+
 REAL_FLIP_GOAL = 0.8
 
 
