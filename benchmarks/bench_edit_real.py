@@ -21,6 +21,8 @@ that "The capital of Spain is" answers Berlin, on facts the model actually knows
     python benchmarks/bench_edit_real.py --quick               # a smoke run on few pairs and layers
     python benchmarks/bench_edit_real.py --table-layers 0+1/3 --layers none --placement layer0=0 \
         --tag layer0                                           # STEM at layer 0 (see bench_edit_trace.py)
+    python benchmarks/bench_edit_real.py --table-layers 0 --singles-only --layers none --placement layer0=0 \
+        --calib-unseen regress --calib-tokens 262144 --tag layer0-regress   # layer 0 alone, unseen ids regressed
 
 The conversion lives under ``runs/edit_real/`` (not in git); results carry the git commit.
 """
@@ -50,14 +52,15 @@ def table_layers(spec: str, n_layers: int) -> list[int]:
     return sorted({i for part in spec.split("+") for i in resolve_stem_layers(part, n_layers)})
 
 
-def convert(calib_tokens: int, out: Path, layers: list[int] | str = "full") -> Path:
-    """SmolLM2-135M as stem_dagger in ``layers`` (default 1..29) with calibrated (parallel-fitted) rows (once)."""
+def convert(calib_tokens: int, out: Path, layers: list[int] | str = "full", unseen: str = "pooled") -> Path:
+    """SmolLM2-135M as stem_dagger in ``layers`` (default 1..29) with calibrated (parallel-fitted) rows (once);
+    ``unseen``: the rows of ids the calibration text never shows (``CalibrationConfig.unseen``)."""
     from stemlm.insert.calibrate import CalibrationConfig
     from stemlm.interop.convert import convert_from_hf
 
     if (out / "config.json").exists():
         return out
-    calib = CalibrationConfig(tokens=calib_tokens, sequential=False, dagger_rows="fit")
+    calib = CalibrationConfig(tokens=calib_tokens, sequential=False, dagger_rows="fit", unseen=unseen)
     return convert_from_hf("smollm2", out, ffn="stem_dagger", stem_layers=layers, init="calibrate", calibration=calib,
                            log=print)
 
@@ -148,6 +151,8 @@ def main() -> None:
     p.add_argument("--table-layers", default="full",
                    help="layers converted (placements choose among them): 'full' (1..29, default), or '+'-joined "
                         "specs such as '0+1/3' (layer 0, which the paper's placements never convert, and 1/3)")
+    p.add_argument("--calib-unseen", default="pooled", choices=("pooled", "regress", "zero"),
+                   help="rows of ids the calibration never shows (default: %(default)s; regress: from the embedding)")
     p.add_argument("--tag", default="", help="results go to edit_real.<tag>.json (default: edit_real.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
@@ -159,7 +164,9 @@ def main() -> None:
     n = 30  # SmolLM2-135M
     layers = table_layers(args.table_layers, n)
     name = "full" if args.table_layers == "full" else args.table_layers.replace("/", "_").replace("+", "-")
-    ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-{name}-fit-{args.calib_tokens}", layers)
+    unseen = "" if args.calib_unseen == "pooled" else f"-{args.calib_unseen}"
+    ckpt = convert(args.calib_tokens, RUN_DIR / f"smollm2-dagger-{name}-fit-{args.calib_tokens}{unseen}", layers,
+                   args.calib_unseen)
     model, facts, tok = open_for_edits(ckpt)
     third = table_layers("1/3", model.cfg.n_layers)
     placements = {} if args.singles_only else {
@@ -174,6 +181,7 @@ def main() -> None:
     placements.update({str(i): [i] for i in singles})
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
               "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens,
+              "calib_unseen": args.calib_unseen,
               "pairs": args.pairs, "locality": args.locality,
               "relation": "capital", "dense_known": dense_known(model, tok, facts),
               "placements": evaluate_placements(model, tok, facts, placements, args),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 
 from stemlm import StemLM, model_config
 from stemlm.config import ConfigError
@@ -189,6 +190,15 @@ def test_calibration_windows_spread_over_the_stream():
     assert w.shape == (3, 100) and w[0, 0] == 0 and w[-1, -1] == 999
     with pytest.raises(ValueError, match="fewer than one window"):
         calibration_windows(np.arange(10), 100, 50)
+
+
+def test_a_layer_s_fit_does_not_depend_on_the_table_layers_after_it(tmp_path):
+    """The pass stops after the last table layer; what it fitted before is what a longer pass fits."""
+    model, ids = dense_model(), calib_ids()
+    _, short = fit(model, ids, tmp_path / "a", layers="1")
+    _, long = fit(model, ids, tmp_path / "b", layers="1,3")
+    assert torch.equal(load_file(short[1][0])["rows"], load_file(long[1][0])["rows"])
+    assert set(short) == {1} and set(long) == {1, 3}
 
 
 def test_calibration_device_is_not_part_of_the_key():

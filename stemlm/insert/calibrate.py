@@ -170,8 +170,9 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         stream = torch.cat([dense.tok_embeddings(ids[c]) for c in chunks])  # (n_seq, T, d)
     out: dict[int, tuple[Path, Path | None]] = {}
     last_save = time.monotonic()
-    bar = tqdm(total=target.n_layers, initial=start, desc="calibrate", disable=not progress, dynamic_ncols=True)
-    for i in range(target.n_layers):
+    last = max((i for i, k in enumerate(target.layer_kinds) if ffn_kind(k).owns_table), default=-1)
+    bar = tqdm(total=last + 1, initial=start, desc="calibrate", disable=not progress, dynamic_ncols=True)
+    for i in range(last + 1):  # nothing after the last table layer changes a fit
         kind = target.layer_kinds[i]
         if i < start:
             if ffn_kind(kind).owns_table:
@@ -200,7 +201,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
                 h += block.ffn(x)
         del rows
         bar.update(1)
-        if ffn_kind(kind).owns_table and time.monotonic() - last_save > save_every_s and i + 1 < target.n_layers:
+        if ffn_kind(kind).owns_table and time.monotonic() - last_save > save_every_s and i < last:
             work.save_stream(i + 1, stream)
             last_save = time.monotonic()
     bar.close()
