@@ -80,7 +80,7 @@ def summarise(result: dict) -> dict:
     """The numbers of one ``run_edit_eval`` result worth keeping per placement."""
     run = result["runs"][0]
     keys = ("known", "success", "prob_target_before", "prob_target_after", "prob_shift", "locality_top1",
-            "locality_kl", "reversible", "pairs", "by_length")
+            "locality_kl", "locality_known", "locality_known_n", "reversible", "pairs", "by_length")
     return {"layers": run["layers"], "known_facts": result["base"]["known_first"], "probes": result["base"]["probes"],
             **{k: run[k] for k in keys}}
 
@@ -116,6 +116,7 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
         print(f"{split}: {len(chosen)} placements in {time.perf_counter() - t0:.0f}s")
         for label, r in out[split].items():
             print(f"  {label:>6}: known {r['known']:4d}  success {fmt(r['success'])}  locality {fmt(r['locality_top1'])}"
+                  f" (known facts {fmt(r['locality_known'])})"
                   f"  undo {fmt(r['reversible'])}")
     return out
 

@@ -54,6 +54,7 @@ def test_evaluation_is_reversible_and_local(world, model):
     for run in res["runs"]:
         assert run["reversible"] == 1.0 and run["edits"] == 2
         assert run["locality_top1"] == 1.0 and run["locality_kl"] == 0.0  # single-token names: other prompts untouched
+        assert run["locality_known"] in (1.0, None) and run["locality_known_n"] <= run["locality_n"]
         assert run["cases"] > 0
 
 

@@ -100,7 +100,9 @@ class _Tally:
                "prob_target_before": self.rate("p_before", "known"), "prob_target_after": self.rate("p_after", "known"),
                "prob_shift": self.rate("p_shift", "known"),
                "locality_n": int(self.n["loc"]), "locality_top1": self.rate("loc_same", "loc"),
-               "locality_kl": self.rate("loc_kl", "loc"), "edits": int(self.n["edits"]),
+               "locality_kl": self.rate("loc_kl", "loc"),
+               "locality_known_n": int(self.n["loc_known"]), "locality_known": self.rate("loc_known_same", "loc_known"),
+               "edits": int(self.n["edits"]),
                "reversible": self.rate("reversible", "edits"),
                "text_locality_top1": self.rate("text_same", "text"), "text_locality_kl": self.rate("text_kl", "text")}
         out["by_relation"] = {r: {"known": k, "success": s / k if k else None}
@@ -204,6 +206,9 @@ class EditEvaluator:
         same = pool_after.last_logits[keep].argmax(-1) == self.pool_base.last_logits[keep].argmax(-1)
         tally.add("loc", len(keep))
         tally.add("loc_same", float(same.sum()))
+        known = [i for i in keep if self.pool_base.first_ok[i]]  # other countries' facts the model answers right
+        tally.add("loc_known", len(known))
+        tally.add("loc_known_same", float(pool_after.first_ok[known].sum()) if known else 0.0)
         kl = kl_divergence(self.pool_base.last_logits[keep], pool_after.last_logits[keep]).clamp_min(0)
         tally.add("loc_kl", float(kl.sum()))
         return before, after
