@@ -105,18 +105,31 @@ def edit_section(data: dict, name: str = "edit_real.json") -> list[str]:
     tag = name.removeprefix("edit_real").removesuffix(".json").strip(".")
     title = "Editing a real model's facts by rows (SmolLM2-135M)" + (f", tables at layers {_layers(converted)}"
                                                                     if tag else "")
+    unseen = data.get("calib_unseen", "pooled")
+    if unseen != "pooled":
+        title += f", unseen ids {unseen}"
+    if data.get("strategy", "auto") != "auto" or data.get("align", "left") != "left":
+        title += f", strategy {data.get('strategy', 'auto')} ({data.get('align', 'left')})"
+    flags = (f" --table-layers {data.get('table_spec', '')}" if tag else "") + \
+        (f" --calib-unseen {unseen}" if unseen != "pooled" else "") + \
+        (f" --calib-tokens {data['calib_tokens']}" if data["calib_tokens"] != 131072 else "") + \
+        (f" --strategy {data['strategy']}" if data.get("strategy", "auto") != "auto" else "") + \
+        (f" --align {data['align']}" if data.get("align", "left") != "left" else "")
     out = ["", f"### {title}", "",
-           f"`python benchmarks/bench_edit_real.py{' --table-layers ' + data.get('table_spec', '') if tag else ''}`: "
+           f"`python benchmarks/bench_edit_real.py{flags}`: "
            "the dense model with STEM placed at a set of layers (calibrated "
-           f"rows, {data['calib_tokens']:,} calibration tokens, fitted on the dense activations), {data['pairs']} country "
+           f"rows, {data['calib_tokens']:,} calibration tokens, fitted on the dense activations; ids the calibration "
+           f"never shows get the {unseen} row), {data['pairs']} country "
            "pairs, capitals; a pair's rows are swapped in the placed layers and every known capital question of each "
            "country is asked. *Knows* = capital questions the placed model answers right (top-1 first token) of those asked; "
            "*edited facts* = facts of the edit pairs it answers right for both countries before the edit; *flip* = the "
            "other country's capital is the top-1 answer after it; locality = other countries' top-1 answers "
-           f"unchanged ({data['locality']} per edit); undo = logits bitwise equal after undoing. Goal: ≥ "
+           f"unchanged ({data['locality']} per edit), *of known* = of those the model answered right, still right "
+           "(– where not measured); undo = logits bitwise equal after undoing. Goal: ≥ "
            f"{EDIT_FLIP_GOAL:.0%} flips on held-out phrasings with ≥ {EDIT_LOCALITY_GOAL:.0%} locality.", "",
-           "| phrasing | dense model knows | STEM at | knows | edited facts | flips | p(target) before → after | locality | undo |",
-           "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+           "| phrasing | dense model knows | STEM at | knows | edited facts | flips | p(target) before → after | locality "
+           "| of known | undo |",
+           "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     for split, rows in pl.items():
         dk = data["dense_known"][split]
         for label in [k for k in rows if not k.isdigit()]:
@@ -142,7 +155,7 @@ def _edit_row(split: str, dense_knows: str, placed: str, r: dict) -> str:
     """One row of the edit table: a placement's (or a mid-trained model's) result on one phrasing split."""
     return (f"| {split} | {dense_knows} | {placed} | {r['known_facts']}/{r['probes']} | {r['known']} | "
             f"{pct(r['success'])} | {num(r['prob_target_before'])} → {num(r['prob_target_after'])} | "
-            f"{pct(r['locality_top1'])} | {pct(r['reversible'])} |")
+            f"{pct(r['locality_top1'])} | {pct(r.get('locality_known'))} | {pct(r['reversible'])} |")
 
 
 def plot_layers(held: dict, train: dict) -> Path | None:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from stemlm.edit.strategies import ALIGNS, STRATEGIES
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +109,7 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
     out = {}
     for split in SPLITS:
         cfg = EditEvalConfig(split=split, n_pairs=args.pairs, n_locality=args.locality, relations=("capital",),
-                             seed=0)
+                             seed=0, strategies=(args.strategy,), align=args.align)
         t0 = time.perf_counter()
         chosen = {k: v for k, v in placements.items() if split == SPLITS[0] or not k.isdigit()}  # single layers: held-out only
         res = placement_edits(model, tok, facts, cfg, chosen, progress=True)
@@ -154,6 +155,10 @@ def main() -> None:
                         "specs such as '0+1/3' (layer 0, which the paper's placements never convert, and 1/3)")
     p.add_argument("--calib-unseen", default="pooled", choices=("pooled", "regress", "zero"),
                    help="rows of ids the calibration never shows (default: %(default)s; regress: from the embedding)")
+    p.add_argument("--strategy", default="auto", choices=STRATEGIES,
+                   help="how names of different token lengths take each other's rows (stemlm.edit.strategies; "
+                        "default: %(default)s)")
+    p.add_argument("--align", default="left", choices=ALIGNS, help="token alignment of --strategy (default: %(default)s)")
     p.add_argument("--tag", default="", help="results go to edit_real.<tag>.json (default: edit_real.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
@@ -182,7 +187,7 @@ def main() -> None:
     placements.update({str(i): [i] for i in singles})
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
               "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens,
-              "calib_unseen": args.calib_unseen,
+              "calib_unseen": args.calib_unseen, "strategy": args.strategy, "align": args.align,
               "pairs": args.pairs, "locality": args.locality,
               "relation": "capital", "dense_known": dense_known(model, tok, facts),
               "placements": evaluate_placements(model, tok, facts, placements, args),
