@@ -1,15 +1,15 @@
 """Mid-training insertion on one GPU (issue 24): SmolLM2-135M dense continued vs STEM-1/3 inserted, in lockstep.
 
-    python benchmarks/gpu_midtrain.py --corpus DIR                 # on one H100/H200, ~5 min
+    python benchmarks/gpu_midtrain.py --corpus DIR                 # on one H100: ~7.5 min for three seeds
     python benchmarks/gpu_midtrain.py --smoke                      # a random 3-layer Llama, on any device, seconds
 
 The arms, their conversions (calibration settings included), learning rate, schedule, batch and
 evaluation are those of ``studies/midtrain-gpu.yaml`` (``stemlm.study.midtrain.midtrain_runs``). What
 differs from ``stemlm study run --spec midtrain-gpu`` is only the driving: every arm's trainer is built
 first, then one optimizer step of each arm in turn (the same batches: each seed fixes the data order),
-the validation loss of every arm every ``run.eval_every`` steps, and a wall-clock ``--budget-s``: a seed
-starts only if the time one took before still fits, so whatever is cut, every arm has seen the same
-tokens. The calibration pass runs on the GPU (``CalibrationConfig.device``).
+the validation loss of every arm every ``run.eval_every`` steps, and a wall-clock ``--budget-s`` (the
+conversions included): a seed starts only if the time the last one took still fits, so whatever is cut,
+every arm has seen the same tokens. The calibration pass runs on the GPU (``CalibrationConfig.device``).
 
 ``--corpus``: a prepared data dir in SmolLM2's vocabulary (the study builds it with
 ``corpus_for_tokenizer``; its train split is also the calibration text). Writes
@@ -147,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--arms", default="dense,stem-calibrated,stem-gradual",
                    help="comma-separated arms of the spec, dense first (default: %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="seeds, run in turn while the budget lasts (default: %(default)s)")
-    p.add_argument("--budget-s", type=float, default=330.0,
+    p.add_argument("--budget-s", type=float, default=450.0,
                    help="wall-clock seconds for all seeds; a seed starts only if the last one's time still fits")
     p.add_argument("--scratch", type=Path, default=None, help="converted models and run dirs (default: a temp dir)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default: benchmarks/results/gpu_midtrain.json)")
@@ -176,6 +176,8 @@ def main(argv=None) -> int:
               "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": commit(),
               "settings": {k: m.get(k) for k in ("steps", "batch_size", "seq_len", "lr", "stem_layers", "calibration", "train")},
               "corpus": str(corpus), "seeds": {}, "seeds_skipped": []}
+    for run in runs:  # every conversion first (one per arm, shared by the seeds): a seed's time is then its own
+        converted_model(run.convert, root / "convert", log)
     seed_s = 0.0
     for seed in args.seeds:
         left = args.budget_s - (time.perf_counter() - t_start)
