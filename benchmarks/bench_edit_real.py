@@ -81,7 +81,8 @@ def summarise(result: dict) -> dict:
     """The numbers of one ``run_edit_eval`` result worth keeping per placement."""
     run = result["runs"][0]
     keys = ("known", "success", "prob_target_before", "prob_target_after", "prob_shift", "locality_top1",
-            "locality_kl", "locality_known", "locality_known_n", "reversible", "pairs", "by_length")
+            "locality_kl", "locality_known", "locality_known_n", "locality_shared", "locality_shared_n",
+            "locality_disjoint", "locality_disjoint_n", "reversible", "pairs", "by_length")
     return {"layers": run["layers"], "known_facts": result["base"]["known_first"], "probes": result["base"]["probes"],
             **{k: run[k] for k in keys}}
 

@@ -286,8 +286,8 @@ REAL_FLIP_GOAL = 0.8
 
 @row(f"real-model edit (SmolLM2-135M, calibrated rows): ≥ {pct(REAL_FLIP_GOAL, 0)} of known capitals flip on held-out "
      f"phrasings, ≥ {pct(LOCALITY_GOAL, 0)} locality, exact undo", "bench_edit_real.py", RES + "edit_real.json",
-     RES + "edit_real.layer0.json")
-def edit_real(r: dict, layer0: dict) -> tuple[str, str]:
+     RES + "edit_real.layer0*.json")
+def edit_real(r: dict, layer0s: dict) -> tuple[str, str]:
     held = r["placements"]["heldout_template"]
     named = {k: v for k, v in held.items() if not k.isdigit()}
 
@@ -298,11 +298,18 @@ def edit_real(r: dict, layer0: dict) -> tuple[str, str]:
     mid = [(m["heldout_template"], m["train"]) for m in r.get("midtrained", [])]
     mid_cell = "".join(f"; mid-trained STEM-1/3: knows {h['known_facts']}/{h['probes']}, flips {flips(h)} "
                        f"(training phrasing {flips(t)}), locality {pct(h['locality_top1'])}" for h, t in mid)
-    extra = {k: v for k, v in layer0["placements"]["heldout_template"].items()  # tables at 0+1/3 (--tag layer0)
-             if not k.isdigit() and k != "1/3"}
-    cells += "".join(f", STEM at {k}: knows {v['known_facts']}/{v['probes']}, flips {flips(v)}, locality "
-                     f"{pct(v['locality_top1'])}" for k, v in extra.items())
-    runs = list(named.values()) + [h for h, _ in mid] + list(extra.values())
+    extra = []
+    for layer0 in layer0s.values():  # tables at layer 0 (--tag layer0*): each conversion / strategy its own cells
+        how = ", ".join(x for x in (f"unseen {layer0['calib_unseen']}" if layer0.get("calib_unseen", "pooled") != "pooled" else "",
+                                    f"{layer0['strategy']} {layer0['align']}" if layer0.get("strategy", "auto") != "auto"
+                                    else "") if x)
+        for k, v in layer0["placements"]["heldout_template"].items():
+            if not k.isdigit() and k != "1/3":
+                extra.append(v)
+                cells += (f", STEM at {k}{f' ({how})' if how else ''}: knows {v['known_facts']}/{v['probes']}, "
+                          f"flips {flips(v)}, locality {pct(v['locality_top1'])}"
+                          + (f" ({pct(v['locality_known'])} of known)" if v.get("locality_known") is not None else ""))
+    runs = list(named.values()) + [h for h, _ in mid] + extra
     undo = all(v["reversible"] in (1, None) for v in runs)
     ok = any((v["success"] or 0) >= REAL_FLIP_GOAL and v["locality_top1"] >= LOCALITY_GOAL for v in runs) and undo
     dense = r["dense_known"]["heldout_template"]

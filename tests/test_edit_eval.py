@@ -55,6 +55,8 @@ def test_evaluation_is_reversible_and_local(world, model):
         assert run["reversible"] == 1.0 and run["edits"] == 2
         assert run["locality_top1"] == 1.0 and run["locality_kl"] == 0.0  # single-token names: other prompts untouched
         assert run["locality_known"] in (1.0, None) and run["locality_known_n"] <= run["locality_n"]
+        # a prompt holding none of the edited names' tokens reads no edited row: exactly unchanged
+        assert run["locality_disjoint"] == 1.0 and run["locality_disjoint_n"] + run["locality_shared_n"] == run["locality_n"]
         assert run["cases"] > 0
 
 

@@ -102,6 +102,9 @@ class _Tally:
                "locality_n": int(self.n["loc"]), "locality_top1": self.rate("loc_same", "loc"),
                "locality_kl": self.rate("loc_kl", "loc"),
                "locality_known_n": int(self.n["loc_known"]), "locality_known": self.rate("loc_known_same", "loc_known"),
+               "locality_shared_n": int(self.n["loc_shared"]), "locality_shared": self.rate("loc_shared_same", "loc_shared"),
+               "locality_disjoint_n": int(self.n["loc_disjoint"]),
+               "locality_disjoint": self.rate("loc_disjoint_same", "loc_disjoint"),
                "edits": int(self.n["edits"]),
                "reversible": self.rate("reversible", "edits"),
                "text_locality_top1": self.rate("text_same", "text"), "text_locality_kl": self.rate("text_kl", "text")}
@@ -180,10 +183,11 @@ class EditEvaluator:
             self._run_pair(pair, cases, strategy, layers, "equal" if len(a_ids) == len(b_ids) else "unequal", tally)
         return tally.summary()
 
-    def measure(self, prompts, answers, apply, exclude: tuple[str, ...], tally: _Tally):
+    def measure(self, prompts, answers, apply, exclude: tuple[str, ...], tally: _Tally, edited: set[int] | None = None):
         """Score ``prompts + answers`` before and after ``apply()`` (an edit returning an undo
         record), undo it, and tally locality (facts of countries not in ``exclude``) and
-        reversibility. Returns ``(before, after)`` scores."""
+        reversibility. ``edited``: the token ids whose rows the edit changes; locality is then also
+        split into prompts holding one of them and prompts holding none. Returns ``(before, after)``."""
         before = score(self.model, prompts, answers)
         record = apply()
         try:
@@ -206,6 +210,13 @@ class EditEvaluator:
         same = pool_after.last_logits[keep].argmax(-1) == self.pool_base.last_logits[keep].argmax(-1)
         tally.add("loc", len(keep))
         tally.add("loc_same", float(same.sum()))
+        if edited is not None:  # a prompt without an edited token reads no edited row
+            shared = [i for i in keep if edited & set(self.pool[i].prompt_ids)]
+            disjoint = [i for i in keep if i not in set(shared)]
+            tally.add("loc_shared", len(shared))
+            tally.add("loc_shared_same", float(same[[keep.index(i) for i in shared]].sum()) if shared else 0.0)
+            tally.add("loc_disjoint", len(disjoint))
+            tally.add("loc_disjoint_same", float(same[[keep.index(i) for i in disjoint]].sum()) if disjoint else 0.0)
         known = [i for i in keep if self.pool_base.first_ok[i]]  # other countries' facts the model answers right
         tally.add("loc_known", len(known))
         tally.add("loc_known_same", float(pool_after.first_ok[known].sum()) if known else 0.0)
@@ -219,7 +230,9 @@ class EditEvaluator:
         apply = lambda: edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy,  # noqa: E731
                              layers=layers, mode=self.cfg.mode, align=self.cfg.align, filler=self.filler,
                              embedding=self.cfg.embedding)
-        before, after = self.measure(prompts, answers, apply, pair, tally)
+        before, after = self.measure(prompts, answers, apply, pair, tally,
+                                     edited=set(self.entity[pair[0]]) | (set(self.entity[pair[1]]) if self.cfg.mode == "swap"
+                                                                         else set()))
         tally.add("pairs")
         p_before, p_after = before.probs(), after.probs()
         for i, (src, tgt) in enumerate(cases):
