@@ -110,11 +110,14 @@ def edit_section(data: dict, name: str = "edit_real.json") -> list[str]:
         title += f", unseen ids {unseen}"
     if data.get("strategy", "auto") != "auto" or data.get("align", "left") != "left":
         title += f", strategy {data.get('strategy', 'auto')} ({data.get('align', 'left')})"
+    if data.get("protect_shared"):
+        title += ", shared subwords kept"
     flags = (f" --table-layers {data.get('table_spec', '')}" if tag else "") + \
         (f" --calib-unseen {unseen}" if unseen != "pooled" else "") + \
         (f" --calib-tokens {data['calib_tokens']}" if data["calib_tokens"] != 131072 else "") + \
         (f" --strategy {data['strategy']}" if data.get("strategy", "auto") != "auto" else "") + \
-        (f" --align {data['align']}" if data.get("align", "left") != "left" else "")
+        (f" --align {data['align']}" if data.get("align", "left") != "left" else "") + \
+        (" --protect-shared" if data.get("protect_shared") else "")
     out = ["", f"### {title}", "",
            f"`python benchmarks/bench_edit_real.py{flags}`: "
            "the dense model with STEM placed at a set of layers (calibrated "

@@ -110,7 +110,7 @@ def evaluate_placements(model, tok, facts, placements: dict[str, list[int]], arg
     out = {}
     for split in SPLITS:
         cfg = EditEvalConfig(split=split, n_pairs=args.pairs, n_locality=args.locality, relations=("capital",),
-                             seed=0, strategies=(args.strategy,), align=args.align)
+                             seed=0, strategies=(args.strategy,), align=args.align, protect_shared=args.protect_shared)
         t0 = time.perf_counter()
         chosen = {k: v for k, v in placements.items() if split == SPLITS[0] or not k.isdigit()}  # single layers: held-out only
         res = placement_edits(model, tok, facts, cfg, chosen, progress=True)
@@ -160,6 +160,8 @@ def main() -> None:
                    help="how names of different token lengths take each other's rows (stemlm.edit.strategies; "
                         "default: %(default)s)")
     p.add_argument("--align", default="left", choices=ALIGNS, help="token alignment of --strategy (default: %(default)s)")
+    p.add_argument("--protect-shared", action="store_true",
+                   help="leave the rows of subwords two or more country names hold (no other country's prompt changes)")
     p.add_argument("--tag", default="", help="results go to edit_real.<tag>.json (default: edit_real.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
@@ -189,6 +191,7 @@ def main() -> None:
     result = {"benchmark": "edit_real", "git_commit": git_commit(), "model": "SmolLM2-135M-Instruct (GGUF Q4_1)",
               "table_spec": args.table_layers, "table_layers": layers, "calib_tokens": args.calib_tokens,
               "calib_unseen": args.calib_unseen, "strategy": args.strategy, "align": args.align,
+              "protect_shared": args.protect_shared,
               "pairs": args.pairs, "locality": args.locality,
               "relation": "capital", "dense_known": dense_known(model, tok, facts),
               "placements": evaluate_placements(model, tok, facts, placements, args),

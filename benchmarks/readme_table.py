@@ -300,9 +300,7 @@ def edit_real(r: dict, layer0s: dict) -> tuple[str, str]:
                        f"(training phrasing {flips(t)}), locality {pct(h['locality_top1'])}" for h, t in mid)
     extra = []
     for layer0 in layer0s.values():  # tables at layer 0 (--tag layer0*): each conversion / strategy its own cells
-        how = ", ".join(x for x in (f"unseen {layer0['calib_unseen']}" if layer0.get("calib_unseen", "pooled") != "pooled" else "",
-                                    f"{layer0['strategy']} {layer0['align']}" if layer0.get("strategy", "auto") != "auto"
-                                    else "") if x)
+        how = _edit_settings(layer0)
         for k, v in layer0["placements"]["heldout_template"].items():
             if not k.isdigit() and k != "1/3":
                 extra.append(v)
@@ -316,6 +314,14 @@ def edit_real(r: dict, layer0s: dict) -> tuple[str, str]:
     return (f"{r['pairs']} country pairs, held-out phrasings, dense knows {dense['first']}/{dense['asked']}: {cells}"
             f"{mid_cell}; undo {'exact' if undo else 'not exact'} "
             "([docs](docs/insertion.md#editing-a-real-models-facts-by-rows-smollm2-135m))"), yes(ok)
+
+
+def _edit_settings(result: dict) -> str:
+    """What a bench_edit_real run changed from the defaults: unseen-id rows, strategy, kept subwords."""
+    parts = [f"unseen {result['calib_unseen']}" if result.get("calib_unseen", "pooled") != "pooled" else "",
+             f"{result['strategy']} {result['align']}" if result.get("strategy", "auto") != "auto" else "",
+             "shared subwords kept" if result.get("protect_shared") else ""]
+    return ", ".join(p for p in parts if p)
 
 
 BATCH_GOAL = 4

@@ -122,6 +122,17 @@ def test_unequal_length_swap_writes_strategy_rows(model):
         assert torch.equal(w[60], t[0]) and torch.equal(w[61], t[50])  # target padded on the left
 
 
+def test_kept_ids_are_not_written(model):
+    """keep= leaves the rows of shared subwords: " United States" <-> " Germany" edits " States" only."""
+    state = _state(model)
+    with swap(model, [7, 8], [20], strategy="average", keep=[7], layers=[1]):
+        w, t = model.tables["1"].weight, state["tables.1.weight"]
+        assert torch.equal(w[7], t[7]) and torch.equal(w[8], t[20])
+        assert torch.equal(w[20], (t[7] + t[8]) / 2)  # the other way still reads the kept token's row
+    assert _same_state(model, state)
+    assert plan(model, [7], [9], keep=[7, 9], mode="swap") == {}  # nothing left to write
+
+
 def test_shared_token_conflict_is_an_error_and_model_unchanged(model):
     state = _state(model)
     # " United States" <-> " United Kingdom": one_to_one is consistent (shared token keeps its row) ...

@@ -24,7 +24,7 @@ question (same relation, same template). Metrics (all per strategy and per layer
 from __future__ import annotations
 
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -53,6 +53,7 @@ class EditEvalConfig:
     layer_sets: dict[str, list[int] | None] = field(default_factory=lambda: {"all": None})
     relations: tuple[str, ...] | None = None
     embedding: bool = False  # also swap the input-embedding rows (diagnostic upper bound, not a STEM edit)
+    protect_shared: bool = False  # leave the rows of tokens that two or more names hold (" United", " Guinea")
 
 
 def layer_sweep(model) -> dict[str, list[int]]:
@@ -155,6 +156,8 @@ class EditEvaluator:
                 raise
             self.filler = None
         self.entity = {c: entity_ids(tokenizer, c, self.vocab) for c in self.probes}
+        holders = Counter(t for ids in self.entity.values() for t in set(ids))
+        self.shared = frozenset(t for t, n in holders.items() if n > 1) if cfg.protect_shared else frozenset()
         flat = [p for ps in self.probes.values() for p in ps]
         base = score(model, [p.prompt_ids for p in flat], [p.answer_ids for p in flat])
         self.known = {(p.country, p.key): (bool(f), bool(g)) for p, f, g in zip(flat, base.first_ok, base.full_ok)}
@@ -229,10 +232,9 @@ class EditEvaluator:
         answers = [tgt.answer_ids for _, tgt in cases]
         apply = lambda: edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy,  # noqa: E731
                              layers=layers, mode=self.cfg.mode, align=self.cfg.align, filler=self.filler,
-                             embedding=self.cfg.embedding)
-        before, after = self.measure(prompts, answers, apply, pair, tally,
-                                     edited=set(self.entity[pair[0]]) | (set(self.entity[pair[1]]) if self.cfg.mode == "swap"
-                                                                         else set()))
+                             embedding=self.cfg.embedding, keep=self.shared)
+        edited = (set(self.entity[pair[0]]) | (set(self.entity[pair[1]]) if self.cfg.mode == "swap" else set())) - self.shared
+        before, after = self.measure(prompts, answers, apply, pair, tally, edited=edited)
         tally.add("pairs")
         p_before, p_after = before.probs(), after.probs()
         for i, (src, tgt) in enumerate(cases):

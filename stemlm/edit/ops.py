@@ -40,18 +40,23 @@ def resolve_filler(filler: int | str | None, tokenizer, vocab: int) -> int:
 
 
 def _assignments(model, layer: int, src: torch.Tensor, tgt: torch.Tensor, strategy: str, align: str,
-                 filler: int | None) -> list[tuple[int, torch.Tensor]]:
-    """``(id, row)`` pairs giving each source id its row from the target (one layer)."""
+                 filler: int | None, keep: frozenset[int] = frozenset()) -> list[tuple[int, torch.Tensor]]:
+    """``(id, row)`` pairs giving each source id its row from the target (one layer); ids in ``keep``
+    keep their rows."""
     rows = read(model, layer, tgt)  # (m, d_ff)
     filler_row = read(model, layer, torch.tensor([filler]))[0] if filler is not None else None
     new = map_rows(rows, len(src), strategy, align, filler_row)  # (n, d_ff)
-    return [(int(t), new[k]) for k, t in enumerate(src)]
+    return [(int(t), new[k]) for k, t in enumerate(src) if int(t) not in keep]
 
 
 def plan(model, source_ids: Sequence[int], target_ids: Sequence[int], *, strategy: str = "auto",
          layers: Sequence[int] | None = None, mode: str = "copy", align: str = "left",
-         filler_id: int | None = None, embedding: bool = False) -> dict[int | str, tuple[torch.Tensor, torch.Tensor]]:
+         filler_id: int | None = None, embedding: bool = False,
+         keep: Sequence[int] = ()) -> dict[int | str, tuple[torch.Tensor, torch.Tensor]]:
     """The rows an edit would write, ``{layer: (ids, rows)}``; validates everything, writes nothing.
+
+    ``keep``: token ids whose rows are left as they are even where the entities hold them (e.g.
+    subwords that other names share: an edit then touches no prompt without the edited names).
 
     ``embedding=True`` also rewrites the input-embedding rows the same way (key ``"embedding"``):
     a diagnostic of how much of the entity the embedding carries, not a STEM edit.
@@ -71,11 +76,12 @@ def plan(model, source_ids: Sequence[int], target_ids: Sequence[int], *, strateg
         concrete.append(resolve_strategy(strategy, len(tgt), len(src)))
     if "filler" in concrete and len(src) != len(tgt) and filler_id is None:
         raise ValueError("strategy 'filler' needs a filler token (filler=...)")
+    kept = frozenset(int(t) for t in keep)
     writes = {}
     for layer in chosen:
-        pairs = _assignments(model, layer, src, tgt, strategy, align, filler_id)
+        pairs = _assignments(model, layer, src, tgt, strategy, align, filler_id, kept)
         if mode == "swap":
-            pairs += _assignments(model, layer, tgt, src, strategy, align, filler_id)
+            pairs += _assignments(model, layer, tgt, src, strategy, align, filler_id, kept)
         if pairs:
             writes[layer] = collect_writes(pairs)
     return writes
@@ -84,8 +90,10 @@ def plan(model, source_ids: Sequence[int], target_ids: Sequence[int], *, strateg
 def edit(model, source: str | Sequence[int], target: str | Sequence[int], *, strategy: str = "auto",
          layers: Sequence[int] | None = None, mode: str = "copy", align: str = "left",
          filler: int | str | None = None, tokenizer=None, leading_space: bool = True,
-         embedding: bool = False) -> EditRecord:
+         embedding: bool = False, keep: Sequence[int] = ()) -> EditRecord:
     """Give ``source`` the table rows of ``target`` (both ways with ``mode="swap"``).
+
+    ``keep``: token ids whose rows are not written (see ``plan``).
 
     ``source``/``target`` are entity strings (tokenized with ``tokenizer``, leading space added,
     see ``tokens.entity_ids``) or token-id lists. Returns an ``EditRecord`` (also a context
@@ -99,7 +107,7 @@ def edit(model, source: str | Sequence[int], target: str | Sequence[int], *, str
     needs_filler = strategy == "filler" and len(src) != len(tgt)
     filler_id = resolve_filler(filler, tokenizer, vocab) if needs_filler else None
     writes = plan(model, src, tgt, strategy=strategy, layers=layers, mode=mode, align=align, filler_id=filler_id,
-                  embedding=embedding)
+                  embedding=embedding, keep=keep)
     arrow = "<->" if mode == "swap" else "<-"
     desc = f"{describe(tokenizer, src)} {arrow} {describe(tokenizer, tgt)} [{strategy}{' +embedding' if embedding else ''}]"
     return apply_writes(model, writes, desc)
