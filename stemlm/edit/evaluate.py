@@ -214,12 +214,10 @@ class EditEvaluator:
         tally.add("loc", len(keep))
         tally.add("loc_same", float(same.sum()))
         if edited is not None:  # a prompt without an edited token reads no edited row
-            shared = [i for i in keep if edited & set(self.pool[i].prompt_ids)]
-            disjoint = [i for i in keep if i not in set(shared)]
-            tally.add("loc_shared", len(shared))
-            tally.add("loc_shared_same", float(same[[keep.index(i) for i in shared]].sum()) if shared else 0.0)
-            tally.add("loc_disjoint", len(disjoint))
-            tally.add("loc_disjoint_same", float(same[[keep.index(i) for i in disjoint]].sum()) if disjoint else 0.0)
+            holds = torch.tensor([bool(edited & set(self.pool[i].prompt_ids)) for i in keep], dtype=torch.bool)
+            for name, part in (("loc_shared", holds), ("loc_disjoint", ~holds)):
+                tally.add(name, float(part.sum()))
+                tally.add(name + "_same", float(same[part].sum()))
         known = [i for i in keep if self.pool_base.first_ok[i]]  # other countries' facts the model answers right
         tally.add("loc_known", len(known))
         tally.add("loc_known_same", float(pool_after.first_ok[known].sum()) if known else 0.0)
