@@ -109,6 +109,7 @@ def train_seed(runs: list, root: Path, corpus: Path, log) -> dict:
         o.update(init_loss=o["curve"][0][2], final_loss=o["curve"][-1][2], tokens=t.tokens_seen,
                  median_step_s=statistics.median(warm), tokens_per_s=t.tokens_per_step / statistics.median(warm),
                  table_path=getattr(t, "table_path", None),
+                 # the process's peak so far (every arm of the seed on the GPU at once), the same for each arm
                  peak_gpu_gib=torch.cuda.max_memory_allocated() / 2**30 if t.device.type == "cuda" else None)
         t.close()
     del trainers
