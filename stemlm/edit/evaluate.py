@@ -186,13 +186,14 @@ class EditEvaluator:
             self._run_pair(pair, cases, strategy, layers, "equal" if len(a_ids) == len(b_ids) else "unequal", tally)
         return tally.summary()
 
-    def measure(self, prompts, answers, apply, exclude: tuple[str, ...], tally: _Tally, edited: set[int] | None = None):
+    def measure(self, prompts, answers, apply, exclude: tuple[str, ...], tally: _Tally):
         """Score ``prompts + answers`` before and after ``apply()`` (an edit returning an undo
-        record), undo it, and tally locality (facts of countries not in ``exclude``) and
-        reversibility. ``edited``: the token ids whose rows the edit changes; locality is then also
-        split into prompts holding one of them and prompts holding none. Returns ``(before, after)``."""
+        record), undo it, and tally locality (facts of countries not in ``exclude``; also split into
+        prompts that hold a token whose rows the edit wrote and prompts that hold none) and
+        reversibility. Returns ``(before, after)`` scores."""
         before = score(self.model, prompts, answers)
         record = apply()
+        edited = {t for ids, _ in record.old.values() for t in ids.tolist()}
         try:
             after, pool_after = score(self.model, prompts, answers), self._score_pool()
             if self.text is not None:
@@ -213,11 +214,11 @@ class EditEvaluator:
         same = pool_after.last_logits[keep].argmax(-1) == self.pool_base.last_logits[keep].argmax(-1)
         tally.add("loc", len(keep))
         tally.add("loc_same", float(same.sum()))
-        if edited is not None:  # a prompt without an edited token reads no edited row
-            holds = torch.tensor([bool(edited & set(self.pool[i].prompt_ids)) for i in keep], dtype=torch.bool)
-            for name, part in (("loc_shared", holds), ("loc_disjoint", ~holds)):
-                tally.add(name, float(part.sum()))
-                tally.add(name + "_same", float(same[part].sum()))
+        # a prompt without an edited token reads no edited row
+        holds = torch.tensor([bool(edited & set(self.pool[i].prompt_ids)) for i in keep], dtype=torch.bool)
+        for name, part in (("loc_shared", holds), ("loc_disjoint", ~holds)):
+            tally.add(name, float(part.sum()))
+            tally.add(name + "_same", float(same[part].sum()))
         known = [i for i in keep if self.pool_base.first_ok[i]]  # other countries' facts the model answers right
         tally.add("loc_known", len(known))
         tally.add("loc_known_same", float(pool_after.first_ok[known].sum()) if known else 0.0)
@@ -231,8 +232,7 @@ class EditEvaluator:
         apply = lambda: edit(self.model, self.entity[pair[0]], self.entity[pair[1]], strategy=strategy,  # noqa: E731
                              layers=layers, mode=self.cfg.mode, align=self.cfg.align, filler=self.filler,
                              embedding=self.cfg.embedding, keep=self.shared)
-        edited = (set(self.entity[pair[0]]) | (set(self.entity[pair[1]]) if self.cfg.mode == "swap" else set())) - self.shared
-        before, after = self.measure(prompts, answers, apply, pair, tally, edited=edited)
+        before, after = self.measure(prompts, answers, apply, pair, tally)
         tally.add("pairs")
         p_before, p_after = before.probs(), after.probs()
         for i, (src, tgt) in enumerate(cases):
