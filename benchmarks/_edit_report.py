@@ -105,19 +105,10 @@ def edit_section(data: dict, name: str = "edit_real.json") -> list[str]:
     tag = name.removeprefix("edit_real").removesuffix(".json").strip(".")
     title = "Editing a real model's facts by rows (SmolLM2-135M)" + (f", tables at layers {_layers(converted)}"
                                                                     if tag else "")
+    title += "".join(f", {part}" for part in edit_settings(data))
     unseen = data.get("calib_unseen", "pooled")
-    if unseen != "pooled":
-        title += f", unseen ids {unseen}"
-    if data.get("strategy", "auto") != "auto" or data.get("align", "left") != "left":
-        title += f", strategy {data.get('strategy', 'auto')} ({data.get('align', 'left')})"
-    if data.get("protect_shared"):
-        title += ", shared subwords kept"
-    flags = (f" --table-layers {data.get('table_spec', '')}" if tag else "") + \
-        (f" --calib-unseen {unseen}" if unseen != "pooled" else "") + \
-        (f" --calib-tokens {data['calib_tokens']}" if data["calib_tokens"] != 131072 else "") + \
-        (f" --strategy {data['strategy']}" if data.get("strategy", "auto") != "auto" else "") + \
-        (f" --align {data['align']}" if data.get("align", "left") != "left" else "") + \
-        (" --protect-shared" if data.get("protect_shared") else "")
+    flags = (f" --table-layers {data.get('table_spec', '')}" if tag else "") + "".join(
+        f" --{key.replace('_', '-')}" + ("" if value is True else f" {value}") for key, value in changed(data).items())
     out = ["", f"### {title}", "",
            f"`python benchmarks/bench_edit_real.py{flags}`: "
            "the dense model with STEM placed at a set of layers (calibrated "
@@ -152,6 +143,25 @@ def edit_section(data: dict, name: str = "edit_real.json") -> list[str]:
                 ", ".join(f"{i} ({singles[i]['prob_shift']:+.3f})" for i in best) + ".",
                 "", f"![per-layer attribution]({Path('..') / plot.relative_to(ROOT)})" if plot else ""]
     return out
+
+
+# bench_edit_real's settings that a result records, with their defaults (older results lack the newer keys)
+EDIT_DEFAULTS = {"calib_unseen": "pooled", "calib_tokens": 131072, "strategy": "auto", "align": "left",
+                 "protect_shared": False}
+
+
+def changed(data: dict) -> dict:
+    """The bench_edit_real settings of a result that differ from the defaults."""
+    return {k: data.get(k, d) for k, d in EDIT_DEFAULTS.items() if data.get(k, d) != d}
+
+
+def edit_settings(data: dict) -> list[str]:
+    """Those changes in words (the calibration-token count left out): ``["unseen ids regress", ...]``."""
+    c = changed(data)
+    return [part for part in (f"unseen ids {c['calib_unseen']}" if "calib_unseen" in c else "",
+                              f"strategy {data.get('strategy', 'auto')} ({data.get('align', 'left')})"
+                              if {"strategy", "align"} & set(c) else "",
+                              "shared subwords kept" if c.get("protect_shared") else "") if part]
 
 
 def _edit_row(split: str, dense_knows: str, placed: str, r: dict) -> str:

@@ -24,16 +24,17 @@ import argparse
 import json
 import platform
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from _gpu_parts import sync
 from stemlm.study.midtrain import converted_model, midtrain_runs
 from stemlm.study.spec import load_spec
 from stemlm.train import Trainer, load_train_config
+from stemlm.version import git_commit
 
 HERE = Path(__file__).resolve().parent
 
@@ -72,11 +73,6 @@ def build(run, root: Path, corpus: Path, log) -> Trainer:
     cfg = load_train_config(None, None, [*run.overrides, f"run.out={root / 'runs' / run.name}", "run.progress=false",
                                          "run.plots=false", f"data.dir={corpus}", f"run.init_from={init}"])
     return Trainer(cfg)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def train_seed(runs: list, root: Path, corpus: Path, log) -> dict:
@@ -118,27 +114,23 @@ def train_seed(runs: list, root: Path, corpus: Path, log) -> dict:
     return out
 
 
+def gaps(seeds: dict, arm: str, key: str = "final_loss") -> list[float]:
+    """``arm``'s ``key`` minus dense's on the same seed, one value per seed that ran both."""
+    return [s[arm][key] - s["dense"][key] for s in seeds.values() if arm in s and "dense" in s]
+
+
 def summary(seeds: dict) -> dict:
     """Each STEM arm minus dense at the end (per seed, mean, sample sd) and at step 0."""
     out = {}
     arms = {a for s in seeds.values() for a in s if a != "dense"}
     for arm in sorted(arms):
-        gaps = [s[arm]["final_loss"] - s["dense"]["final_loss"] for s in seeds.values() if arm in s and "dense" in s]
-        init = [s[arm]["init_loss"] - s["dense"]["init_loss"] for s in seeds.values() if arm in s and "dense" in s]
+        final, init = gaps(seeds, arm), gaps(seeds, arm, "init_loss")
         ratio = [s[arm]["median_step_s"] / s["dense"]["median_step_s"] for s in seeds.values() if arm in s and "dense" in s]
-        out[arm] = {"final_gap_per_seed": gaps, "final_gap_mean": statistics.fmean(gaps) if gaps else None,
-                    "final_gap_sd": statistics.stdev(gaps) if len(gaps) > 1 else None,
+        out[arm] = {"final_gap_per_seed": final, "final_gap_mean": statistics.fmean(final) if final else None,
+                    "final_gap_sd": statistics.stdev(final) if len(final) > 1 else None,
                     "init_gap": statistics.fmean(init) if init else None,
                     "step_time_ratio_to_dense": statistics.fmean(ratio) if ratio else None}
     return out
-
-
-def commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=HERE,
-                              check=True).stdout.strip() or None
-    except (OSError, subprocess.CalledProcessError):
-        return None
 
 
 def main(argv=None) -> int:
@@ -174,7 +166,7 @@ def main(argv=None) -> int:
     m, runs = stage(args, corpus, str(source))
     result = {"benchmark": "gpu_midtrain", "spec": args.spec, "smoke": args.smoke, "arms": args.arms,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
-              "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": commit(),
+              "torch": torch.__version__, "cuda": torch.version.cuda, "git_commit": git_commit(),
               "settings": {k: m.get(k) for k in ("steps", "batch_size", "seq_len", "lr", "stem_layers", "calibration", "train")},
               "corpus": str(corpus), "seeds": {}, "seeds_skipped": []}
     for run in runs:  # every conversion first (one per arm, shared by the seeds): a seed's time is then its own

@@ -37,6 +37,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from _edit_report import edit_settings
 from _results_table import (CLAIMS_BEGIN, CLAIMS_END, RES, ROOT, ms, pct, render, render_claims, replace_table, row,
                             sci, span, yes)
 
@@ -266,19 +267,10 @@ def insertion(r: dict) -> tuple[str, str]:
 @row("mid-training insertion on one GPU (SmolLM2-135M, ≤ 10 min, ≥ 50M tokens): STEM-1/3 below dense continued",
      "gpu_midtrain.py", RES + "gpu_midtrain/*.json")
 def gpu_midtrain(files: dict) -> tuple[str, str]:
-    from _gpu_midtrain_report import _gaps, _interval, experiments, main_experiment
+    from _gpu_midtrain_report import readme_cell
 
-    exps = experiments(files)
-    e = exps[main_experiment(exps)]
-    st = e["settings"]
-    tokens = st["steps"] * st["batch_size"] * st["seq_len"]
-    arms = [a for a in next(iter(e["seeds"].values())) if a != "dense"]
-    cells = "; ".join(f"{a} {_interval(_gaps(e, a))} nats (step 0 {sum(_gaps(e, a, 'init_loss')) / len(e['seeds']):+.2f})"
-                      for a in arms)
-    gaps = [g for a in arms for g in _gaps(e, a)]
-    return (f"{e['device']}, {tokens:,} tokens per arm (one epoch of the offline corpus; 50M tokens need more text "
-            f"than it holds): {cells} ([docs](docs/insertion.md#mid-training-on-one-gpu))"
-            ), yes(max(gaps) < 0 and tokens >= 50_000_000)
+    measured, met = readme_cell(files)
+    return measured, yes(met)
 
 
 REAL_FLIP_GOAL = 0.8
@@ -300,7 +292,7 @@ def edit_real(r: dict, layer0s: dict) -> tuple[str, str]:
                        f"(training phrasing {flips(t)}), locality {pct(h['locality_top1'])}" for h, t in mid)
     extra = []
     for layer0 in layer0s.values():  # tables at layer 0 (--tag layer0*): each conversion / strategy its own cells
-        how = _edit_settings(layer0)
+        how = ", ".join(edit_settings(layer0))
         for k, v in layer0["placements"]["heldout_template"].items():
             if not k.isdigit() and k != "1/3":
                 extra.append(v)
@@ -314,14 +306,6 @@ def edit_real(r: dict, layer0s: dict) -> tuple[str, str]:
     return (f"{r['pairs']} country pairs, held-out phrasings, dense knows {dense['first']}/{dense['asked']}: {cells}"
             f"{mid_cell}; undo {'exact' if undo else 'not exact'} "
             "([docs](docs/insertion.md#editing-a-real-models-facts-by-rows-smollm2-135m))"), yes(ok)
-
-
-def _edit_settings(result: dict) -> str:
-    """What a bench_edit_real run changed from the defaults: unseen-id rows, strategy, kept subwords."""
-    parts = [f"unseen {result['calib_unseen']}" if result.get("calib_unseen", "pooled") != "pooled" else "",
-             f"{result['strategy']} {result['align']}" if result.get("strategy", "auto") != "auto" else "",
-             "shared subwords kept" if result.get("protect_shared") else ""]
-    return ", ".join(p for p in parts if p)
 
 
 BATCH_GOAL = 4
