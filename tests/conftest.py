@@ -1,7 +1,13 @@
 """Shared fixtures: fixed seeds, tiny configs."""
 
-import pytest
+import os
+
 import torch
+
+if not torch.cuda.is_available():  # the Triton table kernels run under the interpreter here (tests/test_table_kernels.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from stemlm import model_config
 

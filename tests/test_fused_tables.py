@@ -43,7 +43,9 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
         table_opt = SparseRowAdamW(model.tables, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched)
     else:
         host = path.startswith("host")
-        tables = install_host_tables(model, "cpu") if host else install_fused_tables(model, kw.get("exact"))
+        kernels = kw.get("kernels", "torch")
+        tables = (install_host_tables(model, "cpu", kernels) if host
+                  else install_fused_tables(model, kw.get("exact"), kernels))
         table_opt = FusedRowAdamW(tables, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched,
                                   compile=path.endswith("compiled"))
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]

@@ -55,6 +55,7 @@ def test_checkpoints_resume_across_paths(data, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (("run.table_path=fast",), "run.table_path: 'fast' is not one of auto, fused, reference"),
     (("run.tables=disk",), "run.tables: 'disk' is not one of device, host"),
+    (("run.table_kernels=cuda",), "run.table_kernels: 'cuda' is not one of auto, triton, torch"),
     (("run.tables=host", "run.table_path=reference"), "run.tables=host trains through the fused table path"),
     (("run.table_path=fused", "optim.table_optimizer=dense"), "run.table_path=fused needs optim.table_optimizer=sparse"),
 ])

@@ -13,7 +13,9 @@ only) and the token ids. Its class attributes and class methods answer, without 
   it drops (``replaces``, the one of ``w_gate``/``w_up`` it does not hold);
 * calibration (``stemlm.insert``): ``calibration_target``, ``hidden`` and ``gate_of_rows`` computed
   from a dense FFN's weights, and ``zero_rows_are_dense``;
-* decoding: ``routes_by_data`` (the step depends on the ids' values: no CUDA graph).
+* decoding: ``routes_by_data`` (the step depends on the ids' values: no CUDA graph);
+* the fused table kernels: ``fuses_row_gather`` (its ``hidden`` takes ``IndexedRows`` and gathers the
+  rows inside the kernel; other kinds get the rows expanded per position).
 
 Sizes come from a ``ModelConfig`` (``d_model``, ``d_ff``, ``vocab_size``, ``n_experts``).
 """
@@ -42,6 +44,7 @@ class FFNKind(nn.Module):
     from_dense: ClassVar[bool] = True  # a dense Llama layer converts into this kind
     zero_rows_are_dense: ClassVar[bool] = False  # with all-zero rows the layer is exactly the dense layer
     routes_by_data: ClassVar[bool] = False  # the computation depends on the ids' values
+    fuses_row_gather: ClassVar[bool] = False  # takes ``IndexedRows`` (rows not expanded per position) in forward
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from .base import FFNKind
+from .rows import IndexedRows
 
 
 class StemFFN(FFNKind):
@@ -14,9 +15,12 @@ class StemFFN(FFNKind):
     holds = ("w_gate", "w_down")  # the row replaces W_u: d·d_ff parameters and MACs saved
     owns_table = True
     table_from = "w_up"
+    fuses_row_gather = True
 
     @staticmethod
     def hidden(dense, x, rows):
+        if isinstance(rows, IndexedRows):  # the fused table kernels: the row is gathered inside the product
+            return rows.gated(dense.w_gate(x))
         return F.silu(dense.w_gate(x)) * rows
 
     @staticmethod

@@ -26,6 +26,7 @@ from ..config import ModelConfig
 from ..ffn import FFNKind, ffn_kind
 from ..runtime.matmul import matmul_backend_of
 from .loss import linear_cross_entropy
+from ..ffn.rows import as_rows
 from .tables import StemTable, Tables, check_ids, init_table_
 
 
@@ -223,7 +224,9 @@ class StemLM(nn.Module):
         elif missing := [str(i) for i in cfg.table_layers if str(i) not in table_rows]:
             raise ValueError(f"table_rows has no rows for table layer(s) {', '.join(missing)}")
         for i, block in enumerate(self.layers):
-            rows = table_rows[str(i)] if block.ffn.owns_table else None  # (B, T, d_ff)
+            rows = table_rows[str(i)] if block.ffn.owns_table else None  # (B, T, d_ff), or IndexedRows
+            if not block.ffn.fuses_row_gather:
+                rows = as_rows(rows)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)
         h = self.norm(x)
         if targets is not None:

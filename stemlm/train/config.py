@@ -31,6 +31,7 @@ DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 TABLE_PATHS = ("auto", "fused", "reference")
 TRAIN_TABLE_TIERS = ("device", "host")
+TABLE_KERNELS = ("auto", "triton", "torch")  # stemlm.kernels.TABLE_KERNELS (not imported: it would load torch paths early)
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
 # (the backbone in every step); the scale was chosen on the default run (docs/training.md).
@@ -178,6 +179,9 @@ class RunSection:
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
                                  "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
                                  "both compute the same steps, so it may change on resume")
+    table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
+                            "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | torch | auto (triton on CUDA "
+                            "when it imports, torch elsewhere; triton on the CPU runs under the Triton interpreter, slowly)")
     tables: str = _f("device", f"{' | '.join(TRAIN_TABLE_TIERS)}: where the STEM tables and their optimizer state live while "
                      "training; host = pinned host RAM, the accelerator holds the rows of the current and next step (docs/gpu.md)")
 
@@ -194,6 +198,7 @@ class RunSection:
             raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
         _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
+        _choice(self.table_kernels, "run.table_kernels", TABLE_KERNELS)
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
         _non_negative(self, "run", ("eval_every", "seed"))
         if not self.out.strip():

@@ -99,7 +99,8 @@ class Trainer:
                 raise ConfigError(str(e)) from None
         self.table_path = resolve_table_path(cfg.run.table_path, cfg.run.tables, cfg.optim.table_optimizer,
                                              self.device, self.model)
-        apply_table_path(self.model, self.table_path, cfg.run.tables, self.device)
+        self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
+                                              cfg.run.table_kernels)
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)

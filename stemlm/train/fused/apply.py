@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from ...config import ConfigError
+from ...kernels import resolve_table_kernels
 from ...model.tables import StemTable
 from .host import install_host_tables
 from .stacked import install_fused_tables
@@ -37,12 +38,20 @@ def resolve_table_path(table_path: str, tables_tier: str, table_optimizer: str, 
     return table_path
 
 
-def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device: torch.device) -> None:
+def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device: torch.device,
+                     table_kernels: str = "torch") -> str | None:
     """Install the fused container (``FusedTables`` or, for ``tables_tier="host"``, ``HostTables``)
-    as ``model.tables`` when ``table_path`` is ``"fused"`` (after the model is on ``device``)."""
+    as ``model.tables`` when ``table_path`` is ``"fused"`` (after the model is on ``device``), with
+    the kernels ``table_kernels`` resolves to (``auto``/``triton``/``torch``); returns those kernels
+    (None on the reference path)."""
     if table_path != "fused":
-        return
+        return None
+    try:
+        kernels = resolve_table_kernels(table_kernels, device)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if tables_tier == "host":
-        install_host_tables(model, device)
+        install_host_tables(model, device, kernels)
     else:
-        install_fused_tables(model)
+        install_fused_tables(model, kernels=kernels)
+    return kernels

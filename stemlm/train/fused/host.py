@@ -77,10 +77,10 @@ class Staged:
 class HostTables(FusedTables):
     """All tables stacked in (pinned) host RAM, trained through a device window (module docstring)."""
 
-    def __init__(self, tables: Mapping[str, StemTable], device):
+    def __init__(self, tables: Mapping[str, StemTable], device, kernels: str = "torch"):
         for t in tables.values():
             t.weight.data = t.weight.data.to("cpu")
-        super().__init__(tables, exact=True)
+        super().__init__(tables, exact=True, kernels=kernels)
         self.compute = torch.device(device)
         self.mover = Mover(self.compute)
         if self.mover.cuda:
@@ -119,7 +119,7 @@ class HostTables(FusedTables):
         self.window = self._assemble(d, staged)
         put = lambda t: to_device_async(t, self.compute)  # noqa: E731
         dev = Dedup(put(d.uniq), put(d.count), put(d.slot_of), padded=False)
-        self.step_rows = StepRows(dev, self.window.rows.requires_grad_(True))
+        self.step_rows = self.open_step(dev, self.window.rows)
         return self.step_rows
 
     def prefetch_step(self, ids: Sequence[torch.Tensor]) -> None:
@@ -187,7 +187,7 @@ class HostTables(FusedTables):
     # -- the optimizer, checkpoints, evaluation ---------------------------------------------
     def apply_update(self, opt, step: StepRows) -> None:
         """Update the window in place (every slot holds an id of the step)."""
-        opt.update_window(step.rows.detach(), step.rows.grad, self.window)
+        opt.update_window(step.rows.detach(), step.grad, self.window)
         self.window.dirty = True
 
     def flush(self) -> None:
@@ -218,10 +218,10 @@ class HostTables(FusedTables):
         return LayerRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
 
 
-def install_host_tables(model: nn.Module, device) -> HostTables:
+def install_host_tables(model: nn.Module, device, kernels: str = "torch") -> HostTables:
     """Move ``model.tables`` (in-memory ``StemTable``s) into one ``HostTables``; returns it."""
     tables = dict(model.tables.items())
     if not tables or not all(type(t) is StemTable for t in tables.values()):
         raise ValueError("host-tier training needs the model's tables in memory as StemTables")
-    model.tables = HostTables(tables, device)
+    model.tables = HostTables(tables, device, kernels)
     return model.tables

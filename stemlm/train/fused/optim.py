@@ -44,6 +44,11 @@ class FusedRowAdamW:
             t.sparse_grad = True
 
     @property
+    def triton(self) -> bool:
+        """Whether the update runs as the Triton row AdamW (``run.table_kernels=triton``)."""
+        return self.container.kernels == "triton"
+
+    @property
     def compile(self) -> bool:
         return self.indexed.compiled and self.window.compiled
 
@@ -64,9 +69,9 @@ class FusedRowAdamW:
         if self._pending is None:
             self._pending = self.container.take_step()
         step = self._pending
-        if step is None or step.rows.grad is None:
+        if step is None or step.grad is None:
             return []
-        return list(step.rows.grad.unbind(0))
+        return list(step.grad.unbind(0))
 
     def zero_grad(self) -> None:
         """Drop the step's rows and gradients."""
@@ -80,7 +85,7 @@ class FusedRowAdamW:
         self.collect()
         step, self._pending = self._pending, None
         self.global_step += 1
-        if step is None or step.rows.grad is None:
+        if step is None or step.grad is None:
             return
         self.container.apply_update(self, step)
 
@@ -99,9 +104,10 @@ class FusedRowAdamW:
         """Update the rows ``flat`` of the stacked state (device tier) from the step's leaf."""
         st = self.stacked
         n, P, d = step.rows.shape
-        if valid is None and self._native(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d),
-                                          st["exp_avg_sq"].view(-1, d), st["step"].view(-1), st["last_step"].view(-1),
-                                          flat, step.rows.detach().view(-1, d), step.rows.grad.view(-1, d)):
+        if valid is None and not self.triton and self._native(
+                self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d),
+                st["step"].view(-1), st["last_step"].view(-1), flat, step.rows.detach().view(-1, d),
+                step.grad.view(-1, d)):
             return
         counts = st["step"].view(-1).index_select(0, flat)  # (n·P,)
         last = st["last_step"].view(-1).index_select(0, flat)
@@ -114,19 +120,27 @@ class FusedRowAdamW:
             stamp = torch.full_like(last, self.global_step)
         st["step"].view(-1).index_copy_(0, flat, new_n)
         st["last_step"].view(-1).index_copy_(0, flat, stamp)
-        self.indexed(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d), flat,
-                     step.rows.detach().view(-1, d), step.rows.grad.view(-1, d), decay, neg_step, eps_r, mask, *self.betas)
+        update = self.container.kernel_modules()[1].row_adamw_ if self.triton else self.indexed
+        update(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d), flat,
+               step.rows.detach().reshape(-1, d), step.grad.reshape(-1, d), decay, neg_step, eps_r, mask, *self.betas)
 
     def update_window(self, rows: torch.Tensor, grad: torch.Tensor, win) -> None:
         """Update a compact window of rows (host tier) in place: ``rows``/``grad`` ``(n, U, d)``,
         ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``."""
         d = rows.shape[-1]
-        if self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1), win.last.view(-1),
-                        torch.arange(win.step.numel()), rows.view(-1, d), grad.view(-1, d)):
+        if not self.triton and self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1),
+                                            win.last.view(-1), torch.arange(win.step.numel()), rows.view(-1, d),
+                                            grad.view(-1, d)):
             return
         new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
         win.step.copy_(new_n)
         win.last.fill_(self.global_step)
+        if self.triton:  # the window's rows are updated where they are: flat = 0 .. n·U - 1
+            flat = torch.arange(win.step.numel(), device=rows.device)
+            self.container.kernel_modules()[1].row_adamw_(
+                rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), flat, rows.view(-1, d),
+                grad.reshape(-1, d), decay.reshape(-1, 1), neg_step.reshape(-1, 1), eps_r.reshape(-1, 1), None, *self.betas)
+            return
         self.window(rows, win.m, win.v, grad, decay, neg_step, eps_r, *self.betas)
 
     # -- checkpointing --------------------------------------------------------------------

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ...ffn.rows import IndexedRows
 from ...model.tables import LayerRows, StemTable, Tables, check_ids
 from .dedup import Dedup, dedup
 from .mover import to_device_async
@@ -33,13 +34,20 @@ from .mover import to_device_async
 
 @dataclass
 class StepRows:
-    """The rows of one optimizer step: ``dedup`` of its ids and ``rows``, the ``(n, P, d)`` leaf
-    whose ``.grad`` collects every micro-batch's gradient; ``implicit`` when opened by a forward."""
+    """The rows of one optimizer step: ``dedup`` of its ids and ``rows`` ``(n, P, d)``, which collect
+    every micro-batch's gradient in ``grad``: the leaf's ``.grad`` on the torch kernels, an explicit
+    buffer (``explicit_grad``) the Triton kernels add into; ``implicit`` when opened by a forward."""
 
     dedup: Dedup
     rows: torch.Tensor
     implicit: bool = False
     used: bool = False
+    explicit_grad: torch.Tensor | None = None
+
+    @property
+    def grad(self) -> torch.Tensor | None:
+        """``(n, P, d)`` fp32: the step's row gradients so far (None before any backward)."""
+        return self.explicit_grad if self.explicit_grad is not None else self.rows.grad
 
 
 class ExpandRows(torch.autograd.Function):
@@ -66,6 +74,13 @@ class ExpandRows(torch.autograd.Function):
         return out, None
 
 
+class PassedRows(LayerRows):
+    """``LayerRows`` whose values are handed out as they are (``IndexedRows`` per layer)."""
+
+    def __getitem__(self, key: str):
+        return self._gathers[key]
+
+
 class ExpandedRows(LayerRows):
     """``LayerRows`` whose rows are already one per position (``(N, d)`` each)."""
 
@@ -87,7 +102,10 @@ def assert_on_device(cond: torch.Tensor, message: str) -> None:
 class FusedTables(Tables):
     """All tables of a model stacked on one device (see module docstring)."""
 
-    def __init__(self, tables: Mapping[str, StemTable], exact: bool | None = None):
+    def __init__(self, tables: Mapping[str, StemTable], exact: bool | None = None, kernels: str = "torch"):
+        """``kernels``: ``torch`` (autograd expands the rows per position) or ``triton`` (the rows
+        reach STEM layers as ``IndexedRows``: the gather is fused into the product and the row
+        gradient is a segmented sum, ``stemlm.kernels``)."""
         super().__init__()
         first = next(iter(tables.values()))
         weights = [t.weight.detach() for t in tables.values()]
@@ -101,6 +119,8 @@ class FusedTables(Tables):
         self.exact = self.storage.device.type == "cpu" if exact is None else exact
         self.step_rows: StepRows | None = None
         self._state: dict[str, torch.Tensor] | None = None
+        self.kernels = kernels
+        self._kernel_modules = None
 
     @property
     def device(self) -> torch.device:
@@ -113,8 +133,23 @@ class FusedTables(Tables):
         check_ids(flat, self.num_rows)  # where the ids are: on the host (the trainer's) no device waits
         flat = to_device_async(flat, self.device)
         d = dedup(flat, self.num_rows, self.exact)
-        self.step_rows = StepRows(d, self.load_rows(d).requires_grad_(True))
+        self.step_rows = self.open_step(d, self.load_rows(d))
         return self.step_rows
+
+    def open_step(self, d: Dedup, rows: torch.Tensor) -> StepRows:
+        """The step's ``StepRows`` over ``rows (n, P, d)``: a leaf that requires grad (torch
+        kernels) or plain rows beside a zeroed gradient buffer (Triton kernels)."""
+        if self.kernels == "triton":
+            return StepRows(d, rows.detach(), explicit_grad=torch.zeros(rows.shape, dtype=torch.float32,
+                                                                        device=rows.device))
+        return StepRows(d, rows.requires_grad_(True))
+
+    def kernel_modules(self):
+        """``(gated_rows, row_adamw)`` of ``stemlm.kernels`` for this container's device (loaded once)."""
+        if self._kernel_modules is None:
+            from ... import kernels
+            self._kernel_modules = kernels.load(self.device)
+        return self._kernel_modules
 
     def load_rows(self, d: Dedup) -> torch.Tensor:
         """``(n, P, d)`` rows of every table at the step's slots (a fresh tensor)."""
@@ -142,6 +177,12 @@ class FusedTables(Tables):
                              "a forward pass used token ids that begin_step was not given")
         step.used = True
         inverse = step.dedup.inverse(ids.to(self.device)).reshape(-1)  # (N,)
+        if self.kernels == "triton":
+            gated = self.kernel_modules()[0]
+            seg = gated.Segments.of(inverse, step.dedup.size)  # one sort, shared by every layer
+            per_layer = {k: IndexedRows(step.rows[i], inverse, ids.shape, seg, step.explicit_grad[i], gated)
+                         for i, k in enumerate(self.keys())}
+            return PassedRows(per_layer, inverse, ids.shape)
         per_table = ExpandRows.apply(step.rows, inverse)  # n x (N, d)
         return ExpandedRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
 
@@ -178,10 +219,10 @@ class FusedTables(Tables):
         """Called after the optimizer state was replaced (nothing cached here)."""
 
 
-def install_fused_tables(model: nn.Module, exact: bool | None = None) -> FusedTables:
+def install_fused_tables(model: nn.Module, exact: bool | None = None, kernels: str = "torch") -> FusedTables:
     """Replace ``model.tables`` (in-memory ``StemTable``s) by one ``FusedTables``; returns it."""
     tables = dict(model.tables.items())
     if not tables or not all(type(t) is StemTable for t in tables.values()):
         raise ValueError("the fused table path needs the model's tables in memory as StemTables")
-    model.tables = FusedTables(tables, exact)
+    model.tables = FusedTables(tables, exact, kernels)
     return model.tables

@@ -1,0 +1,65 @@
+"""How a layer's table rows reach its FFN: a tensor per position, or ``IndexedRows``.
+
+The fused table path with ``run.table_kernels=triton`` hands each table layer its step's distinct
+rows and an index instead of one row per position; a kind that fuses the gather into its product
+(``FFNKind.fuses_row_gather``) consumes them as they are, every other kind sees ``as_rows(rows)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class IndexedRows:
+    """One layer's rows as the step's distinct rows plus an index, not expanded per position.
+
+    ``rows (P, dim)`` are the rows of the step's distinct ids, ``inverse (N,)`` the slot of every
+    position of a batch of shape ``shape``, ``segments`` the positions sorted by slot (shared by
+    every layer of the micro-batch) and ``grad (P, dim)`` fp32 the buffer that the rows' gradient is
+    added into (the gradient is handed over there, not through autograd). A kind that fuses the
+    gather into its product (``FFNKind.fuses_row_gather``: STEM) calls ``gated``; any other gets
+    ``expand()``, the rows at every position. Produced by the fused table path with
+    ``run.table_kernels=triton`` (``stemlm.train.fused``).
+    """
+
+    def __init__(self, rows: torch.Tensor, inverse: torch.Tensor, shape: torch.Size, segments, grad: torch.Tensor,
+                 kernels):
+        self.rows, self.inverse, self.shape, self.segments, self.grad = rows, inverse, shape, segments, grad
+        self.kernels = kernels  # the module holding gated_rows (stemlm.kernels.gated_rows)
+
+    @torch.compiler.disable  # a compiled block breaks its graph here and runs the Triton kernels as they are
+    def gated(self, gate_pre: torch.Tensor) -> torch.Tensor:
+        """``SiLU(gate_pre) ⊙ rows[t]`` (``shape + (dim,)``), the row gathered inside the kernel."""
+        return self.kernels.gated_rows(gate_pre, self.rows, self.inverse, self.segments, self.grad)
+
+    @torch.compiler.disable
+    def expand(self) -> torch.Tensor:
+        """The rows at every position, ``shape + (dim,)``; their gradient goes into ``grad``."""
+        return _ExpandIndexed.apply(self.rows, self.inverse, self.grad, _anchor()).view(*self.shape, self.rows.shape[-1])
+
+
+def _anchor() -> torch.Tensor:
+    """An empty tensor that requires grad: it makes autograd call a Function whose other inputs
+    need none (the rows' gradient is handed over through a buffer)."""
+    return torch.empty(0, requires_grad=True)
+
+
+class _ExpandIndexed(torch.autograd.Function):
+    """``rows[inverse]`` whose backward adds into a gradient buffer (``IndexedRows.expand``)."""
+
+    @staticmethod
+    def forward(ctx, rows, inverse, grad, anchor):
+        ctx.save_for_backward(inverse)
+        ctx.grad = grad
+        return rows.index_select(0, inverse)  # (N, dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inverse,) = ctx.saved_tensors
+        ctx.grad.index_add_(0, inverse, g.to(ctx.grad.dtype))
+        return None, None, None, None
+
+
+def as_rows(rows):
+    """``rows`` as a tensor ``(..., dim)``: an ``IndexedRows`` is expanded, a tensor is itself."""
+    return rows.expand() if isinstance(rows, IndexedRows) else rows

@@ -1,0 +1,57 @@
+"""Triton kernels of the fused table path (``run.table_kernels``), each beside its torch reference.
+
+* ``gated_rows.py``: the STEM product ``SiLU(g) ⊙ U[t]`` read straight from the step's rows (no
+  ``(N, d_ff)`` copy of the rows, no cast), and its backward: the gate's gradient and every row's
+  gradient as a segmented sum over the positions sorted once per micro-batch (no atomics; long
+  segments of hot rows are split across programs and summed in a second pass);
+* ``row_adamw.py``: the row AdamW of the fused path as one memory-bound pass over the touched rows.
+
+The kernels run on CUDA, and on the CPU under the Triton interpreter (``TRITON_INTERPRET=1``, set
+here before the kernels are defined when no GPU is asked for), which is how the test suite holds
+them equal to the reference path. ``resolve_table_kernels`` picks them: ``auto`` = Triton on CUDA
+when ``triton`` imports, torch elsewhere. See docs/gpu.md.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import torch
+
+TABLE_KERNELS = ("auto", "triton", "torch")
+
+
+def triton_importable() -> bool:
+    """Whether the ``triton`` package is installed (nothing is imported)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def resolve_table_kernels(setting: str, device: torch.device) -> str:
+    """``"triton"`` or ``"torch"`` for ``run.table_kernels=setting`` on ``device`` (one-line
+    ``ValueError`` when Triton is asked for and missing)."""
+    if setting not in TABLE_KERNELS:
+        raise ValueError(f"run.table_kernels must be one of {', '.join(TABLE_KERNELS)}, got {setting!r}")
+    if setting == "auto":
+        return "triton" if torch.device(device).type == "cuda" and triton_importable() else "torch"
+    if setting == "triton" and not triton_importable():
+        raise ValueError("run.table_kernels=triton needs the triton package (pip install triton; "
+                         "on the CPU it runs under the Triton interpreter)")
+    return setting
+
+
+def load(device: torch.device | str):
+    """The kernel modules for tensors on ``device``: ``(gated_rows, row_adamw)``.
+
+    On a CPU the Triton interpreter is switched on first (it must be on when the kernels are
+    defined); a process that defined them for a GPU cannot also run them on the CPU.
+    """
+    cpu = torch.device(device).type == "cpu"
+    loaded = "stemlm.kernels.gated_rows" in importlib.sys.modules
+    if cpu and not loaded:
+        os.environ["TRITON_INTERPRET"] = "1"
+    if cpu and loaded and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("the Triton table kernels were built for a GPU in this process; "
+                           "run CPU tensors through run.table_kernels=torch")
+    return importlib.import_module(".gated_rows", __name__), importlib.import_module(".row_adamw", __name__)

@@ -1,0 +1,180 @@
+"""``SiLU(g) ⊙ U[t]`` with the rows read where they are, and its backward as a segmented sum.
+
+Forward (``gated_rows``): for every position ``i`` of a micro-batch (``N`` of them), the gate's
+pre-activation ``g (N, F)`` and the step's rows ``R (P, F)`` (fp32, one per distinct id) give
+
+    h[i] = SiLU(g[i]) ⊙ R[inverse[i]]                                     (N, F), in g's dtype
+
+in one pass: the row is gathered inside the kernel, so no ``(N, F)`` fp32 copy of the rows is
+made and nothing is cast outside it. The reference path computes ``F.silu(g) * R[inverse]``.
+
+Backward, from ``dh (N, F)``:
+
+    dg[i]   = dh[i] ⊙ R[s] ⊙ SiLU'(g[i])           with s = inverse[i]
+    dR[s]  += Σ_{i : inverse[i] = s} dh[i] ⊙ SiLU(g[i])
+
+The positions are sorted by slot once per micro-batch (``Segments``, shared by every layer), so
+each slot's positions are one contiguous segment. Pass 1 walks fixed chunks of ``CHUNK`` sorted
+positions: it writes ``dg`` and sums each segment's part inside the chunk in registers, storing the
+partial sum at the segment's first position in that chunk (a scratch row). Pass 2 gives each slot
+one program that adds its partials (one per chunk its segment touches) into the row gradient. A
+hot row (`` the`` may own hundreds of positions) is thus split across chunks instead of serialising
+one program, and no fp32 atomics are used: the result is deterministic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+CHUNK = 16  # sorted positions per program of the backward's first pass
+BLOCK_F = 128  # columns per program
+BLOCK_N = 16  # positions per program of the forward
+
+
+@dataclass
+class Segments:
+    """The positions of a micro-batch grouped by slot: ``order (N,)`` positions sorted by slot
+    (stable), ``sorted_slot (N,)`` their slots, ``starts (P + 1,)`` where each slot's segment begins.
+    Static shapes, no host sync."""
+
+    order: torch.Tensor
+    sorted_slot: torch.Tensor
+    starts: torch.Tensor
+
+    @classmethod
+    def of(cls, inverse: torch.Tensor, num_slots: int) -> "Segments":
+        """Sort ``inverse (N,)`` (slot of every position, values in ``[0, num_slots)``) once."""
+        inverse = inverse.reshape(-1)
+        sorted_slot, order = torch.sort(inverse, stable=True)  # (N,) each
+        starts = torch.searchsorted(sorted_slot, torch.arange(num_slots + 1, device=inverse.device,
+                                                              dtype=sorted_slot.dtype))  # (P + 1,)
+        return cls(order.contiguous(), sorted_slot.contiguous(), starts.contiguous())
+
+
+@triton.jit
+def _sigmoid(x):
+    # written out: tl.sigmoid is a jit function of Triton's standard library, which the interpreter
+    # runs only when TRITON_INTERPRET was set before triton was first imported
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def _forward_kernel(g_ptr, rows_ptr, inv_ptr, h_ptr, N, F, BLOCK_N: tl.constexpr, BLOCK_F: tl.constexpr):
+    pos = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    pmask, cmask = pos < N, cols < F
+    mask = pmask[:, None] & cmask[None, :]
+    slot = tl.load(inv_ptr + pos, mask=pmask, other=0).to(tl.int64)
+    at = pos.to(tl.int64)[:, None] * F + cols[None, :]
+    g = tl.load(g_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(rows_ptr + slot[:, None] * F + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = g * _sigmoid(g) * r
+    tl.store(h_ptr + at, h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _backward_chunks_kernel(dh_ptr, g_ptr, rows_ptr, order_ptr, slot_ptr, dg_ptr, part_ptr, N, F,
+                            CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
+    start = tl.program_id(0) * CHUNK
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cmask = cols < F
+    acc = tl.zeros((BLOCK_F,), dtype=tl.float32)
+    prev = tl.load(slot_ptr + start)
+    first = start
+    for j in range(CHUNK):
+        i = start + j
+        live = i < N
+        slot = tl.load(slot_ptr + i, mask=live, other=-1)
+        new = slot != prev  # a segment ends: keep its partial sum at its first position here
+        tl.store(part_ptr + first.to(tl.int64) * F + cols, acc, mask=cmask & new)
+        acc = tl.where(new, 0.0, acc)
+        first = tl.where(new, i, first)
+        prev = slot
+        pos = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
+        m = cmask & live
+        g = tl.load(g_ptr + pos * F + cols, mask=m, other=0.0).to(tl.float32)
+        dh = tl.load(dh_ptr + pos * F + cols, mask=m, other=0.0).to(tl.float32)
+        r = tl.load(rows_ptr + tl.maximum(slot, 0).to(tl.int64) * F + cols, mask=m, other=0.0).to(tl.float32)
+        sig = _sigmoid(g)
+        acc += dh * (g * sig)
+        dg = dh * r * (sig * (1.0 + g * (1.0 - sig)))
+        tl.store(dg_ptr + pos * F + cols, dg.to(dg_ptr.dtype.element_ty), mask=m)
+    tl.store(part_ptr + first.to(tl.int64) * F + cols, acc, mask=cmask & (first < N))
+
+
+@triton.jit
+def _backward_rows_kernel(part_ptr, starts_ptr, grad_ptr, F, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
+    s = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    cmask = cols < F
+    a = tl.load(starts_ptr + s)
+    b = tl.load(starts_ptr + s + 1)
+    acc = tl.load(part_ptr + a.to(tl.int64) * F + cols, mask=cmask & (a < b), other=0.0)
+    k = a // CHUNK + 1  # the chunks after the first that the segment runs into: k .. (b - 1) // CHUNK
+    while k * CHUNK < b:  # (a while loop: the interpreter cannot take tensor bounds in range())
+        acc += tl.load(part_ptr + (k * CHUNK).to(tl.int64) * F + cols, mask=cmask, other=0.0)
+        k += 1
+    at = s.to(tl.int64) * F + cols
+    tl.store(grad_ptr + at, tl.load(grad_ptr + at, mask=cmask, other=0.0) + acc, mask=cmask)
+
+
+def gated_rows_forward(g: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``SiLU(g) ⊙ rows[inverse]`` for ``g (N, F)``, ``rows (P, F)``, ``inverse (N,)`` -> ``(N, F)`` in g's dtype."""
+    N, F_ = g.shape
+    h = torch.empty_like(g)
+    if N:
+        _forward_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(F_, BLOCK_F))](
+            g, rows, inverse, h, N, F_, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)
+    return h
+
+
+def gated_rows_backward(dh: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, seg: Segments,
+                        row_grad: torch.Tensor) -> torch.Tensor:
+    """The gate's gradient ``(N, F)``; every row's gradient is added into ``row_grad (P, F)`` fp32."""
+    N, F_ = g.shape
+    dg = torch.empty_like(g)
+    if N == 0:
+        return dg
+    part = torch.empty(N, F_, dtype=torch.float32, device=g.device)  # partial sums at segment starts
+    nf = triton.cdiv(F_, BLOCK_F)
+    _backward_chunks_kernel[(triton.cdiv(N, CHUNK), nf)](dh, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_,
+                                                       CHUNK=CHUNK, BLOCK_F=BLOCK_F)
+    _backward_rows_kernel[(row_grad.shape[0], nf)](part, seg.starts, row_grad, F_, CHUNK=CHUNK, BLOCK_F=BLOCK_F)
+    return dg
+
+
+class GatedRows(torch.autograd.Function):
+    """Autograd of ``gated_rows``: the gate gets its gradient back; the rows' gradient goes
+    straight into the step's row-gradient buffer (``row_grad``), not through autograd."""
+
+    @staticmethod
+    def forward(ctx, g, rows, inverse, seg, row_grad):
+        shape = g.shape
+        g2 = g.reshape(-1, shape[-1]).contiguous()  # (N, F)
+        ctx.save_for_backward(g2, rows, inverse)
+        ctx.seg, ctx.row_grad, ctx.shape = seg, row_grad, shape
+        return gated_rows_forward(g2, rows, inverse).view(shape)
+
+    @staticmethod
+    def backward(ctx, dh):
+        g2, rows, inverse = ctx.saved_tensors
+        dh2 = dh.reshape(g2.shape).contiguous()
+        dg = gated_rows_backward(dh2, g2, rows, ctx.seg, ctx.row_grad)
+        return dg.view(ctx.shape), None, None, None, None
+
+
+def gated_rows(g: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor, seg: Segments,
+               row_grad: torch.Tensor) -> torch.Tensor:
+    """``SiLU(g) ⊙ rows[inverse]`` for ``g (..., F)`` (``inverse`` over its leading positions);
+    under autograd the rows' gradient is added into ``row_grad (P, F)``."""
+    return GatedRows.apply(g, rows, inverse.reshape(-1), seg, row_grad)
+
+
+def gated_rows_reference(g: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """What the reference path computes: ``F.silu(g) * rows[inverse]`` (shape of ``g``)."""
+    return F.silu(g) * rows.index_select(0, inverse.reshape(-1)).view(g.shape)
