@@ -7,18 +7,21 @@ nothing can be installed. Hugging Face transformers is used when importable, els
 
 from __future__ import annotations
 
+import re
+import statistics
 import time
 
 import torch
 from _train_bench import make_trainer, paired_ratio, time_interleaved
 
-from stemlm.accounting import train_flops_per_token
+from stemlm.accounting import roofline_step_s, train_flops_per_token
 from stemlm.train.build import compile_blocks
+from stemlm.train.metrics import spec_bf16_peak
 
 ARMS = {"dense": ["model.ffn=dense"], "stem-1/3": ["model.ffn=stem", "model.stem_layers=1/3"],
         "stem-full": ["model.ffn=stem", "model.stem_layers=full"]}
-# Dense bf16 tensor-core peak (no sparsity) of the cards the suite targets, FLOP/s (vendor spec sheets).
-BF16_PEAK = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+# GEMM kernels by name (cuBLAS / CUTLASS / nvjet on Hopper, oneDNN/MKL ops on the CPU); everything else is "other"
+GEMM_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|matmul|aten::mm|aten::addmm|aten::bmm|sm90_|sm80_", re.I)
 
 
 def sync(device: torch.device) -> None:
@@ -39,18 +42,26 @@ def trainers_for(s, preset: str, arms: dict[str, list[str]], extra: list[str] = 
     """One trainer per arm on the suite's data, batch, dtype and device (``s``: suite settings)."""
     common = [*s["data"], f"data.batch_size={s['batch']}", f"data.seq_len={s['seq']}",
               f"model.max_seq_len={max(s['seq'], 64)}", f"model.vocab_size={s['vocab']}", f"run.device={s['device']}",
-              f"run.dtype={s['dtype']}", "run.steps=100000", *extra]
+              f"run.dtype={s['dtype']}", "run.steps=100000", "run.compile=false", *extra]  # blocks compiled by the suite
     return {arm: make_trainer([*common, *o], preset=preset) for arm, o in arms.items()}
 
 
-def train_section(s, preset: str) -> dict:
+def train_section(s, preset: str, arms: dict | None = None, extra: tuple[str, ...] = (),
+                  modes: tuple[str, ...] | None = None) -> dict:
     """Step times of dense, STEM-1/3 and STEM-full, eager then with compiled blocks, interleaved;
-    each STEM arm's paired time ratio to dense next to its training-FLOP ratio."""
-    trainers = trainers_for(s, preset, ARMS)
+    each STEM arm's paired time ratio to dense next to its training-FLOP ratio and its roofline
+    ratio (FLOPs at the measured GEMM rate + optimizer and table bytes at the measured bandwidth)."""
+    trainers = trainers_for(s, preset, arms or ARMS, list(extra))
     flops = {arm: train_flops_per_token(t.model.cfg, s["seq"]) for arm, t in trainers.items()}
+    tokens = trainers["dense"].tokens_per_step
+    micro = tokens // trainers["dense"].cfg.optim.grad_accum
+    roof = {arm: roofline_step_s(t.model.cfg, s["seq"], tokens, s["rates"]["gemm"], s["rates"]["bandwidth"],
+                                 slots=min(tokens, t.model.cfg.vocab_size)) for arm, t in trainers.items()}
     out = {"preset": preset, "table_path": {a: t.table_path for a, t in trainers.items()},
-           "flops_per_token": flops, "tokens_per_step": trainers["dense"].tokens_per_step}
-    modes = ["eager"] + (["compiled"] if s["compile"] else [])
+           "table_kernels": {a: t.table_kernels for a, t in trainers.items()}, "extra": list(extra),
+           "flops_per_token": flops, "tokens_per_step": tokens, "tokens_per_micro_batch": micro,
+           "roofline_step_s": roof, "roofline_ratio": {a: roof[a] / roof["dense"] for a in trainers if a != "dense"}}
+    modes = modes or (("eager",) + (("compiled",) if s["compile"] else ()))
     for mode in modes:
         if mode == "compiled":
             t0 = time.perf_counter()
@@ -69,7 +80,13 @@ def train_section(s, preset: str) -> dict:
     return out
 
 
-def host_section(s, preset: str, arm: str = "stem-full") -> dict:
+def accum_section(s, preset: str) -> dict:
+    """Dense and STEM-full with ``optim.grad_accum=8`` (8 × 16 × 512 tokens per step), compiled blocks."""
+    arms = {a: ARMS[a] for a in ("dense", "stem-full")}
+    return train_section(s, preset, arms, ("optim.grad_accum=8",), ("compiled",) if s["compile"] else ("eager",))
+
+
+def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None) -> dict:
     """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``):
     the device memory each holds (between steps, and at a step's peak: the device run measured
     first, the host run above what the device run keeps), then step times interleaved."""
@@ -77,7 +94,9 @@ def host_section(s, preset: str, arm: str = "stem-full") -> dict:
     from stemlm.planner import train_window_bytes
 
     arms = {"device": ARMS[arm] + ["run.table_path=fused"], "host": ARMS[arm] + ["run.tables=host"]}
-    trainers, out, base = {}, {"preset": preset, "arm": arm}, 0
+    if vocab is not None:
+        s = {**s, "vocab": vocab}
+    trainers, out, base = {}, {"preset": preset, "arm": arm, "vocab": s["vocab"]}, 0
     for name, overrides in arms.items():
         trainers[name] = trainers_for(s, preset, {name: overrides})[name]
         run = step_fn(trainers[name])
@@ -138,8 +157,89 @@ def matmul_peak(device: str, dtype: torch.dtype, n: int) -> float:
 
 
 def spec_peak(device_name: str) -> float | None:
-    """The spec-sheet dense bf16 peak of a known card, else None."""
-    return next((v for k, v in BF16_PEAK.items() if k in device_name), None)
+    """The spec-sheet dense bf16 peak of a known card, else None (``stemlm.train.metrics.SPEC_BF16_PEAKS``)."""
+    return spec_bf16_peak(device_name)
+
+
+def copy_bandwidth(device: str, n_bytes: int) -> float:
+    """Measured device memory bandwidth, bytes/s: a copy of ``n_bytes`` (read + write counted), best of 5."""
+    src = torch.empty(n_bytes // 4, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(torch.device(device))
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(torch.device(device))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n_bytes / best
+
+
+def kernel_times(prof) -> dict[str, float]:
+    """Self device time (µs) of every kernel in a profile (CPU ops when no device was profiled)."""
+    events = prof.key_averages()
+    cuda = [e for e in events if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA]
+    field = "self_device_time_total" if cuda else "self_cpu_time_total"
+    return {e.key: float(getattr(e, field, 0.0) or getattr(e, "self_cuda_time_total", 0.0))
+            for e in (cuda or [e for e in events if e.key.startswith("aten::")])}
+
+
+def profile_section(s, preset: str, steps: int = 3) -> dict:
+    """Profiler of a few steps of dense and STEM-full (each in its fastest mode: compiled blocks on
+    CUDA): GPU kernel time, of which GEMMs, GPU busy ÷ step wall time, and what the table path adds
+    per micro-batch (STEM-full's non-GEMM kernel time minus dense's), with each arm's top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out = {"preset": preset, "steps": steps}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s["device"] == "cuda" else [])
+    for arm in ("dense", "stem-full"):
+        trainer = trainers_for(s, preset, {arm: ARMS[arm]})[arm]
+        if s["compile"]:
+            compile_blocks(trainer.model)
+        run = step_fn(trainer)
+        for _ in range(s["warmup"]):
+            run()
+        with profile(activities=acts) as prof:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                run()
+            wall = time.perf_counter() - t0
+        k = kernel_times(prof)
+        gemm = sum(v for name, v in k.items() if GEMM_NAME.search(name))
+        total = sum(k.values())
+        out[arm] = {"kernel_ms_per_step": total / 1e3 / steps, "gemm_ms_per_step": gemm / 1e3 / steps,
+                    "busy_fraction": total / 1e6 / wall, "wall_ms_per_step": 1e3 * wall / steps,
+                    "micro_batches": trainer.cfg.optim.grad_accum,
+                    "top": sorted(((name, v / 1e3 / steps) for name, v in k.items()), key=lambda x: -x[1])[:12],
+                    "table": prof.key_averages().table(sort_by="self_cuda_time_total" if s["device"] == "cuda"
+                                                       else "self_cpu_time_total", row_limit=15)}
+        del trainer
+        free(s)
+    nongemm = {a: out[a]["kernel_ms_per_step"] - out[a]["gemm_ms_per_step"] for a in ("dense", "stem-full")}
+    out["table_path_ms_per_micro_batch"] = (nongemm["stem-full"] - nongemm["dense"]) / out["stem-full"]["micro_batches"]
+    return out
+
+
+def cli_section(s, preset: str, steps: int) -> dict:
+    """Dense at ``preset`` with the training loop's default settings (``run.compile=auto``): the
+    tokens/s and MFU that ``stemlm train`` logs (median of ``steps`` records after warm-up)."""
+    from stemlm.train.metrics import peak_for
+
+    common = [*s["data"], f"data.batch_size={s['batch']}", f"data.seq_len={s['seq']}",
+              f"model.max_seq_len={max(s['seq'], 64)}", f"model.vocab_size={s['vocab']}", f"run.device={s['device']}",
+              f"run.dtype={s['dtype']}", "run.steps=100000", *ARMS["dense"]]
+    trainer = make_trainer(common, preset=preset)
+    trainer.peak_flops, source = peak_for(trainer.device, s["dtype"])
+    for _ in range(s["warmup"]):
+        trainer.train_step()
+    records = [trainer.train_step() for _ in range(steps)]
+    out = {"preset": preset, "compiled": trainer.compiled, "peak_flops": trainer.peak_flops, "peak_source": source,
+           "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+           "mfu": statistics.median(r["mfu"] for r in records)}
+    del trainer
+    free(s)
+    return out
 
 
 def free(s) -> None:

@@ -70,7 +70,7 @@ def stage(args, corpus: Path, source: str) -> tuple[dict, list]:
 def build(run, root: Path, corpus: Path, log) -> Trainer:
     """The run's trainer, started from its converted model (converted once, calibrated on the GPU)."""
     init = converted_model(run.convert, root / "convert", log)
-    cfg = load_train_config(None, None, [*run.overrides, f"run.out={root / 'runs' / run.name}", "run.progress=false",
+    cfg = load_train_config(None, None, [*run.overrides, f"run.out={root / 'runs' / run.name}", "run.progress=false", "run.compile=false",
                                          "run.plots=false", f"data.dir={corpus}", f"run.init_from={init}"])
     return Trainer(cfg)
 

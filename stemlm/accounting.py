@@ -138,6 +138,32 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int, causal: bool = False) 
     return TRAIN_FLOPS_MULTIPLIER * forward_flops_per_token(cfg, seq_len, causal)
 
 
+BACKBONE_ADAMW_BYTES = 28  # fp32 AdamW per parameter: reads weight, grad, two moments; writes weight, two moments
+TABLE_STEP_BYTES = 11 * 4  # per fp32 row element of a step's slot: gather (2), gradient buffer (2), row AdamW (7)
+
+
+def train_step_bytes(cfg: ModelConfig, n_tokens: int, slots: int | None = None) -> dict[str, float]:
+    """Memory traffic of a training step outside its GEMMs, bytes: the backbone's AdamW
+    (``BACKBONE_ADAMW_BYTES`` per parameter) and the fused table path (``TABLE_STEP_BYTES`` per element
+    of every table's ``slots`` rows: ``min(n_tokens, V)``, the static-shape slots, by default).
+
+    With ``train_flops_per_token`` this gives the roofline of a step: FLOPs at the GEMM rate plus these
+    bytes at the memory bandwidth (``benchmarks/gpu_suite.py`` measures both)."""
+    parts = param_breakdown(cfg)
+    n_tables = len(cfg.table_layers)
+    slots = min(n_tokens, cfg.vocab_size) if slots is None else slots
+    return {"backbone_optimizer": float((sum(parts.values()) - parts["tables"]) * BACKBONE_ADAMW_BYTES),
+            "tables": float(n_tables * slots * cfg.d_ff * TABLE_STEP_BYTES)}
+
+
+def roofline_step_s(cfg: ModelConfig, seq_len: int, n_tokens: int, flops_per_s: float, bytes_per_s: float,
+                    slots: int | None = None) -> float:
+    """The fastest a training step of ``n_tokens`` can be: its training FLOPs at ``flops_per_s``
+    plus ``train_step_bytes`` at ``bytes_per_s``, seconds."""
+    flops = train_flops_per_token(cfg, seq_len) * n_tokens
+    return flops / flops_per_s + sum(train_step_bytes(cfg, n_tokens, slots).values()) / bytes_per_s
+
+
 def saving_fraction(d_model: int, d_ff: int, seq_len: int) -> float:
     """The paper's per-layer FLOP saving of STEM: ``d·d_ff / (4d² + 2Ld + 3d·d_ff)``.
 

@@ -16,7 +16,7 @@ RUN = f"""
 import runpy, sys
 for name in {BLOCKED!r}:
     sys.modules[name] = None  # import raises ImportError, importlib.util.find_spec says absent
-sys.argv = ["gpu_suite.py", "--dry-run", "--sections", "train,hf,host,decode"]
+sys.argv = ["gpu_suite.py", "--dry-run"]
 sys.path.insert(0, {str(ROOT / "benchmarks")!r})
 runpy.run_path({str(ROOT / "benchmarks" / "gpu_suite.py")!r}, run_name="__main__")
 """
@@ -37,5 +37,14 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert r["hf"] is None  # transformers is not importable: the section is skipped, not failed
     assert r["host"]["rows_moved"]["rows_in"] > 0 and r["host"]["host_over_device"] > 0
     assert all(r["decode"][f"{tier}_b{b}_tok_s"] > 0 for tier in ("device", "host") for b in (1, 16))
+    assert r["host49k"]["vocab"] == 1024 and r["host49k"]["host_over_device"] > 0
+    assert r["accum"]["extra"] == ["optim.grad_accum=8"] and r["accum"]["tokens_per_step"] == 8 * 2 * 32
+    for shape in ("350m", "1b"):
+        roof = r["train"][shape]["roofline_ratio"]
+        assert 0 < roof["stem-full"] < roof["stem-1/3"] < 1  # fewer FLOPs and bytes than dense, STEM-full fewest
+    p = r["profile"]
+    assert p["dense"]["kernel_ms_per_step"] > 0 and "table_path_ms_per_micro_batch" in p
+    assert r["cli"]["tokens_per_s"] > 0 and 0 < r["cli"]["mfu"] and r["cli"]["compiled"] is False  # auto: eager on CPU
+    assert r["rates"]["gemm"] > 0 and r["rates"]["bandwidth"] > 0
     assert out["goals"] and all(g["status"] == "unmeasured (dry run)" for g in out["goals"])
     assert "goal" in proc.stdout and "unmeasured" in proc.stdout

@@ -132,3 +132,18 @@ def test_trainer_with_triton_kernels(tmp_path):
         assert t.table_kernels == "triton" and t.model.tables.kernels == "triton"
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "tri")), torch.tensor(losses(tmp_path / "ref")),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_compile_auto_and_bf16_peak():
+    from stemlm.config import ConfigError
+    from stemlm.train.config import RunSection
+    from stemlm.train.metrics import spec_bf16_peak
+
+    assert RunSection().compile == "auto"
+    assert RunSection().compile_blocks("cpu") is False and RunSection().compile_blocks("cuda") is True
+    assert RunSection(anneal="blend").compile_blocks("cuda") is False  # anneal changes scales every step
+    assert RunSection(compile=True).compile_blocks("cpu") is True
+    with pytest.raises(ConfigError, match="run.compile must be true, false or auto"):
+        RunSection(compile="fast")
+    assert spec_bf16_peak("NVIDIA H100 80GB HBM3") == 989e12 and spec_bf16_peak("NVIDIA H100 PCIe") == 756e12
+    assert spec_bf16_peak("NVIDIA H200") == 989e12 and spec_bf16_peak("Some GPU") is None

@@ -15,8 +15,9 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
+import torch
 import yaml
 
 from ..args import dataclass_to_dict, resolve_config, yaml_mapping
@@ -159,14 +160,16 @@ class RunSection:
     seed: int = _f(0, "seed of the model initialisation")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
     dtype: str = _f("float32", f"compute dtype: {' | '.join(DTYPES)} (bfloat16 = autocast, fp32 weights)")
-    compile: bool = _f(False, "torch.compile each transformer block (lookups and loss stay eager)")
+    compile: Union[bool, str] = _f("auto", "torch.compile each transformer block (lookups and loss stay eager): true | false | "
+                                   "auto (true on CUDA unless run.anneal is on, false on the CPU)")
     matmul: str = _f("auto", "GEMMs of linears and loss: auto (onednn for fp32 on CPU, else aten) | aten | onednn "
                      "(oneDNN kernels; faster than MKL on CPUs it does not tune for)")
     keep_freed_memory: bool = _f(True, "CPU: keep freed memory in the glibc heap between steps instead of returning "
                                  "it to the OS (no page faults on the next step; RSS stays at its peak)")
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
     init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
-    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = measured once by a fp32 matmul probe")
+    peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = the compute dtype's peak: bf16 on a known GPU its "
+                                  "spec-sheet dense bf16 peak (else a bf16 matmul probe), otherwise a fp32 matmul probe")
     spike_factor: float = _f(3.0, "a step is a loss spike when loss > spike_factor x running median")
     spike_window: int = _f(50, "steps in the running median of the spike detector")
     progress: bool = _f(True, "show a tqdm progress bar")
@@ -185,6 +188,13 @@ class RunSection:
     tables: str = _f("device", f"{' | '.join(TRAIN_TABLE_TIERS)}: where the STEM tables and their optimizer state live while "
                      "training; host = pinned host RAM, the accelerator holds the rows of the current and next step (docs/gpu.md)")
 
+    def compile_blocks(self, device) -> bool:
+        """Whether to compile the blocks on ``device``: ``run.compile``, with ``auto`` = on CUDA (not
+        under ``run.anneal``, which changes the layers' scales every step)."""
+        if self.compile == "auto":
+            return torch.device(device).type == "cuda" and self.anneal == "off"
+        return bool(self.compile)
+
     def __post_init__(self):
         _positive(self, "run", ("steps", "ckpt_every", "keep_last", "eval_batches", "log_every", "spike_window"))
         _choice(self.dtype, "run.dtype", DTYPES)
@@ -194,7 +204,9 @@ class RunSection:
         _choice(self.anneal, "run.anneal", ANNEAL_MODES)
         if not 0 < self.anneal_ratio <= 1:
             raise ConfigError(f"run.anneal_ratio must be in (0, 1], got {self.anneal_ratio!r}")
-        if self.anneal != "off" and self.compile:
+        if isinstance(self.compile, str) and self.compile != "auto":
+            raise ConfigError(f"run.compile must be true, false or auto, got {self.compile!r}")
+        if self.anneal != "off" and self.compile is True:
             raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
         _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
         _choice(self.table_path, "run.table_path", TABLE_PATHS)

@@ -106,7 +106,8 @@ class Trainer:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if cfg.run.compile:
+        self.compiled = cfg.run.compile_blocks(self.device)
+        if self.compiled:
             compile_blocks(self.model)
         self.forward_model = self.wrap_forward(self.model)
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
@@ -336,7 +337,7 @@ class Trainer:
         if self.is_main:
             atomic_write_text(self.run_dir / ckpt_io.RUN_CONFIG, self.config_yaml())
             write_run_config(self.run_dir, self.model.cfg)  # from_pretrained(run_dir) finds the newest checkpoint
-        self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops)
+        self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops, r.dtype)
         log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
         from tqdm import tqdm  # here, not at import: the GPU suite imports the loop where only torch & co. exist
         bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not (r.progress and self.is_main),

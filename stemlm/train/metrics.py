@@ -2,8 +2,9 @@
 
 MFU = achieved training FLOP/s ÷ peak FLOP/s. Training FLOPs per token come from
 ``stemlm.accounting.train_flops_per_token`` (3 × forward matmul FLOPs, tables free, attention
-scores over the full sequence length); the peak is measured once per run by a short fp32 matmul
-probe and cached in the run dir, or given as ``run.peak_flops``.
+scores over the full sequence length). The peak is the compute dtype's: ``run.peak_flops`` when
+given; for bf16 on a known GPU its spec-sheet dense bf16 peak (``SPEC_BF16_PEAKS``; an unknown GPU
+gets a bf16 matmul probe); else a short fp32 matmul probe; cached in the run dir.
 """
 
 from __future__ import annotations
@@ -104,17 +105,55 @@ def measure_peak_flops(device: torch.device | str = "cpu", n: int = 1024, second
     return best
 
 
-def peak_flops_for_run(run_dir: Path, device: torch.device, given: float | None) -> float:
-    """``given``, else the cached probe of this run dir, else a fresh probe (then cached)."""
+# Dense (no sparsity) bf16 tensor-core peaks of the spec sheets, FLOP/s, by a substring of the device name
+# (the first match wins: "H100 PCIe" before "H100").
+SPEC_BF16_PEAKS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                   ("GH200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12), ("L4", 121e12))
+
+
+def spec_bf16_peak(name: str) -> float | None:
+    """The spec-sheet dense bf16 peak of a GPU named ``name``, or None when it is not in ``SPEC_BF16_PEAKS``."""
+    return next((peak for key, peak in SPEC_BF16_PEAKS if key in name), None)
+
+
+def measure_bf16_peak(device: torch.device | str, n: int = 4096, reps: int = 20) -> float:
+    """Achieved bf16 matmul FLOP/s of ``n × n`` products on an accelerator (best of ``reps``)."""
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a @ b
+    best = 0.0
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = max(best, 2 * n**3 / max(time.perf_counter() - t0, 1e-9))
+    return best
+
+
+def peak_for(device: torch.device, dtype: str = "float32") -> tuple[float, str]:
+    """``(peak FLOP/s, where it came from)`` for training in ``dtype`` on ``device``."""
+    device = torch.device(device)
+    if dtype == "bfloat16" and device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        spec = spec_bf16_peak(name)
+        if spec is not None:
+            return spec, f"spec sheet dense bf16 peak of {name}"
+        return measure_bf16_peak(device), f"bf16 matmul 4096^3 probe on {name}"
+    return measure_peak_flops(device), "fp32 matmul 1024^3, best of ATen and oneDNN"
+
+
+def peak_flops_for_run(run_dir: Path, device: torch.device, given: float | None, dtype: str = "float32") -> float:
+    """``given``, else the cached peak of this run dir for this device and dtype, else ``peak_for`` (then cached)."""
     if given:
         return float(given)
     cache = Path(run_dir) / PEAK_FILE
     if cache.exists():
         data = json.loads(cache.read_text())
-        if data.get("device") == str(device):
+        if data.get("device") == str(device) and data.get("dtype", "float32") == dtype:
             return float(data["peak_flops"])
-    peak = measure_peak_flops(device)
-    cache.write_text(json.dumps({"device": str(device), "peak_flops": peak, "probe": "fp32 matmul 1024^3, best of ATen and oneDNN"}))
+    peak, probe = peak_for(device, dtype)
+    atomic_write_text(cache, json.dumps({"device": str(device), "dtype": dtype, "peak_flops": peak, "probe": probe}))
     return peak
 
 
