@@ -123,3 +123,25 @@ def test_decode_benchmark_reports_the_decode_it_ran(stem, tmp_path):
     assert (eager["mode"], static["mode"], static["tables"]) == ("eager", "static", "host")
     assert static["tokens"] == eager["tokens"] and len(eager["tokens"]) == 5
     assert eager["decode_tokens_per_s"] > 0 and eager["batch"] == 2
+
+
+def test_static_step_reads_host_rows_in_place(stem, tmp_path):
+    """Host-RAM rows are gathered inside the static step through ``TableStore.device_views`` (on CUDA a
+    UVA view of the pinned rows; here the host tensor itself): no prefetch, no copy into buffers, the
+    eager decode's tokens; quantized host rows and the disk tier keep the copying path."""
+    want = generate_batch(stem, prompts(), SamplingParams(6), graphs="off")
+    moved, store = on_tier(stem, "host", tmp_path)
+    with store:
+        core = DecodeCore(moved, max_rows=5, graphs="static")
+        assert set(core.static.views) == set(moved.tables.keys()) and not core.static.offloaded
+        assert core.static.views["1"].data_ptr() == moved.tables["1"].backend.weight.data_ptr()  # in place
+        got = generate_batch(moved, prompts(), SamplingParams(6), graphs="static")
+        stats = store.stats()  # the prefill of the one group looked each table up once; no decode step did
+        assert stats["lookups"] == len(moved.tables) and stats["prefetched"] == 0
+    assert got == want
+    quant = copy.deepcopy(stem)
+    with offload_tables(quant, Placement("host", table_dtype="int8")) as qstore:
+        assert qstore.device_views("cpu") is None
+    disk, dstore = on_tier(stem, "disk", tmp_path)
+    with dstore:
+        assert dstore.device_views("cpu") is None

@@ -101,6 +101,8 @@ class DecodeCore:
         else:
             self.static = StaticStep(model, max_rows, self.max_len, self.store, graphs=self.mode == "graphs")
             self.max_rows, self.cache = self.static.rows, self.static.cache
+            if self.static.views:  # the step reads host rows in place: nothing to prefetch
+                self._prefetch = False
         self.running: list[Sequence] = []
         self._ticket = None  # the rows prefetched for the next step's ids (store.prefetch), or None
 

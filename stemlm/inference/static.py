@@ -8,9 +8,11 @@ data-dependent shape and no host synchronisation. ``StaticStep`` is that step, r
 * the KV cache (``SlotCache``, fixed) has ``rows`` × ``max_len`` slots; every row writes its new
   key at its own position and attends to all ``max_len`` slots through a mask that hides the slots
   past its position, so the shapes never depend on how far decoding has got;
-* the inputs (ids, positions) and, for tables on the host or disk tier, every table layer's rows are
-  copied into fixed buffers before the step; tables in the model's memory are gathered inside it
-  (``F.embedding`` on the ids, no ``unique``); the model's forward runs without its id checks
+* the inputs (ids, positions) and, for tables on the disk tier (or host rows the device cannot read in
+  place), every table layer's rows are copied into fixed buffers before the step; tables in the model's
+  memory are gathered inside it (``F.embedding`` on the ids, no ``unique``), and so are host-RAM rows
+  the device reads in place (``TableStore.device_views``: a UVA view of pinned memory on CUDA, the host
+  tensor itself on the CPU), so a captured graph gathers them across the bus itself; the model's forward runs without its id checks
   (``check=False``: the core checks ids when a prompt joins, and sampled ids are in range).
 
 With ``graphs=True`` (CUDA only) each bucket's step is captured once, on first use, into one shared
@@ -76,6 +78,10 @@ class StaticStep:
         self.cache = SlotCache(cfg, self.rows, max_len, self.device, param.dtype, fixed=True)
         self.store = store
         self.offloaded = store is not None and getattr(store, "tier", "device") != "device"
+        # host rows the device reads in place (UVA on CUDA): gathered inside the step, no copy from the host
+        self.views = store.device_views(self.device) if self.offloaded else None
+        if self.views:
+            self.offloaded = False
         self.ids = torch.zeros(self.rows, 1, dtype=torch.long, device=self.device)
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.slots = torch.arange(max_len, device=self.device)
@@ -120,6 +126,10 @@ class StaticStep:
         mask = (self.slots[None, :] <= pos[:, None])[:, None, None]  # (b, 1, 1, L)
         if self.offloaded:
             rows = {k: buf[:b] for k, buf in self.table_rows.items()}
+        elif self.views:
+            flat = ids.reshape(-1)
+            dtype = self.logits.dtype
+            rows = {k: v.index_select(0, flat).to(dtype).view(b, 1, -1) for k, v in self.views.items()}  # (b, 1, d_ff)
         else:
             flat = ids.reshape(-1)
             rows = {k: t.gather(flat).view(b, 1, -1) for k, t in self.model.tables.items()}  # (b, 1, d_ff)

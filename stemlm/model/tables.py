@@ -239,6 +239,11 @@ class Tables(nn.ModuleDict):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start gathering the rows of ``ids`` ahead of the forward (nothing to do in memory)."""
 
+    def device_views(self, device) -> dict[str, torch.Tensor] | None:
+        """Each layer's rows as a tensor ``device`` reads in place, for tiers whose rows live off the
+        model (``TableStore``: host RAM through a UVA view); None here, where the tables are modules."""
+        return None
+
     def stats(self) -> dict:
         """The counters of ``TableStore.stats``: all zero, rows in memory are not traffic."""
         return {"tier": self.tier, "tables": len(self), "prefetch": False, **TableStats().as_dict(), "per_table": {}}

@@ -24,6 +24,8 @@ import torch
 import torch.nn as nn
 
 from ..model.tables import LayerRows, TableLookup, Tables, TableStats, check_ids
+from ..runtime.uva import device_view
+from .backends import HostRows
 from .cache import HotRowCache
 from .prefetch import Prefetcher
 
@@ -193,6 +195,22 @@ class TableStore(Tables):
             return None
         job = self.prefetcher.prefetch(ids)
         return LayerRows({k: (lambda k=k: self._take_layer(job, k)) for k in self.keys()}, job.inverse, job.shape)
+
+    def device_views(self, device) -> dict[str, torch.Tensor] | None:
+        """Every layer's rows as a tensor ``device`` reads in place (``stemlm.runtime.uva``: pinned host
+        RAM seen by CUDA kernels; the host tensor itself on the CPU), or None when the tier or the
+        stored form does not allow it (disk, quantized rows, unpinned memory). Lookups through the
+        views bypass the hot-row cache and the traffic counters; writes through ``write_rows`` are seen."""
+        if self.tier != "host":
+            return None
+        views = {}
+        for key, table in self.items():
+            backend = table.backend
+            view = device_view(backend.weight, device) if isinstance(backend, HostRows) else None
+            if view is None:
+                return None
+            views[key] = view
+        return views
 
     def stats(self) -> dict:
         """Totals and per-layer traffic counters, plus cache counters when a cache is on."""
