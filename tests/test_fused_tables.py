@@ -44,7 +44,7 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
     else:
         host = path.startswith("host")
         kernels = kw.get("kernels", "torch")
-        tables = (install_host_tables(model, "cpu", kernels) if host
+        tables = (install_host_tables(model, "cpu", kernels, uva=path.startswith("host_uva")) if host
                   else install_fused_tables(model, kw.get("exact"), kernels))
         table_opt = FusedRowAdamW(tables, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched,
                                   compile=path.endswith("compiled"))
@@ -68,8 +68,9 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
         opt.zero_grad()
     tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
     tensors, meta = table_opt.state_dict()
-    if path == "host":
+    if path.startswith("host"):
         train.traffic = dict(model.tables.traffic)
+        assert (model.tables._views is not None) == path.startswith("host_uva")  # which pipeline ran
     return losses, tables, tensors, meta
 
 
@@ -110,14 +111,14 @@ def test_eager_fused_training_bit_identical(setup, decay_untouched, accum):
     _assert_same(got, want, exact=True)
 
 
-@pytest.mark.parametrize("path", ["padded", "host"])
+@pytest.mark.parametrize("path", ["padded", "host", "host_uva"])
 def test_padded_and_host_training_equal(setup, path):
     cfg, state, batches = setup
     want = train(cfg, state, batches, "reference", "catchup")
-    got = train(cfg, state, batches, "fused" if path == "padded" else "host", "catchup",
+    got = train(cfg, state, batches, "fused" if path == "padded" else path, "catchup",
                 **({"exact": False} if path == "padded" else {}))
-    _assert_same(got, want, exact=path == "host")
-    if path == "host":  # only rows the previous step did not hold come in; rows leave when no longer used
+    _assert_same(got, want, exact=path != "padded")
+    if path.startswith("host"):  # only rows the previous step did not hold come in; rows leave when no longer used
         sets = [set(torch.cat([ids[:, :-1].reshape(-1) for ids in micro]).tolist()) for micro in batches]
         rows_in = len(sets[0]) + sum(len(b - a) for a, b in zip(sets, sets[1:]))
         rows_out = sum(len(a - b) for a, b in zip(sets, sets[1:])) + len(sets[-1])  # + the final write-back

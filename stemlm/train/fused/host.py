@@ -30,6 +30,7 @@ import torch.nn as nn
 
 from ...model.tables import LayerRows, StemTable, check_ids
 from .dedup import Dedup, dedup
+from ...runtime.uva import device_view
 from .mover import Mover, to_device_async
 from .stacked import FusedTables, StepRows
 
@@ -77,7 +78,9 @@ class Staged:
 class HostTables(FusedTables):
     """All tables stacked in (pinned) host RAM, trained through a device window (module docstring)."""
 
-    def __init__(self, tables: Mapping[str, StemTable], device, kernels: str = "torch"):
+    def __init__(self, tables: Mapping[str, StemTable], device, kernels: str = "torch", uva: bool | None = None):
+        """``uva``: the device reads and writes host RAM itself (``stemlm.runtime.uva``; the default on
+        CUDA when a view of the pinned rows can be made); False: rows are gathered on the host and copied."""
         for t in tables.values():
             t.weight.data = t.weight.data.to("cpu")
         super().__init__(tables, exact=True, kernels=kernels)
@@ -87,6 +90,8 @@ class HostTables(FusedTables):
             self.storage = self.storage.pin_memory()
             for i, t in enumerate(self.values()):
                 t.weight = nn.Parameter(self.storage[i])
+        self.uva = self.mover.cuda if uva is None else uva
+        self._views: dict[str, torch.Tensor] | None = None
         self.window: Window | None = None
         self.staged: Staged | None = None
         self.pending: list[tuple[torch.Tensor, list[torch.Tensor], object]] = []  # evictions in flight
@@ -136,15 +141,36 @@ class HostTables(FusedTables):
         carry_pos, fresh_pos = held.nonzero()[:, 0], (~held).nonzero()[:, 0]
         carry_src = base.slot_of.index_select(0, uniq[carry_pos]) if base is not None else carry_pos
         fresh = uniq[fresh_pos]
-        host = [self._gather_host(part, fresh) for part in PARTS]
-        parts, event = self.mover.to_device(host)
+        views = self.views()
+        if views is not None:  # the device gathers the rows from host RAM itself, on the side stream
+            host = []
+            parts, event = self.mover.gather_views([views[p] for p in PARTS], fresh)
+        else:
+            host = [self._gather_host(part, fresh) for part in PARTS]
+            parts, event = self.mover.to_device(host)
         self.traffic["rows_in"] += len(fresh)
         return Staged(uniq, base, carry_pos, carry_src, fresh_pos, parts, host, event)
 
     def _gather_host(self, part: str, ids: torch.Tensor) -> torch.Tensor:
-        src = self.storage if part == "rows" else self.optim_state()[STATE_OF[part]]
+        src = self._host(part)
         out = self.mover.host_empty((src.shape[0], len(ids), *src.shape[2:]), src.dtype)
         return torch.index_select(src, 1, ids, out=out)  # (n, F, ...)
+
+    def _host(self, part: str) -> torch.Tensor:
+        """The host-RAM tensor of one part (rows, or a piece of optimizer state)."""
+        return self.storage if part == "rows" else self.optim_state()[STATE_OF[part]]
+
+    def views(self) -> dict[str, torch.Tensor] | None:
+        """Every part's host tensor as the compute device reads it in place (UVA), or None."""
+        if not self.uva:
+            return None
+        if self._views is None:
+            views = {part: device_view(self._host(part), self.compute) for part in PARTS}
+            if any(v is None for v in views.values()):
+                self.uva = False  # no view could be made (e.g. memory not pinned): copy as before
+                return None
+            self._views = views
+        return self._views
 
     def _assemble(self, d: Dedup, staged: Staged) -> Window:
         """The window of ``d``: carried rows from the current window, fresh ones from ``staged``;
@@ -170,14 +196,23 @@ class HostTables(FusedTables):
         if len(pos) == 0:
             return
         idx = to_device_async(pos, self.compute)
-        host, event = self.mover.to_host([win.parts[p].detach().index_select(1, idx) for p in PARTS])
-        self.pending.append((win.ids[pos], host, event))
+        rows = [win.parts[p].detach().index_select(1, idx) for p in PARTS]
+        views = self.views()
+        if views is not None:  # the device writes them into host RAM itself, after the step's update
+            event = self.mover.scatter_views([views[p] for p in PARTS], win.ids[pos], rows)
+            self.pending.append((None, None, event))
+        else:
+            host, event = self.mover.to_host(rows)
+            self.pending.append((win.ids[pos], host, event))
         self.traffic["rows_out"] += len(pos)
 
     def _land_evictions(self) -> None:
-        """Scatter the evicted rows that were copied back into host RAM."""
+        """Scatter the evicted rows that were copied back into host RAM. Rows the device wrote into host
+        RAM itself (UVA) need nothing here: the side stream runs every later gather after them."""
         state = self.optim_state()
         for ids, host, event in self.pending:
+            if ids is None:
+                continue
             Mover.wait(event)
             for part, rows in zip(PARTS, host):
                 dst = self.storage if part == "rows" else state[STATE_OF[part]]
@@ -195,7 +230,10 @@ class HostTables(FusedTables):
         if self.window is not None and self.window.dirty:
             self._evict(self.window, torch.arange(len(self.window.ids)))
             self.window.dirty = False
+        for _, _, event in self.pending:  # the host reads host RAM next: every write must have landed
+            Mover.wait(event)
         self._land_evictions()
+        self.pending = []
 
     def _reload_rows(self) -> None:
         self._land_evictions()
@@ -205,8 +243,8 @@ class HostTables(FusedTables):
             self.window.parts["rows"].data.copy_(rows)
 
     def state_loaded(self) -> None:
-        """The host state was replaced (a resume): forget the window and anything in flight."""
-        self.window, self.staged, self.pending = None, None, []
+        """The host state was replaced (a resume): forget the window, anything in flight and the views."""
+        self.window, self.staged, self.pending, self._views = None, None, [], None
 
     def _rows_no_grad(self, ids: torch.Tensor) -> LayerRows:
         self.flush()
@@ -218,10 +256,10 @@ class HostTables(FusedTables):
         return LayerRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
 
 
-def install_host_tables(model: nn.Module, device, kernels: str = "torch") -> HostTables:
+def install_host_tables(model: nn.Module, device, kernels: str = "torch", uva: bool | None = None) -> HostTables:
     """Move ``model.tables`` (in-memory ``StemTable``s) into one ``HostTables``; returns it."""
     tables = dict(model.tables.items())
     if not tables or not all(type(t) is StemTable for t in tables.values()):
         raise ValueError("host-tier training needs the model's tables in memory as StemTables")
-    model.tables = HostTables(tables, device, kernels)
+    model.tables = HostTables(tables, device, kernels, uva)
     return model.tables

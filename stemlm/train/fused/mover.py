@@ -4,6 +4,8 @@ The host tier's pipeline (``host.py``) is written once against this: on CUDA the
 are pinned, host -> device and device -> host copies run on a side stream and are ordered with
 events (the compute stream waits on an event, never the host); on the CPU every copy is a
 synchronous ``clone`` into separate memory, so the same code runs and is tested without a GPU.
+``gather_views``/``scatter_views`` let the device itself read and write host RAM through views of it
+(``stemlm.runtime.uva``) instead: no host gather, no staging buffer, no host wait.
 """
 
 from __future__ import annotations
@@ -68,6 +70,37 @@ class Mover:
         for t in tensors:
             t.record_stream(self.stream)
         return host, event
+
+    def gather_views(self, views: list[torch.Tensor], ids: torch.Tensor) -> tuple[list[torch.Tensor], object]:
+        """Rows ``ids`` (host, along dim 1) of host tensors the device reads in place (``runtime.uva``),
+        gathered by the device itself on the side stream: ``(device tensors, event)``, as ``to_device``."""
+        if not self.cuda:
+            return [v.index_select(1, ids) for v in views], None
+        with torch.cuda.stream(self.stream):
+            idx = ids.pin_memory().to(self.device, non_blocking=True)
+            out = [v.index_select(1, idx) for v in views]  # (n, F, ...) each, read across the bus
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return out, event
+
+    def scatter_views(self, views: list[torch.Tensor], ids: torch.Tensor, rows: list[torch.Tensor]) -> object:
+        """Write device ``rows`` into host tensors the device writes in place, at ``ids`` (host, along
+        dim 1), on the side stream after the work queued so far; returns an event (None on the CPU)."""
+        if not self.cuda:
+            for v, r in zip(views, rows):
+                v.index_copy_(1, ids, r)
+            return None
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            idx = ids.pin_memory().to(self.device, non_blocking=True)
+            for v, r in zip(views, rows):
+                v.index_copy_(1, idx, r)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        for r in rows:
+            r.record_stream(self.stream)
+        return event
 
     @staticmethod
     def wait(event) -> None:
