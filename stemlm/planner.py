@@ -146,6 +146,19 @@ def train_window_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimi
     return 2 * len(cfg.table_layers) * unique * cfg.d_ff * (2 * dtype_bytes + optimizer_bytes)
 
 
+def train_bus_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimizer_bytes: int, zipf_s: float) -> float:
+    """Host <-> accelerator bytes of one training step with host-RAM tables (``run.tables=host``): the
+    rows a step uses that the previous step did not (read in: row + optimizer state) and as many rows
+    the previous step used that this one does not (written back), for two independent Zipf batches.
+    Rows two consecutive steps share stay on the accelerator (the window), which is the cache in front
+    of host RAM; with UVA (CUDA) these bytes are read and written by the accelerator's own kernels."""
+    p = acc.zipf_probabilities(cfg.vocab_size, zipf_s)
+    seen = 1 - (1 - p) ** n_tokens  # P(row used by a step)
+    fresh = float((seen * (1 - seen)).sum())  # E[rows in this step, not in the previous]
+    per_row = len(cfg.table_layers) * cfg.d_ff * (dtype_bytes + optimizer_bytes)
+    return 2 * fresh * per_row
+
+
 def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, batch: int = 1,
          seq_len: int | None = None, dtype_bytes: int = 2, train: bool = False, zipf_s: float = 1.0,
          optimizer_bytes: int = 8, hardware: Hardware = Hardware(), table_dtype: str | None = None) -> dict:
@@ -191,8 +204,10 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
     train_memory = None
     if train:  # the accelerator with the tables trained on it, and with run.tables=host (no cache)
         base = accel["backbone_weights"] + accel["backbone_grads_and_optimizer"]
+        bus = train_bus_bytes(cfg, batch * seq_len, dtype_bytes, optimizer_bytes, zipf_s)
         train_memory = {"device": base + n_layers_t * cfg.vocab_size * cfg.d_ff * table_value_bytes,
-                        "host": base + window}
+                        "host": base + window, "host_bus_bytes_per_step": bus,
+                        "host_bus_s_per_step": bus / (hardware.link_gbps * 1e9)}
     return {
         "config": cfg.to_dict(), "tables": tables, "train_memory": train_memory, "cache_frac": cache_frac, "cache_rows": cache_rows,
         "batch": batch, "seq_len": seq_len, "dtype_bytes": dtype_bytes, "train": train, "zipf_s": zipf_s,

@@ -132,3 +132,14 @@ def test_train_plan_shows_memory_with_and_without_host_tables():
     assert mem["host"] - window == mem["device"] - len(cfg.table_layers) * cfg.vocab_size * cfg.d_ff * 12
     assert mem["host"] < mem["device"]  # 128k-row tables: two steps' rows are a small part of them
     assert plan(cfg, tables="host", batch=1, seq_len=64)["train_memory"] is None  # inference plans have none
+
+
+def test_train_bus_bytes_counts_rows_consecutive_steps_do_not_share():
+    from stemlm.planner import train_bus_bytes
+
+    cfg = resolve_model_config("tiny", ffn="stem", stem_layers="full")
+    per_row = len(cfg.table_layers) * cfg.d_ff * 12
+    few = train_bus_bytes(cfg, 4, 4, 8, 1.0)
+    assert 0 < few <= 2 * 4 * per_row  # at most every row of the step in and as many out
+    # a step that touches every row shares every row with the next: nothing crosses the bus
+    assert train_bus_bytes(cfg, 10**9, 4, 8, 1.0) < 1e-6 * per_row
