@@ -86,6 +86,14 @@ def accum_section(s, preset: str) -> dict:
     return train_section(s, preset, arms, ("optim.grad_accum=8",), ("compiled",) if s["compile"] else ("eager",))
 
 
+def graph_section(s, preset: str) -> dict:
+    """Dense, STEM-1/3 and STEM-full with the whole step captured as one CUDA graph
+    (``run.step_graph=graph``) over compiled blocks; ``static`` (fixed buffers, eager) in a dry run."""
+    mode = "graph" if s["device"] == "cuda" else "static"
+    arms = {a: o + (["run.table_path=fused"] if a != "dense" else []) for a, o in ARMS.items()}  # (auto on CUDA)
+    return train_section(s, preset, arms, (f"run.step_graph={mode}",), ("compiled",) if s["compile"] else ("eager",))
+
+
 def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None) -> dict:
     """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``):
     the device memory each holds (between steps, and at a step's peak: the device run measured

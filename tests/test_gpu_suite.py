@@ -46,5 +46,6 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert p["dense"]["kernel_ms_per_step"] > 0 and "table_path_ms_per_micro_batch" in p
     assert r["cli"]["tokens_per_s"] > 0 and 0 < r["cli"]["mfu"] and r["cli"]["compiled"] is False  # auto: eager on CPU
     assert r["rates"]["gemm"] > 0 and r["rates"]["bandwidth"] > 0
+    assert r["graph"]["extra"] == ["run.step_graph=static"] and r["graph"]["eager"]["step_s"]["stem-full"] > 0
     assert out["goals"] and all(g["status"] == "unmeasured (dry run)" for g in out["goals"])
     assert "goal" in proc.stdout and "unmeasured" in proc.stdout

@@ -147,3 +147,39 @@ def test_compile_auto_and_bf16_peak():
         RunSection(compile="fast")
     assert spec_bf16_peak("NVIDIA H100 80GB HBM3") == 989e12 and spec_bf16_peak("NVIDIA H100 PCIe") == 756e12
     assert spec_bf16_peak("NVIDIA H200") == 989e12 and spec_bf16_peak("Some GPU") is None
+
+
+@pytest.mark.parametrize("extra", [(), ("model.ffn=dense", "run.table_path=auto")])
+def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
+    """``run.step_graph=static``: the step that a CUDA graph captures (fixed buffers, device-side
+    learning rates and table step counter, losses and norm read back once) run eagerly gives the
+    eager loop's losses, weights and optimizer state; bad settings fail with one line."""
+    from stemlm.config import ConfigError
+    from stemlm.train import Trainer
+    from train_helpers import debug_config, losses, make_token_data
+
+    data = make_token_data(tmp_path / "data")
+    common = ("run.steps=4", "optim.grad_accum=2", "model.ffn=stem", "model.stem_layers=1/2", "run.eval_every=2",
+              "run.ckpt_every=2", "optim.grad_clip=0.5", "optim.table_weight_decay=0.1",
+              "optim.decay_untouched=catchup", "run.table_path=fused", *extra)
+    with Trainer(debug_config(data, tmp_path / "eager", *common)) as ref:
+        ref.fit()
+    with Trainer(debug_config(data, tmp_path / "static", *common, "run.step_graph=static")) as t:
+        t.fit()
+        assert t.captured is not None and t.captured.calls == 4
+    tol = {"rtol": 0, "atol": 0}  # bit for bit
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "static")), torch.tensor(losses(tmp_path / "eager")), **tol)
+    got, want = t.model.state_dict(), ref.model.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], **tol)
+    # a resumed fixed-buffer run continues the same trajectory
+    with Trainer(debug_config(data, tmp_path / "half", *common, "run.step_graph=static")) as t:
+        t.fit(stop_at=2)
+    with Trainer(debug_config(data, tmp_path / "half", *common, "run.step_graph=static"), resume=True) as t:
+        t.fit()
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "half")), torch.tensor(losses(tmp_path / "eager")), **tol)
+    with pytest.raises(ConfigError, match="run.step_graph=graph captures a CUDA graph"):
+        Trainer(debug_config(data, tmp_path / "on", *common, "run.step_graph=graph"))
+    if "model.ffn=dense" not in extra:
+        with pytest.raises(ConfigError, match="host-RAM tables move rows between steps"):
+            Trainer(debug_config(data, tmp_path / "host", *common, "run.step_graph=static", "run.tables=host"))

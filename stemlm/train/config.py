@@ -32,7 +32,8 @@ DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 TABLE_PATHS = ("auto", "fused", "reference")
 TRAIN_TABLE_TIERS = ("device", "host")
-TABLE_KERNELS = ("auto", "triton", "torch")  # stemlm.kernels.TABLE_KERNELS (not imported: it would load torch paths early)
+TABLE_KERNELS = ("auto", "triton", "torch")
+STEP_GRAPH_MODES = ("eager", "static", "graph")  # stemlm.train.captured.STEP_GRAPH_MODES  # stemlm.kernels.TABLE_KERNELS (not imported: it would load torch paths early)
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
 # (the backbone in every step); the scale was chosen on the default run (docs/training.md).
@@ -182,6 +183,11 @@ class RunSection:
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
                                  "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
                                  "both compute the same steps, so it may change on resume")
+    step_graph: str = _f("eager", "the whole step (micro-batches, clipping, both optimizers): eager (the loop as it is) | "
+                         "static (on fixed buffers, run eagerly, any device) | graph (on fixed buffers, captured once as a "
+                         "CUDA graph and replayed; fused device tables, "
+                         "no anneal, not distributed; a diverged step is reported after its update; docs/gpu.md). "
+                         "Not yet measured on a GPU, hence eager by default")
     table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
                             "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | torch | auto (triton on CUDA "
                             "when it imports, torch elsewhere; triton on the CPU runs under the Triton interpreter, slowly)")
@@ -211,6 +217,7 @@ class RunSection:
         _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _choice(self.table_kernels, "run.table_kernels", TABLE_KERNELS)
+        _choice(self.step_graph, "run.step_graph", STEP_GRAPH_MODES)
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
         _non_negative(self, "run", ("eval_every", "seed"))
         if not self.out.strip():

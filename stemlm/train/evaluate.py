@@ -27,10 +27,11 @@ def compute_loss(model, batch, doc_masking: bool = False) -> torch.Tensor:
     return model(batch.inputs, doc_ids=batch.doc_ids if doc_masking else None, targets=batch.targets)
 
 
-def autocast(device: torch.device, dtype: str):
-    """bf16 autocast context for ``dtype="bfloat16"``, else a no-op."""
+def autocast(device: torch.device, dtype: str, cache: bool = True):
+    """bf16 autocast context for ``dtype="bfloat16"``, else a no-op; ``cache=False`` recasts the
+    weights at every use (what a captured CUDA graph needs)."""
     if dtype == "bfloat16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
 
 

@@ -41,6 +41,7 @@ from ..model.tables import check_ids, ids_checked
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
 from .build import build_model, compile_blocks, resolve_data_dir
+from .captured import CapturedStep, step_graph_problem
 from .config import TrainConfig, config_from_yaml_text, resume_changes
 from .lock import RunLock
 from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
@@ -110,6 +111,8 @@ class Trainer:
         if self.compiled:
             compile_blocks(self.model)
         self.forward_model = self.wrap_forward(self.model)
+        self._check_step_graph()
+        self.captured = None  # the CapturedStep of run.step_graph, built at the first step (after a restore)
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
         self.spikes = SpikeDetector(cfg.run.spike_factor, cfg.run.spike_window)
         self.flops_per_token = train_flops_per_token(self.model.cfg, cfg.data.seq_len)
@@ -234,6 +237,10 @@ class Trainer:
         host = self.step_batches(self.step)
         ids = torch.cat([b.inputs.reshape(-1) for b in host])
         check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
+        if cfg.run.step_graph != "eager":
+            if self.captured is None:
+                self.captured = CapturedStep(self, graphs=cfg.run.step_graph == "graph")
+            return self._finish_step(t0, ids, *self.captured(host), up_scale, applied=True)
         with ids_checked():
             if hasattr(tables, "begin_step"):
                 tables.begin_step([b.inputs for b in host])
@@ -248,15 +255,40 @@ class Trainer:
         table_grads = self.table_opt.collect() if self.table_opt is not None else []
         params = [p for g in self.opt.param_groups for p in g["params"]]
         values, norm = self.step_values(losses, self.clip_gradients(params, table_grads))
-        for value in values:
-            if not is_finite(value):
-                self._diverged(f"loss is {value}")
-        if not is_finite(norm):
-            self._diverged(f"gradient norm is {norm}")
+        self._check_finite(values, norm, applied=False)
         self.opt.step()
         if self.table_opt is not None:
             self.table_opt.step()
         self.opt.zero_grad(set_to_none=True)
+        return self._finish_step(t0, ids, values, norm, up_scale)
+
+    def _check_finite(self, values: list[float], norm: float, applied: bool) -> None:
+        done = ("its update was already applied by the fixed-buffer step (run.step_graph): the weights in memory "
+                "are not to be trusted" if applied else "stopped before updating the weights")
+        for value in values:
+            if not is_finite(value):
+                self._diverged(f"loss is {value}", done=done)
+        if not is_finite(norm):
+            self._diverged(f"gradient norm is {norm}", done=done)
+
+    def _check_step_graph(self) -> None:
+        """A one-line ``ConfigError`` when ``run.step_graph`` cannot run this step on fixed buffers."""
+        mode = self.cfg.run.step_graph
+        if mode == "eager":
+            return
+        if mode == "graph" and self.device.type != "cuda":
+            raise ConfigError(f"run.step_graph=graph captures a CUDA graph; the run is on {self.device} "
+                              "(use run.step_graph=static to run the same step eagerly)")
+        problem = step_graph_problem(self)
+        if problem:
+            raise ConfigError(f"run.step_graph={mode} cannot run this step on fixed buffers: {problem}")
+
+    def _finish_step(self, t0: float, ids: torch.Tensor, values: list[float], norm: float, up_scale,
+                     applied: bool = False) -> dict:
+        """Counters, spike detection and the metrics record of a step whose update is done."""
+        cfg, accum = self.cfg, self.cfg.optim.grad_accum
+        if applied:
+            self._check_finite(values, norm, applied=True)
         self.step += 1
         self.tokens_seen += self.tokens_per_step
         step_flops = self.flops_per_token * self.tokens_per_step

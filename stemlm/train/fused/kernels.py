@@ -23,7 +23,7 @@ def row_factors(step: torch.Tensor, last: torch.Tensor, lr: float, weight_decay:
     """``(n, decay, neg_step, eps_r)`` for rows with update counts ``step`` and last updates ``last``
     (shape ``S``): ``n = step + 1`` and three fp32 factors ``S + (1,)`` computed in fp64 as
     ``SparseRowAdamW._row_factors`` computes them, so ``w <- w·decay + neg_step·m / (sqrt(v) + eps_r)``."""
-    b1, b2 = betas
+    b1, b2 = betas  # lr and global_step: numbers, or 0-d device tensors (a captured step)
     n = step + 1
     decay = torch.ones(n.shape + (1,), dtype=torch.float64, device=n.device)
     if weight_decay:

@@ -38,6 +38,7 @@ class FusedRowAdamW:
         self.decay_untouched = decay_untouched
         self.global_step = 0
         self._pending = None  # the closed step whose gradients were collected
+        self.scalars: tuple[torch.Tensor, torch.Tensor] | None = None  # (lr, step) on the device: use_device_scalars
         self.indexed = Kernel(indexed_update_, compile)
         self.window = Kernel(window_update_, compile)
         for t in self.tables.values():
@@ -85,14 +86,36 @@ class FusedRowAdamW:
         self.collect()
         step, self._pending = self._pending, None
         self.global_step += 1
+        if self.scalars is not None:
+            self.scalars[1].add_(1)  # the device's copy of the step counter (a captured step replays this)
         if step is None or step.grad is None:
             return
         self.container.apply_update(self, step)
 
+    def use_device_scalars(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the learning rate and the step counter from device tensors ``(lr, step)`` (fp64, int64)
+        instead of Python numbers, so a captured CUDA graph of the update replays with the values
+        written into them before each replay (``sync_device_scalars``); the C++ CPU loop is not used then."""
+        self.scalars = (torch.tensor(float(self.lr), dtype=torch.float64, device=device),
+                        torch.tensor(self.global_step, dtype=torch.int64, device=device))
+        return self.scalars
+
+    def sync_device_scalars(self) -> None:
+        """Write the host's learning rate and step counter into the device scalars (before a step)."""
+        self.scalars[0].fill_(float(self.lr))
+        self.scalars[1].fill_(self.global_step)
+
     def factors(self, counts: torch.Tensor, last: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``(n, decay, neg_step, eps_r)`` of this step for rows with these counters."""
-        return row_factors(counts, last, self.lr, self.weight_decay, self.global_step, self.betas, self.eps,
+        lr, global_step = self.scalars if self.scalars is not None else (self.lr, self.global_step)
+        return row_factors(counts, last, lr, self.weight_decay, global_step, self.betas, self.eps,
                            self.decay_untouched == "catchup")
+
+    def stamp(self, last: torch.Tensor) -> torch.Tensor:
+        """The update counter's value for rows updated this step, shaped like ``last``."""
+        if self.scalars is not None:
+            return self.scalars[1].expand_as(last)
+        return torch.full_like(last, self.global_step)
 
     def _native(self, weight, m, v, counts, last, flat, w_rows, grad) -> bool:
         """The whole update as the CPU's C++ loop (``compile`` on the CPU), if it applies."""
@@ -104,7 +127,7 @@ class FusedRowAdamW:
         """Update the rows ``flat`` of the stacked state (device tier) from the step's leaf."""
         st = self.stacked
         n, P, d = step.rows.shape
-        if valid is None and not self.triton and self._native(
+        if valid is None and not self.triton and self.scalars is None and self._native(
                 self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d),
                 st["step"].view(-1), st["last_step"].view(-1), flat, step.rows.detach().view(-1, d),
                 step.grad.view(-1, d)):
@@ -115,9 +138,9 @@ class FusedRowAdamW:
         mask = None if valid is None else valid.view(1, P).expand(n, P).reshape(-1, 1)  # (n·P, 1)
         if mask is not None:
             new_n = torch.where(mask[:, 0], new_n, counts)
-            stamp = torch.where(mask[:, 0], torch.full_like(last, self.global_step), last)
+            stamp = torch.where(mask[:, 0], self.stamp(last), last)
         else:
-            stamp = torch.full_like(last, self.global_step)
+            stamp = self.stamp(last)
         st["step"].view(-1).index_copy_(0, flat, new_n)
         st["last_step"].view(-1).index_copy_(0, flat, stamp)
         update = self.container.kernel_modules()[1].row_adamw_ if self.triton else self.indexed
@@ -128,13 +151,13 @@ class FusedRowAdamW:
         """Update a compact window of rows (host tier) in place: ``rows``/``grad`` ``(n, U, d)``,
         ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``."""
         d = rows.shape[-1]
-        if not self.triton and self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1),
+        if not self.triton and self.scalars is None and self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1),
                                             win.last.view(-1), torch.arange(win.step.numel()), rows.view(-1, d),
                                             grad.view(-1, d)):
             return
         new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
         win.step.copy_(new_n)
-        win.last.fill_(self.global_step)
+        win.last.copy_(self.stamp(win.last))
         if self.triton:  # the window's rows are updated where they are: flat = 0 .. n·U - 1
             flat = torch.arange(win.step.numel(), device=rows.device)
             self.container.kernel_modules()[1].row_adamw_(
