@@ -94,17 +94,18 @@ def graph_section(s, preset: str) -> dict:
     return train_section(s, preset, arms, (f"run.step_graph={mode}",), ("compiled",) if s["compile"] else ("eager",))
 
 
-def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None) -> dict:
+def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None, cache_rows: int = 0) -> dict:
     """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``):
     the device memory each holds (between steps, and at a step's peak: the device run measured
     first, the host run above what the device run keeps), then step times interleaved."""
     from stemlm.accounting import param_breakdown
     from stemlm.planner import train_window_bytes
 
-    arms = {"device": ARMS[arm] + ["run.table_path=fused"], "host": ARMS[arm] + ["run.tables=host"]}
+    arms = {"device": ARMS[arm] + ["run.table_path=fused"],
+            "host": ARMS[arm] + ["run.tables=host", f"run.table_cache_rows={cache_rows}"]}
     if vocab is not None:
         s = {**s, "vocab": vocab}
-    trainers, out, base = {}, {"preset": preset, "arm": arm, "vocab": s["vocab"]}, 0
+    trainers, out, base = {}, {"preset": preset, "arm": arm, "vocab": s["vocab"], "cache_rows": cache_rows}, 0
     for name, overrides in arms.items():
         trainers[name] = trainers_for(s, preset, {name: overrides})[name]
         run = step_fn(trainers[name])
@@ -124,7 +125,8 @@ def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = Non
     parts = param_breakdown(cfg)
     backbone = sum(parts.values()) - parts["tables"]
     window = train_window_bytes(cfg, trainers["host"].tokens_per_step, 4, 8, 1.0)
-    out["bound_bytes"] = backbone * 16 + window  # fp32 weights, grads, Adam moments + rows of two steps
+    cache = len(cfg.table_layers) * min(cache_rows, cfg.vocab_size) * cfg.d_ff * 4 * 4  # rows, grads, two moments
+    out["bound_bytes"] = backbone * 16 + window + cache  # fp32 weights, grads, Adam moments + rows of two steps + cache
     out["rows_moved"] = dict(trainers["host"].model.tables.traffic)
     del trainers
     free(s)

@@ -146,13 +146,15 @@ def train_window_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimi
     return 2 * len(cfg.table_layers) * unique * cfg.d_ff * (2 * dtype_bytes + optimizer_bytes)
 
 
-def train_bus_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimizer_bytes: int, zipf_s: float) -> float:
+def train_bus_bytes(cfg: ModelConfig, n_tokens: int, dtype_bytes: int, optimizer_bytes: int, zipf_s: float,
+                    cache_rows: int = 0) -> float:
     """Host <-> accelerator bytes of one training step with host-RAM tables (``run.tables=host``): the
     rows a step uses that the previous step did not (read in: row + optimizer state) and as many rows
     the previous step used that this one does not (written back), for two independent Zipf batches.
     Rows two consecutive steps share stay on the accelerator (the window), which is the cache in front
-    of host RAM; with UVA (CUDA) these bytes are read and written by the accelerator's own kernels."""
-    p = acc.zipf_probabilities(cfg.vocab_size, zipf_s)
+    of host RAM; with UVA (CUDA) these bytes are read and written by the accelerator's own kernels.
+    The ``cache_rows`` most frequent rows (``run.table_cache_rows``) stay on the accelerator: never moved."""
+    p = acc.zipf_probabilities(cfg.vocab_size, zipf_s)[cache_rows:]  # rank order: the cached rows first
     seen = 1 - (1 - p) ** n_tokens  # P(row used by a step)
     fresh = float((seen * (1 - seen)).sum())  # E[rows in this step, not in the previous]
     per_row = len(cfg.table_layers) * cfg.d_ff * (dtype_bytes + optimizer_bytes)
@@ -204,9 +206,11 @@ def plan(cfg: ModelConfig, *, tables: str = "host", cache_frac: float = 0.0, bat
     train_memory = None
     if train:  # the accelerator with the tables trained on it, and with run.tables=host (no cache)
         base = accel["backbone_weights"] + accel["backbone_grads_and_optimizer"]
-        bus = train_bus_bytes(cfg, batch * seq_len, dtype_bytes, optimizer_bytes, zipf_s)
+        host_cache = round(cache_frac * cfg.vocab_size)
+        bus = train_bus_bytes(cfg, batch * seq_len, dtype_bytes, optimizer_bytes, zipf_s, host_cache)
         train_memory = {"device": base + n_layers_t * cfg.vocab_size * cfg.d_ff * table_value_bytes,
-                        "host": base + window, "host_bus_bytes_per_step": bus,
+                        "host": base + window + n_layers_t * host_cache * cfg.d_ff * table_value_bytes,
+                        "host_cache_rows": host_cache, "host_bus_bytes_per_step": bus,
                         "host_bus_s_per_step": bus / (hardware.link_gbps * 1e9)}
     return {
         "config": cfg.to_dict(), "tables": tables, "train_memory": train_memory, "cache_frac": cache_frac, "cache_rows": cache_rows,

@@ -31,7 +31,8 @@ def test_fused_and_host_runs_equal_the_reference(data, tmp_path):
     ref, ref_result = _run(data, tmp_path / "ref", "run.table_path=reference")
     assert type(ref.model.tables).__name__ == "Tables"
     for name, extra, kind in (("fused", ("run.table_path=fused",), FusedTables),
-                              ("host", ("run.tables=host",), HostTables)):
+                              ("host", ("run.tables=host",), HostTables),
+                              ("host_cache", ("run.tables=host", "run.table_cache_rows=20"), HostTables)):
         t, result = _run(data, tmp_path / name, *extra)
         assert isinstance(t.model.tables, kind)
         assert losses(tmp_path / name) == losses(tmp_path / "ref")
@@ -55,6 +56,7 @@ def test_checkpoints_resume_across_paths(data, tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (("run.table_path=fast",), "run.table_path: 'fast' is not one of auto, fused, reference"),
     (("run.tables=disk",), "run.tables: 'disk' is not one of device, host"),
+    (("run.table_cache_rows=8",), "run.table_cache_rows keeps host-RAM rows on the accelerator: it needs run.tables=host"),
     (("run.table_kernels=cuda",), "run.table_kernels: 'cuda' is not one of auto, triton, torch"),
     (("run.tables=host", "run.table_path=reference"), "run.tables=host trains through the fused table path"),
     (("run.table_path=fused", "optim.table_optimizer=dense"), "run.table_path=fused needs optim.table_optimizer=sparse"),
@@ -67,3 +69,12 @@ def test_bad_settings_fail_clearly(data, tmp_path, overrides, message):
 def test_auto_is_reference_on_cpu(data, tmp_path):
     with Trainer(debug_config(data, tmp_path / "auto", *COMMON)) as t:
         assert t.table_path == "reference"
+
+
+def test_hot_ids_are_the_most_frequent():
+    from stemlm.train.fused.apply import hot_ids
+
+    tokens = [5, 5, 5, 2, 2, 9, 9, 1]
+    assert hot_ids(tokens, 12, 2).tolist() == [2, 5]
+    assert hot_ids(tokens, 12, 3).tolist() == [2, 5, 9]  # 2 and 9 tie: the smaller id first, then 9 beats 1
+    assert hot_ids(tokens, 12, 100).tolist() == list(range(12))

@@ -76,7 +76,9 @@ def format_plan(p: dict) -> str:
         "accelerator memory: " + ", ".join(f"{k} {human(v, 'B')}" for k, v in p["accelerator_bytes"].items()),
         f"host memory: tables{' + optimizer state' if p['train'] else ''} {human(p['host_bytes']['tables_and_state'], 'B')}",
         *([f"training accelerator memory: tables + optimizer state on the accelerator {human(p['train_memory']['device'], 'B')}; "
-           f"in host RAM (run.tables=host: rows of two steps on the accelerator) {human(p['train_memory']['host'], 'B')}",
+           f"in host RAM (run.tables=host: rows of two steps on the accelerator"
+           f"{', plus a cache of the %d most frequent rows (run.table_cache_rows)' % p['train_memory']['host_cache_rows'] if p['train_memory']['host_cache_rows'] else ''}"
+           f") {human(p['train_memory']['host'], 'B')}",
            f"host-RAM tables move {human(p['train_memory']['host_bus_bytes_per_step'], 'B')} per step across the bus "
            f"(rows the previous step lacked in, rows this step drops out; read and written by the accelerator itself "
            f"through UVA on CUDA): {1e3 * p['train_memory']['host_bus_s_per_step']:.1f} ms at {p['hardware']['link_gbps']:g} GB/s"]

@@ -191,6 +191,9 @@ class RunSection:
     table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
                             "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | torch | auto (triton on CUDA "
                             "when it imports, torch elsewhere; triton on the CPU runs under the Triton interpreter, slowly)")
+    table_cache_rows: int = _f(0, "run.tables=host: rows per table kept on the accelerator in every step's window (the "
+                               "most frequent ids of the training data; they never cross the bus again); size it with "
+                               "stemlm plan --train --cache-frac")
     tables: str = _f("device", f"{' | '.join(TRAIN_TABLE_TIERS)}: where the STEM tables and their optimizer state live while "
                      "training; host = pinned host RAM, the accelerator holds the rows of the current and next step (docs/gpu.md)")
 
@@ -218,6 +221,9 @@ class RunSection:
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _choice(self.table_kernels, "run.table_kernels", TABLE_KERNELS)
         _choice(self.step_graph, "run.step_graph", STEP_GRAPH_MODES)
+        _non_negative(self, "run", ("table_cache_rows",))
+        if self.table_cache_rows and self.tables != "host":
+            raise ConfigError("run.table_cache_rows keeps host-RAM rows on the accelerator: it needs run.tables=host")
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
         _non_negative(self, "run", ("eval_every", "seed"))
         if not self.out.strip():

@@ -34,7 +34,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_write_text, clean_interrupted_saves
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
-from .fused.apply import apply_table_path, resolve_table_path
+from .fused.apply import apply_table_path, hot_ids, resolve_table_path
 from ..model.decoder import StemLM
 from ..insert.anneal import apply_schedule, check_annealable, export_stem
 from ..model.tables import check_ids, ids_checked
@@ -100,8 +100,10 @@ class Trainer:
                 raise ConfigError(str(e)) from None
         self.table_path = resolve_table_path(cfg.run.table_path, cfg.run.tables, cfg.optim.table_optimizer,
                                              self.device, self.model)
+        cache = (hot_ids(self.train_ds.tokens, self.model.cfg.vocab_size, cfg.run.table_cache_rows)
+                 if cfg.run.table_cache_rows else None)
         self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
-                                              cfg.run.table_kernels)
+                                              cfg.run.table_kernels, cache)
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)

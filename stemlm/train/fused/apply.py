@@ -39,11 +39,11 @@ def resolve_table_path(table_path: str, tables_tier: str, table_optimizer: str, 
 
 
 def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device: torch.device,
-                     table_kernels: str = "torch") -> str | None:
+                     table_kernels: str = "torch", cache_ids: torch.Tensor | None = None) -> str | None:
     """Install the fused container (``FusedTables`` or, for ``tables_tier="host"``, ``HostTables``)
     as ``model.tables`` when ``table_path`` is ``"fused"`` (after the model is on ``device``), with
-    the kernels ``table_kernels`` resolves to (``auto``/``triton``/``torch``); returns those kernels
-    (None on the reference path)."""
+    the kernels ``table_kernels`` resolves to (``auto``/``triton``/``torch``) and, for host tables, the
+    rows ``cache_ids`` kept on the device; returns the kernels (None on the reference path)."""
     if table_path != "fused":
         return None
     try:
@@ -51,7 +51,16 @@ def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if tables_tier == "host":
-        install_host_tables(model, device, kernels)
+        install_host_tables(model, device, kernels, cache_ids=cache_ids)
     else:
         install_fused_tables(model, kernels=kernels)
     return kernels
+
+
+def hot_ids(tokens, vocab_size: int, n: int) -> torch.Tensor:
+    """The ``n`` most frequent ids of a token array (ties: the smaller id first), for the hot-row cache."""
+    import numpy as np
+
+    counts = np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then id
+    return torch.from_numpy(np.sort(order[:min(n, vocab_size)]).astype(np.int64))

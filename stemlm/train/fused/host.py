@@ -40,7 +40,8 @@ STATE_OF = {"m": "exp_avg", "v": "exp_avg_sq", "step": "step", "last": "last_ste
 
 @dataclass
 class Window:
-    """A step's rows on the device: ``ids`` (host, ``(U,)`` ascending), ``slot_of`` (host, ``(V,)``),
+    """A step's rows on the device: ``ids`` (host, ``(U,)``: the step's ids ascending, then cached rows it
+    does not use), ``slot_of`` (host, ``(V,)``),
     ``count``, and per part a device tensor ``(n, U, d)`` (rows, m, v) or ``(n, U)`` (counters)."""
 
     ids: torch.Tensor
@@ -78,9 +79,13 @@ class Staged:
 class HostTables(FusedTables):
     """All tables stacked in (pinned) host RAM, trained through a device window (module docstring)."""
 
-    def __init__(self, tables: Mapping[str, StemTable], device, kernels: str = "torch", uva: bool | None = None):
+    def __init__(self, tables: Mapping[str, StemTable], device, kernels: str = "torch", uva: bool | None = None,
+                 cache_ids: torch.Tensor | None = None):
         """``uva``: the device reads and writes host RAM itself (``stemlm.runtime.uva``; the default on
-        CUDA when a view of the pinned rows can be made); False: rows are gathered on the host and copied."""
+        CUDA when a view of the pinned rows can be made); False: rows are gathered on the host and copied.
+        ``cache_ids``: rows kept on the device in every window (the hot-row cache, ``run.table_cache_rows``):
+        they never cross the bus once loaded; a step that does not use one leaves it unchanged (a masked
+        update, as padded slots)."""
         for t in tables.values():
             t.weight.data = t.weight.data.to("cpu")
         super().__init__(tables, exact=True, kernels=kernels)
@@ -91,6 +96,9 @@ class HostTables(FusedTables):
             for i, t in enumerate(self.values()):
                 t.weight = nn.Parameter(self.storage[i])
         self.uva = self.mover.cuda if uva is None else uva
+        self.cache_ids = (torch.unique(cache_ids.to("cpu", torch.long)) if cache_ids is not None
+                          else torch.zeros(0, dtype=torch.long))
+        check_ids(self.cache_ids, self.num_rows)
         self._views: dict[str, torch.Tensor] | None = None
         self.window: Window | None = None
         self.staged: Staged | None = None
@@ -115,7 +123,7 @@ class HostTables(FusedTables):
         """Build the window of the coming step from the previous one and what was staged."""
         flat = torch.cat([i.reshape(-1).to("cpu") for i in ids])
         check_ids(flat, self.num_rows)
-        d = dedup(flat, self.num_rows, exact=True)  # on the host: free
+        d = self._window_dedup(dedup(flat, self.num_rows, exact=True))  # on the host: free
         staged, self.staged = self.staged, None
         if staged is None or staged.base is not self.window or not torch.equal(staged.ids, d.uniq):
             self.flush()  # not planned: write everything back, load everything
@@ -123,15 +131,26 @@ class HostTables(FusedTables):
             staged = self._stage(d.uniq)
         self.window = self._assemble(d, staged)
         put = lambda t: to_device_async(t, self.compute)  # noqa: E731
-        dev = Dedup(put(d.uniq), put(d.count), put(d.slot_of), padded=False)
+        dev = Dedup(put(d.uniq), put(d.count), put(d.slot_of), padded=d.padded)
         self.step_rows = self.open_step(dev, self.window.rows)
         return self.step_rows
+
+    def _window_dedup(self, d: Dedup) -> Dedup:
+        """The window of a step with distinct ids ``d``: its ids in slots ``[0, count)``, then the cached
+        rows it does not use (padded slots: no gradient, no update); ``slot_of`` of other ids is past the end."""
+        if not len(self.cache_ids):
+            return d
+        extra = self.cache_ids[~torch.isin(self.cache_ids, d.uniq)]
+        ids = torch.cat([d.uniq, extra])
+        slot_of = torch.full((self.num_rows,), len(ids), dtype=torch.long)
+        slot_of[ids] = torch.arange(len(ids))
+        return Dedup(ids, d.count, slot_of, padded=bool(len(extra)))
 
     def prefetch_step(self, ids: Sequence[torch.Tensor]) -> None:
         """Stage the rows of the next step (call while the current step computes)."""
         flat = torch.cat([i.reshape(-1).to("cpu") for i in ids])
         check_ids(flat, self.num_rows)
-        self.staged = self._stage(dedup(flat, self.num_rows, exact=True).uniq)
+        self.staged = self._stage(self._window_dedup(dedup(flat, self.num_rows, exact=True)).uniq)
 
     def _stage(self, uniq: torch.Tensor) -> Staged:
         """Plan the window of ``uniq`` against the current one and copy the rows it lacks."""
@@ -222,7 +241,7 @@ class HostTables(FusedTables):
     # -- the optimizer, checkpoints, evaluation ---------------------------------------------
     def apply_update(self, opt, step: StepRows) -> None:
         """Update the window in place (every slot holds an id of the step)."""
-        opt.update_window(step.rows.detach(), step.grad, self.window)
+        opt.update_window(step.rows.detach(), step.grad, self.window, step.dedup.valid())
         self.window.dirty = True
 
     def flush(self) -> None:
@@ -256,10 +275,11 @@ class HostTables(FusedTables):
         return LayerRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
 
 
-def install_host_tables(model: nn.Module, device, kernels: str = "torch", uva: bool | None = None) -> HostTables:
+def install_host_tables(model: nn.Module, device, kernels: str = "torch", uva: bool | None = None,
+                        cache_ids: torch.Tensor | None = None) -> HostTables:
     """Move ``model.tables`` (in-memory ``StemTable``s) into one ``HostTables``; returns it."""
     tables = dict(model.tables.items())
     if not tables or not all(type(t) is StemTable for t in tables.values()):
         raise ValueError("host-tier training needs the model's tables in memory as StemTables")
-    model.tables = HostTables(tables, device, kernels, uva)
+    model.tables = HostTables(tables, device, kernels, uva, cache_ids)
     return model.tables

@@ -147,10 +147,22 @@ class FusedRowAdamW:
         update(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d), flat,
                step.rows.detach().reshape(-1, d), step.grad.reshape(-1, d), decay, neg_step, eps_r, mask, *self.betas)
 
-    def update_window(self, rows: torch.Tensor, grad: torch.Tensor, win) -> None:
+    def update_window(self, rows: torch.Tensor, grad: torch.Tensor, win, valid: torch.Tensor | None = None) -> None:
         """Update a compact window of rows (host tier) in place: ``rows``/``grad`` ``(n, U, d)``,
-        ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``."""
+        ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``; ``valid (U,)``
+        marks the slots the step used (cached rows it did not use stay unchanged), None = all."""
         d = rows.shape[-1]
+        if valid is not None:
+            n, U = win.step.shape
+            mask = valid.view(1, U).expand(n, U)
+            new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
+            win.step.copy_(torch.where(mask, new_n, win.step))
+            win.last.copy_(torch.where(mask, self.stamp(win.last), win.last))
+            update = self.container.kernel_modules()[1].row_adamw_ if self.triton else self.indexed
+            update(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), torch.arange(n * U, device=rows.device),
+                   rows.reshape(-1, d), grad.reshape(-1, d), decay.reshape(-1, 1), neg_step.reshape(-1, 1),
+                   eps_r.reshape(-1, 1), mask.reshape(-1, 1), *self.betas)
+            return
         if not self.triton and self.scalars is None and self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1),
                                             win.last.view(-1), torch.arange(win.step.numel()), rows.view(-1, d),
                                             grad.view(-1, d)):
