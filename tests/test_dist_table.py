@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stemlm.train.dist.sharded_table import ShardedTable
+from stemlm.train.distributed.sharded_table import ShardedTable
 
 V, D = 37, 6
 

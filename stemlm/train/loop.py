@@ -15,11 +15,12 @@ written once: ``prepare_model`` (install sharded or off-device tables before the
 built), ``wrap_forward`` (DDP/FSDP), ``host_batch`` (a rank's slice of ``get_batch``), ``step_values``
 and ``clip_gradients`` (cross-process reductions), ``is_main`` (who writes files), and on resume
 ``load_weights`` / ``load_optimizer_state`` / ``rng_of`` (a rank's share of a checkpoint). See
-``stemlm.train.dist.trainer`` for the torchrun implementation; ``stemlm.train.run.train`` picks it.
+``stemlm.train.distributed.trainer`` for the torchrun implementation; ``stemlm.train.run.train`` picks it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -185,7 +186,7 @@ class Trainer:
         """The RNG state this process restores from a trainer state (seam: one per rank under torchrun)."""
         return state["rng"]
 
-    # -- seams for distribution applied from outside (stemlm.train.dist.trainer overrides these) ---
+    # -- seams for distribution applied from outside (stemlm.train.distributed.trainer overrides these) ---
     is_main = True  # the process that writes logs, plots and checkpoints
 
     def prepare_model(self, model: StemLM) -> StemLM:
@@ -345,16 +346,30 @@ class Trainer:
     def save(self) -> Path:
         """Atomically write the checkpoint of the current step (keeps the newest ``run.keep_last``).
 
-        NaN/inf weights or optimizer state stop the run as a divergence: nothing is written.
+        NaN/inf weights or optimizer state stop the run as a divergence: nothing is written. What is
+        written comes from ``gathered_state`` (the seam distribution fills in); the main process writes.
         """
         self.model.tables.flush()  # rows updated off their home tier (host tables) are written back first
-        try:
-            self.last_ckpt = ckpt_io.save_checkpoint(self.run_dir, self.step, self.model, self.opt, self.table_opt,
-                                                     self.trainer_state(), self.config_yaml(), self.data_dir,
-                                                     self.cfg.run.keep_last)
-        except CheckpointError as e:
-            self._diverged(str(e), self.step, "the weights were updated")
-        return self.last_ckpt
+        path = ckpt_io.checkpoint_dir(self.run_dir, self.step)
+        with self.gathered_state() as st:
+            if self.is_main:
+                try:
+                    path = ckpt_io.save_checkpoint(self.run_dir, self.step, st.model, st.opt, st.table_opt, st.trainer,
+                                                   self.config_yaml(), self.data_dir, self.cfg.run.keep_last)
+                except CheckpointError as e:
+                    self._diverged(str(e), self.step, "the weights were updated")
+        self.saved()
+        self.last_ckpt = path
+        return path
+
+    @contextlib.contextmanager
+    def gathered_state(self):
+        """What a checkpoint holds, as ``SaveState`` (seam: under torchrun every rank gathers the shards
+        and rank 0 writes); here the live model, optimizers and trainer state."""
+        yield ckpt_io.SaveState(self.model, self.opt, self.table_opt, self.trainer_state())
+
+    def saved(self) -> None:
+        """Called on every process once the checkpoint is written (seam: a barrier under torchrun)."""
 
     # -- the run ---------------------------------------------------------------------------
     def fit(self, stop_at: int | None = None) -> TrainResult:

@@ -20,10 +20,10 @@ def train(cfg: TrainConfig, resume: bool = False, stop_at: int | None = None,
 
     ``allow_changes`` names the ``optim.*``/``data.*`` fields that may differ from the resumed
     checkpoint's config (recorded in ``metrics.jsonl``, the checkpoints and ``config.yaml``).
-    Under ``torchrun`` (``WORLD_SIZE`` > 1) the run is distributed (``stemlm.train.dist.trainer``).
+    Under ``torchrun`` (``WORLD_SIZE`` > 1) the run is distributed (``stemlm.train.distributed.trainer``).
     """
     trainer_cls = Trainer
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from .dist.trainer import DistributedTrainer as trainer_cls
+        from .distributed.trainer import DistributedTrainer as trainer_cls
     with trainer_cls(cfg, resume=resume, allow_changes=allow_changes) as trainer:
         return trainer.fit(stop_at=stop_at)

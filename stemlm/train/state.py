@@ -21,6 +21,7 @@ import json
 import os
 import random
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,17 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     """Complete training checkpoints of a run, oldest first (a dir is complete once renamed into place)."""
     root = Path(run_dir) / "checkpoints"
     return sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists()) if root.is_dir() else []
+
+
+@dataclass
+class SaveState:
+    """What a checkpoint is written from: a model (``state_dict``), the backbone optimizer and the table
+    optimizer (``state_dict``s), and the trainer's counters and RNG (``Trainer.gathered_state``)."""
+
+    model: object
+    opt: object
+    table_opt: object
+    trainer: dict
 
 
 def save_checkpoint(run_dir: Path, step: int, model, opt, table_opt: SparseRowAdamW | None, trainer_state: dict,

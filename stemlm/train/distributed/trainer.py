@@ -126,15 +126,15 @@ class DistributedTrainer(Trainer):
         return total.cpu()
 
     # -- checkpoints --------------------------------------------------------------------------
-    def save(self) -> Path:
-        """Gather everything sharded (collective); rank 0 writes the checkpoint a 1-process run writes."""
+    @contextlib.contextmanager
+    def gathered_state(self):
+        """Gather everything sharded (collective); the state a 1-process run writes, on every rank."""
         tables = {f"tables.{n}.weight": t.gather_full() for n, t in self.model.tables.items()}
         table_state = {n: {k: gather_interleaved(v, self.model.tables[n].full_num_rows, self.rank, self.world_size)
                            for k, v in st.items()} for n, st in sorted(self.table_opt.state.items())}
         backbone = {k: _full(v) for k, v in self.model.state_dict().items() if not k.startswith("tables.")}
         opt_state = self.opt.state_dict()  # its per-parameter dicts are the live state: copy, never mutate
         opt_state = {**opt_state, "state": {i: {k: _full(v) for k, v in st.items()} for i, st in opt_state["state"].items()}}
-        path = ckpt_io.checkpoint_dir(self.run_dir, self.step)
         every = [*backbone.items(), *tables.items(), *((f"{n}.{k}", v) for n, st in table_state.items() for k, v in st.items()),
                  *((f"dense.{i}.{k}", v) for i, st in opt_state["state"].items() for k, v in st.items()
                    if isinstance(v, torch.Tensor))]
@@ -145,17 +145,15 @@ class DistributedTrainer(Trainer):
         state = self.trainer_state()
         ranks = [None] * self.world_size
         dist.all_gather_object(ranks, state["rng"])
-        if self.is_main:
-            with torch.device("meta"):
-                snapshot = StemLM(self.model.cfg)
-            snapshot.load_state_dict({**backbone, **tables}, strict=False, assign=True)
-            with _swapped_state(self.table_opt, table_state):
-                path = ckpt_io.save_checkpoint(self.run_dir, self.step, snapshot, _FixedState(opt_state), self.table_opt,
-                                               {**state, "rng_ranks": ranks}, self.config_yaml(), self.data_dir,
-                                               self.cfg.run.keep_last)
+        with torch.device("meta"):
+            snapshot = StemLM(self.model.cfg)
+        snapshot.load_state_dict({**backbone, **tables}, strict=False, assign=True)
+        with _swapped_state(self.table_opt, table_state):
+            yield ckpt_io.SaveState(snapshot, _FixedState(opt_state), self.table_opt, {**state, "rng_ranks": ranks})
+
+    def saved(self) -> None:
+        """Every rank waits until rank 0 has written the checkpoint."""
         dist.barrier()
-        self.last_ckpt = path
-        return path
 
     def load_weights(self, ckpt: Path) -> None:
         """The whole checkpoint, then this rank's rows of every table."""
