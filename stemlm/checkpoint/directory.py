@@ -8,8 +8,9 @@ Layout of a checkpoint directory (also loadable by ``AutoModelForCausalLM.from_p
                          tables add "model.tables.<layer>.scale" and name their codec in the metadata
     tokenizer.json ...   optional, copied in by the caller
 
-A training run directory holds ``checkpoints/step_XXXXXXXX/``; ``resolve_checkpoint`` picks the
-newest complete one, so every command taking ``--ckpt`` accepts a run or a checkpoint.
+A training run directory holds ``checkpoints/step_XXXXXXXX/`` (``rundir.RunDir``, the one place that
+knows that layout); ``resolve_checkpoint`` picks the newest one whose files verify, so every command
+taking ``--ckpt`` accepts a run or a checkpoint.
 
 Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.checkpoint.integrity``),
 refuses to write NaN/inf weights, and ``load_model`` verifies the checksums (``verify=False`` skips
@@ -30,12 +31,13 @@ from safetensors.torch import safe_open
 
 from ..config import ConfigError, ModelConfig
 from .integrity import CheckpointError, check_finite, verify_checkpoint, write_manifest
+from .rundir import CONFIG_FILE, resolve_checkpoint  # noqa: F401  (the one rule, re-exported)
 from ..model.decoder import StemLM
 from ..model.quant import RowCodec, codec_of, quantized_tables
 from ..runtime.files import atomic_directory, atomic_write_text
 from .safetensors_io import write_safetensors
 
-CONFIG_FILE, WEIGHTS_FILE, KEY_PREFIX = "config.json", "model.safetensors", "model."
+WEIGHTS_FILE, KEY_PREFIX = "model.safetensors", "model."
 # Test-only: seconds to sleep between the files of a checkpoint save, so a test can kill a process
 # inside the save window reliably (benchmarks/robustness_kill_resume.py). Never set it otherwise.
 SAVE_PAUSE_ENV = "STEMLM_TEST_SAVE_PAUSE"
@@ -99,24 +101,6 @@ def copy_tokenizer_files(src: str | os.PathLike, dst: str | os.PathLike) -> None
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model"):
         if (Path(src) / name).exists():
             shutil.copy2(Path(src) / name, Path(dst) / name)
-
-
-def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, or the newest complete checkpoint of a training run directory.
-
-    A run directory's own ``config.json`` (``write_run_config``) only names the model type for
-    ``AutoConfig``: its weights are those of the newest ``checkpoints/step_*``.
-    """
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointError(f"checkpoint path {path} does not exist")
-    steps = sorted(p for p in (path / "checkpoints").glob("step_*") if (p / CONFIG_FILE).exists()) \
-        if (path / "checkpoints").is_dir() else []
-    if steps:
-        return steps[-1]
-    if (path / CONFIG_FILE).exists() and not (path / "checkpoints").is_dir():
-        return path
-    raise CheckpointError(f"{path} is neither a checkpoint (no {CONFIG_FILE}) nor a run with checkpoints/step_*")
 
 
 def write_run_config(run_dir: str | os.PathLike, cfg: ModelConfig) -> Path:
@@ -208,7 +192,7 @@ def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtyp
     tier (host, disk) straight from the checkpoint file. ``verify`` first checks the files against
     the checkpoint's checksum manifest (``stemlm.checkpoint.integrity``).
     """
-    ckpt = resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path, verify)
     if verify:
         verify_checkpoint(ckpt)
     cfg = read_config(ckpt)

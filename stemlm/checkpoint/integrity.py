@@ -77,6 +77,9 @@ def verify_checkpoint(directory: str | os.PathLike) -> bool:
     files = manifest_files(directory)
     if files is None:
         return False
+    key = _stat_key(directory, files)
+    if key is not None and key in _VERIFIED:
+        return True  # verified in this process, and no file changed since (sizes and mtimes)
     for name, want in files.items():
         f = directory / name
         if not f.is_file():
@@ -87,7 +90,22 @@ def verify_checkpoint(directory: str | os.PathLike) -> bool:
                                   "(truncated or overwritten)")
         if file_digest(f)[1] != want["sha256"]:
             raise CheckpointError(f"corrupt checkpoint {directory}: {name} does not match its sha256 in the manifest")
+    if key is not None:
+        _VERIFIED.add(key)
     return True
+
+
+_VERIFIED: set = set()  # (directory, its files' sizes and mtimes) verified in this process
+
+
+def _stat_key(directory: Path, files: dict):
+    """What identifies a directory's files for ``verify_checkpoint``'s memo (None if one is missing)."""
+    try:
+        stats = tuple((name, (directory / name).stat().st_size, (directory / name).stat().st_mtime_ns)
+                      for name in sorted(files))
+    except OSError:
+        return None
+    return str(directory.resolve()), stats
 
 
 def non_finite(tensors: Iterable[tuple[str, torch.Tensor]], limit: int = 3) -> list[str]:

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
+from ..checkpoint.rundir import RunDir
 from .options import (add_checkpoint_argument, add_graphs_argument, add_placement_arguments, add_tokenizer_argument,
                       add_verify_argument, placement_of, positive_float, positive_int)
 
@@ -75,7 +75,7 @@ def run(args) -> int:
 
     ckpt = args.ckpt
     if ckpt is None:
-        if not (Path(DEFAULT_RUN) / "checkpoints").is_dir():
+        if not RunDir.holds_run(DEFAULT_RUN):
             raise FileNotFoundError(f"no --ckpt given and no trained default run at {DEFAULT_RUN} "
                                     "(train one with `stemlm train`, or pass --ckpt CKPT)")
         ckpt = DEFAULT_RUN

@@ -104,7 +104,7 @@ def _load_stem_checkpoint(path: str, placement: Placement, tokenizer, verify: bo
     the digests are those of the checksum manifest the load verified (none unverified)."""
     from ..checkpoint.integrity import manifest_files
 
-    ckpt = resolve_checkpoint(path)
+    ckpt = resolve_checkpoint(path, verify)
     codec = load_codec(ckpt, tokenizer, prefer="hf", hint="pass tokenizer=PATH")
     model = open_model(ckpt, placement, verify=verify)
     manifest = (manifest_files(ckpt) or {}) if verify else {}

@@ -27,15 +27,34 @@ class IndexedRows:
         self.rows, self.inverse, self.shape, self.segments, self.grad = rows, inverse, shape, segments, grad
         self.kernels = kernels  # the module holding gated_rows (stemlm.kernels.gated_rows)
 
-    @torch.compiler.disable  # a compiled block breaks its graph here and runs the Triton kernels as they are
     def gated(self, gate_pre: torch.Tensor) -> torch.Tensor:
         """``SiLU(gate_pre) ⊙ rows[t]`` (``shape + (dim,)``), the row gathered inside the kernel."""
-        return self.kernels.gated_rows(gate_pre, self.rows, self.inverse, self.segments, self.grad)
+        return _eager(_gated)(self, gate_pre)
 
-    @torch.compiler.disable
     def expand(self) -> torch.Tensor:
         """The rows at every position, ``shape + (dim,)``; their gradient goes into ``grad``."""
-        return _ExpandIndexed.apply(self.rows, self.inverse, self.grad, _anchor()).view(*self.shape, self.rows.shape[-1])
+        return _eager(_expand)(self)
+
+
+def _gated(rows: IndexedRows, gate_pre: torch.Tensor) -> torch.Tensor:
+    return rows.kernels.gated_rows(gate_pre, rows.rows, rows.inverse, rows.segments, rows.grad)
+
+
+def _expand(rows: IndexedRows) -> torch.Tensor:
+    out = _ExpandIndexed.apply(rows.rows, rows.inverse, rows.grad, _anchor())  # (N, dim)
+    return out.view(*rows.shape, rows.rows.shape[-1])
+
+
+_EAGER: dict = {}
+
+
+def _eager(fn):
+    """``fn`` run outside ``torch.compile``: a compiled block breaks its graph there and runs the Triton
+    kernels as they are. Wrapped on first use (``torch.compiler.disable`` imports dynamo, which
+    ``import stemlm`` must not)."""
+    if fn not in _EAGER:
+        _EAGER[fn] = torch.compiler.disable(fn)
+    return _EAGER[fn]
 
 
 def _anchor() -> torch.Tensor:

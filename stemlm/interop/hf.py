@@ -31,6 +31,7 @@ from ..config import ModelConfig
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM, init_module_, padding_mask
 from ..store import Placement, open_model, placement_of
+from ..checkpoint.rundir import RunDir
 
 def _mirrored_fields() -> dict:
     """Class namespace holding every ``ModelConfig`` constructor field with its default.
@@ -180,7 +181,7 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         ``model.model.tables`` is the tier's handle (``stats``, ``close`` ...).
         """
         path = Path(str(pretrained_model_name_or_path))
-        if path.is_dir() and (path / "checkpoints").is_dir():
+        if path.is_dir() and RunDir.holds_run(path):
             path = resolve_checkpoint(path)
             pretrained_model_name_or_path = str(path)
         placement = _placement_of_kwargs(kwargs)

@@ -29,7 +29,7 @@ def load_served(ckpt: str | os.PathLike, placement: Placement | str | None = Non
     queue of 256); ``graphs`` picks the decode step (``stemlm.inference.core``).
     """
     given = Path(ckpt)
-    ckpt = resolve_checkpoint(ckpt)
+    ckpt = resolve_checkpoint(ckpt, verify)
     codec = load_codec(ckpt, tokenizer)
     template = find_chat_template(ckpt, codec, chat_template)
     chat = None

@@ -138,7 +138,7 @@ def open_model(checkpoint: str | os.PathLike, placement: Placement | str | None 
     device = torch.device(p.device or "cpu")
     if tier.in_memory and p.table_dtype is None and p.tables_file is None:  # in memory, as stored
         return load_model(checkpoint, device=device, dtype=p.dtype, verify=verify)
-    ckpt = resolve_checkpoint(checkpoint)
+    ckpt = resolve_checkpoint(checkpoint, verify)
     if verify:
         verify_checkpoint(ckpt)
     cfg = read_config(ckpt)

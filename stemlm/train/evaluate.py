@@ -86,7 +86,7 @@ def evaluate_checkpoint(ckpt: str | Path, data_dir: str | Path | None = None, ba
     ``max_seq_len``, is an error rather than a silent cap. Everything is checked before the
     model is loaded. The result names the batches read.
     """
-    path = resolve_checkpoint(ckpt)
+    path = resolve_checkpoint(ckpt, verify)
     placement = placement_of(placement)
     device = str(resolve_device(placement.device or "cpu"))
     run_cfg = _stored_run_config(path)

@@ -49,6 +49,7 @@ from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
 from .optim import build_optimizers, clip_grad_norm, set_lr
 from .result import TrainResult, finished_result
 from .schedule import lr_factor
+from ..checkpoint.rundir import METRICS, STEP_PREFIX, RunDir
 
 
 class TrainingDiverged(RuntimeError):
@@ -81,8 +82,8 @@ class Trainer:
     def _setup(self, resume: bool, allow_changes: tuple[str, ...]) -> None:
         cfg = self.cfg
         if self.is_main:  # under the lock: what a killed save left behind is no one's work in progress
-            clean_interrupted_saves(self.run_dir, (ckpt_io.RUN_CONFIG, "metrics.jsonl"))
-            clean_interrupted_saves(self.run_dir / "checkpoints", ("step_*",))
+            clean_interrupted_saves(self.run_dir, (ckpt_io.RUN_CONFIG, METRICS))
+            clean_interrupted_saves(RunDir(self.run_dir).checkpoints_dir, (f"{STEP_PREFIX}*",))
         self.device = resolve_device(cfg.run.device, "run.device")
         if cfg.run.keep_freed_memory and self.device.type == "cpu":
             keep_freed_memory()  # process-wide, see stemlm/runtime/malloc.py
@@ -387,7 +388,7 @@ class Trainer:
             atomic_write_text(self.run_dir / ckpt_io.RUN_CONFIG, self.config_yaml())
             write_run_config(self.run_dir, self.model.cfg)  # from_pretrained(run_dir) finds the newest checkpoint
         self.peak_flops = peak_flops_for_run(self.run_dir, self.device, r.peak_flops, r.dtype)
-        log = MetricsLog(self.run_dir / "metrics.jsonl", resume_step=self.step) if self.is_main else _NoLog()
+        log = MetricsLog(RunDir(self.run_dir).metrics, resume_step=self.step) if self.is_main else _NoLog()
         from tqdm import tqdm  # here, not at import: the GPU suite imports the loop where only torch & co. exist
         bar = tqdm(total=r.steps, initial=self.step, desc=f"train {self.model.cfg.ffn}", disable=not (r.progress and self.is_main),
                    dynamic_ncols=True)
@@ -422,7 +423,7 @@ class Trainer:
         result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
                              self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count, export)
         if self.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(result.summary(), indent=2))
+            atomic_write_text(RunDir(self.run_dir).summary, json.dumps(result.summary(), indent=2))
         return result
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..checkpoint.rundir import RunDir
 from .metrics import read_metrics
 
 
@@ -29,7 +30,7 @@ def plot_run(run_dir: str | Path, runs: dict[str, str | Path] | None = None, bas
 
     run_dir = Path(run_dir)
     runs = runs or {run_dir.name: run_dir}
-    series = {label: read_metrics(Path(d) / "metrics.jsonl") for label, d in runs.items()}
+    series = {label: read_metrics(RunDir(d).metrics) for label, d in runs.items()}
     written = []
     for x_key, x_label, name in (("tokens_seen", "training tokens", "loss_vs_tokens.png"),
                                  ("flops_seen", "training FLOPs", "loss_vs_flops.png")):

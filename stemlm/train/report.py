@@ -10,6 +10,7 @@ import numpy as np
 
 from ..ffn import TABLE_KINDS
 from .result import TrainResult
+from ..checkpoint.rundir import RunDir
 
 
 def unigram_entropy(data_dir: str | Path) -> float:
@@ -50,7 +51,7 @@ def next_steps_lines(result: TrainResult, ffn: str | None = None) -> list[str]:
     run = shlex.quote(str(result.run_dir))
     made = [("checkpoint", [result.checkpoint] if result.checkpoint else []),
             ("plots", [p for p in (result.run_dir / "loss_vs_tokens.png", result.run_dir / "loss_vs_flops.png") if p.exists()]),
-            ("logs", [p for p in (result.run_dir / "metrics.jsonl", result.run_dir / "summary.json") if p.exists()])]
+            ("logs", [p for p in (RunDir(result.run_dir).metrics, RunDir(result.run_dir).summary) if p.exists()])]
     lines = ["", "made:"] + [f"  {name:<11} {', '.join(str(f) for f in files)}" for name, files in made if files]
     text = result.checkpoint is not None and (Path(result.checkpoint) / "tokenizer.json").exists()
     lines.append("next:")

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..checkpoint.rundir import RunDir
+
 
 @dataclass
 class TrainResult:
@@ -32,7 +34,7 @@ def finished_result(run_dir: Path, step: int) -> TrainResult | None:
     """The stored result of a run that already reached ``step`` = its last step (its
     ``summary.json``), or None when the run has not been completed and summarised."""
     try:
-        data = json.loads((Path(run_dir) / "summary.json").read_text())
+        data = json.loads(RunDir(run_dir).summary.read_text())
     except (OSError, ValueError):
         return None
     if not isinstance(data, dict) or data.get("steps") != step:

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import random
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,22 +27,25 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..checkpoint import rundir
 from ..checkpoint.directory import CheckpointError, copy_tokenizer_files, read_json, save_pause, write_model_files
-from ..checkpoint.integrity import check_finite, verify_checkpoint, write_manifest
+from ..checkpoint.integrity import check_finite, write_manifest
+from ..checkpoint.rundir import CheckpointWarning, RunDir  # noqa: F401  (CheckpointWarning: re-exported)
 from ..runtime.files import atomic_directory, remove_directory
 from .sparse_adam import SparseRowAdamW
 
-OPT_TENSORS, OPT_META, TRAINER_STATE, RUN_CONFIG = "optimizer.safetensors", "optimizer.json", "trainer_state.json", "config.yaml"
+OPT_TENSORS, OPT_META = "optimizer.safetensors", "optimizer.json"
+TRAINER_STATE, RUN_CONFIG = rundir.TRAINER_STATE, rundir.TRAIN_CONFIG
 
 
 def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return Path(run_dir) / "checkpoints" / f"step_{step:08d}"
+    """Where the checkpoint of ``step`` is written (``RunDir.checkpoint``)."""
+    return RunDir(run_dir).checkpoint(step)
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
-    """Complete training checkpoints of a run, oldest first (a dir is complete once renamed into place)."""
-    root = Path(run_dir) / "checkpoints"
-    return sorted(p for p in root.glob("step_*") if (p / TRAINER_STATE).exists()) if root.is_dir() else []
+    """Complete training checkpoints of a run, oldest first (``RunDir.checkpoints``)."""
+    return RunDir(run_dir).checkpoints()
 
 
 @dataclass
@@ -88,41 +89,11 @@ def save_checkpoint(run_dir: Path, step: int, model, opt, table_opt: SparseRowAd
 
 
 def resume_checkpoint(run_dir: Path, verify: bool = True) -> Path | None:
-    """The newest checkpoint of a run to resume from, or None when there is none.
-
-    With ``verify``, checkpoints whose files do not match their manifest are skipped with a
-    warning naming them, and moved aside to ``checkpoints/corrupt-step_XXXXXXXX`` so that neither
-    a later resume nor the rotation mistakes them for good ones. Raises ``CheckpointError`` when
-    checkpoints exist but none verifies.
-    """
-    found = list_checkpoints(run_dir)
-    if not verify:
-        return found[-1] if found else None
-    for ckpt in reversed(found):
-        try:
-            verify_checkpoint(ckpt)
-            read_trainer_state(ckpt)
-            return ckpt
-        except CheckpointError as e:
-            aside = _aside(ckpt)
-            os.replace(ckpt, aside)
-            warnings.warn(f"skipping damaged checkpoint {ckpt.name} (moved to {aside.name}): {e}", CheckpointWarning,
-                          stacklevel=2)
-    if found:
-        raise CheckpointError(f"no checkpoint of {run_dir} verifies (all moved aside as corrupt-step_*); "
-                              "start a new run.out, or resume with run.verify_checkpoints=false at your own risk")
-    return None
-
-
-class CheckpointWarning(UserWarning):
-    """A damaged checkpoint was skipped."""
-
-
-def _aside(ckpt: Path) -> Path:
-    target, n = ckpt.with_name(f"corrupt-{ckpt.name}"), 1
-    while target.exists():
-        target, n = ckpt.with_name(f"corrupt-{ckpt.name}.{n}"), n + 1
-    return target
+    """The newest checkpoint of a run to resume from, or None when there is none: ``RunDir.newest_good``,
+    which moves damaged checkpoints aside to ``checkpoints/corrupt-step_XXXXXXXX`` (so neither a later
+    resume nor the rotation mistakes them for good ones) and raises ``CheckpointError`` when
+    checkpoints exist but none verifies."""
+    return RunDir(run_dir).newest_good(verify, move_aside=True)
 
 
 def optimizer_state(opt: torch.optim.Optimizer, table_opt: SparseRowAdamW | None) -> tuple[dict, dict]:
