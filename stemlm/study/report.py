@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from . import plots, sections
-from .claims import claim_rows
+from .claims import claim_rows, verdict_cell
 from .dynamics import gap_curves, gap_trend, val_curves
 from .evidence import PLACEMENTS
 from .paper import TABLE2
@@ -177,8 +177,9 @@ def _claims(rows: list[dict]) -> list[str]:
     return ["## The paper's claims", "",
             f"Verdict rule (`stemlm/study/stats.py`): {RULE}. Each row's comparison and its intervals are in "
             "`measured`; the per-claim rule says what is compared (`stemlm/study/claims.py`).", "",
-            *_table(["claim", "paper (source)", "measured here: difference [95 % interval], MDE", "verdict", "compared"],
-                    [[r["claim"], r["paper"], r["measured"], f"**{r['verdict']}**", r["rule"].split(". ")[0]]
+            *_table(["claim", "paper (source)", "measured here: difference [95 % interval], MDE", "verdict, scale, what "
+                     "would settle it", "compared"],
+                    [[r["claim"], r["paper"], r["measured"], verdict_cell(r), r["rule"].split(". ")[0]]
                      for r in rows])]
 
 
