@@ -29,6 +29,13 @@ def git_dirty(path: str | Path | None = None) -> bool:
     return bool(_git(path, "status", "--porcelain", "--untracked-files=no"))
 
 
+def untracked(path: str | Path, *under: str) -> list[str]:
+    """Untracked, not ignored files of the checkout holding ``path``, below the folders ``under`` (relative
+    to the checkout's root)."""
+    out = _git(path, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *under)
+    return out.splitlines() if out else []
+
+
 def git_commit(path: str | Path | None = None) -> str | None:
     """Short commit of the checkout holding ``path`` (default: this package), plus ``-dirty`` when
     tracked files changed; None outside a git checkout or without git."""

@@ -41,6 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "step time side by side)")
             p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` on each checkpoint)")
             p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+            p.add_argument("--allow-dirty", action="store_true",
+                           help="train even when the checkout has uncommitted changes (refused by default: a run's "
+                                "recorded git commit must reproduce it; such runs record git_dirty: true; "
+                                "STEMLM_ALLOW_DIRTY=1 does the same)")
             p.add_argument("--jobs", type=int, default=1,
                            help="train in this many processes at once, cores // JOBS threads each (default 1; "
                                 "separately started `study run` processes on the same dirs also share the work)")
@@ -85,9 +89,11 @@ def run(args) -> int:
         from ..study.workers import run_workers
 
         run_workers(["study", "run", "--spec", "quick" if args.quick else args.spec, "--results", str(results),
-                     "--scratch", str(scratch), "--stages", ",".join(train), "--no-report"], args.jobs, log)
+                     "--scratch", str(scratch), "--stages", ",".join(train), "--no-report",
+                     *(["--allow-dirty"] if args.allow_dirty else [])], args.jobs, log)
         stages = tuple(s for s in stages if s not in STAGES)  # timing, eval and the report: here, on every core
-    out = run_study(spec, results, scratch, stages, args.skip_eval, not args.no_report, log)
+    out = run_study(spec, results, scratch, stages, args.skip_eval, not args.no_report, log,
+                    True if args.allow_dirty else None)
     c = out["runs"]
     trained = (f"runs trained by {args.jobs} workers (their lines above)" if stages != parse_stages(args.stages) else
                f"{c['trained']} runs trained ({c['diverged']} diverged), {c['skipped']} skipped"
