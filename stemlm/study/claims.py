@@ -75,10 +75,10 @@ def claim_verdict(parts: list[dict]) -> str:
 
 def _settle(key: str, parts: list[dict]) -> str:
     need = [seeds_needed(Difference(**{**p["difference"], "ci": None}))
-            for p in parts if p["verdict"] == "inconclusive" and p["difference"].get("kind") == "paired"]
+            for p in parts if p["verdict"] in ("inconclusive", BLIND) and p["difference"].get("kind") == "paired"]
     need = [n for n in need if n is not None]
-    seeds = (f"; ~{max(need) if max(need) <= 100 else '> 100'} seeds to detect the largest-needing inconclusive "
-             "difference at the spread measured") if need else ""
+    seeds = (f"; ~{max(need) if max(need) <= 100 else '> 100'} seeds to detect the open difference that needs the "
+             "most, at the spread measured") if need else ""
     return SETTLE[key] + seeds
 
 

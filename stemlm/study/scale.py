@@ -34,7 +34,7 @@ SETTLE = {
     "stability": "≥ 6 paired spikes between STEM-1/3 and Hash-MoE-1/3: longer runs at and above the paper's lr, "
                  "several seeds, each paired with dense on the same batches",
     "long_context": "a needle control that retrieves the value greedily ≥ 50 % of the time and a measure that tells "
-                    "retrieval from repetition of the key's tokens; then the seeds below",
+                    "retrieval from repetition of the key's tokens; then more seeds",
     "midtrain": "≥ 2 seeds at the study's budget (3 seeds on one GPU: docs/insertion.md), and the paper's mid-training "
                 "tokens, which no offline corpus here holds in SmolLM2's vocabulary",
     "ablation": "more seeds for the inconclusive differences (below)",
@@ -78,5 +78,5 @@ def reading(key: str, verdict: str, scale: dict | None) -> tuple[str, str]:
         return verdict, f"measured at {scale['text']} (paper: {paper_text}; {ratio:,.0f}× more tokens)"
     if verdict == "contradicted":
         verdict = "not recovered"
-    word = "holds within" if verdict == "holds" else "not recovered within"
+    word = "holds at" if verdict == "holds" else "not recovered within"
     return verdict, f"{word} {n} tokens ({scale['text']}; paper: {paper_text}, {ratio:,.0f}× more tokens)"
