@@ -244,7 +244,8 @@ def test_bad_specs_are_one_line_errors(data_dir, tmp_path, capsys):
 
 def test_repo_specs_plan():
     """The committed specs expand: every variant in the sweep (>= 3 lrs) and in the comparison (>= 3 seeds),
-    stemlm's table setting as its own variant, the paper's optimizer setting; the GPU spec at the 350M shape."""
+    stemlm's table setting as its own variant (full, quick), the paper's optimizer setting; the GPU spec is the
+    second scale of (a) and (a′): dense and the three placements on the wide corpus."""
     for name in ("full", "quick", "gpu"):
         spec = load_spec(name)
         runs = plan(spec)
@@ -254,14 +255,16 @@ def test_repo_specs_plan():
         assert all(r.pending for r in compare)  # they wait for the sweep's lrs
         assert len({r.labels["seed"] for r in compare}) >= 3 and len(spec["sweep"]["lrs"]) >= 3, name
         assert set(spec["compare"]["variants"]) <= set(spec["sweep"]["variants"]), name
-        assert "stem-1/3+tablex10" in spec["compare"]["variants"], name
+        assert name == "gpu" or "stem-1/3+tablex10" in spec["compare"]["variants"], name
         tuned = plan(spec, {v: 1e-3 for v in spec["sweep"]["variants"]})
         assert len({r.spec_hash for r in tuned}) == len(tuned) and not any(r.pending for r in tuned), name
     full = plan(load_spec("full"))
     assert {"context", "controls"} <= {r.stage for r in full}
     assert {"dense", "stem-1/3", "stem-1/2", "stem-full", "stem_dagger-1/3", "stem_gate-1/3", "hash_moe-1/3"} <= \
         {r.labels["variant"] for r in full if r.stage == "compare"}
-    assert load_spec("gpu")["sizes"]["350m"]["preset"] == "mobilellm-350m"
+    gpu = load_spec("gpu")
+    assert gpu["data_dir"] == "wide" and gpu["sizes"]["d384"]["model"]["d_model"] == 384
+    assert gpu["compare"]["variants"] == ["dense", "stem-1/3", "stem-1/2", "stem-full"]
 
 
 def test_midtrain_stage_converts_a_llama_and_continues_both(data_dir, tmp_path, capsys):
@@ -437,3 +440,29 @@ def test_runner_refuses_a_dirty_checkout_unless_told(tmp_path, monkeypatch, data
     with pytest.raises(runner.DirtyTree):
         study.run(("compare",))
     assert not list((tmp_path / "res").glob("runs/*.json"))
+
+
+def test_gpu_spec_and_its_quick_form_are_one_study(tmp_path, data_dir):
+    """`--spec gpu --quick` is gpu.yaml's own quick section over it: same stages, variants, seeds and setting,
+    a tiny size; it runs end to end on the CPU (on the test corpus here; on the wide corpus in docs/study.md)
+    and its report sets (a) and (a′) beside the study named by compare_with."""
+    import copy
+
+    gpu, quick = load_spec("gpu"), load_spec("gpu", quick=True)
+    assert gpu["data_dir"] == quick["data_dir"] == "wide" and quick["name"] == "gpu-quick"
+    for key in ("variants", "seeds"):
+        assert gpu["compare"][key] == quick["compare"][key] and gpu["sweep"].get(key) == quick["sweep"].get(key)
+    assert gpu["optim"] == quick["optim"] == "paper" and set(quick["sizes"]) == {"d32"}
+    assert len(plan(gpu)) == len(plan(quick)) == 4 * 3 + 4 * 3
+    with pytest.raises(ConfigError, match="no 'quick' section"):
+        load_spec("full", quick=True)
+    spec = copy.deepcopy(quick)
+    spec.update(data_dir=str(data_dir), compare={**spec["compare"], "seeds": [0, 1]},
+                sweep={**spec["sweep"], "steps": 3, "lrs": [1e-2]}, budget={**spec["budget"], "steps": 4, "seq_len": 32},
+                sizes={"d32": {"preset": "debug"}}, timing={"rounds": 1, "warmup": 1, "steps": 1})
+    spec.pop("train")
+    path = tmp_path / "gq.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    assert _run(path, tmp_path, "--stages", "sweep,compare", "--skip-eval") == 0
+    report = (tmp_path / "res" / "report.md").read_text()
+    assert "### (a) and (a′) at both scales" in report and "| full | d128, 2.36M tokens per run, 3 seeds |" in report

@@ -27,7 +27,7 @@ import torch
 
 from ..version import git_dirty, git_head, untracked
 from .measures import accounting_summary, capacity_summary, curves, geometry_summary, run_probes, val_batch_losses
-from .spec import STAGES, RunSpec, plan
+from .spec import CORPORA, STAGES, RunSpec, plan
 
 Log = Callable[[str], None]
 REPO = Path(__file__).resolve().parents[2]
@@ -249,6 +249,9 @@ class Study:
         if run.data.get("tokenizer_of_init"):
             from .midtrain import corpus_for_tokenizer
             return str(corpus_for_tokenizer(Path(init), self.scratch / "data", run.convert["source"], self.log))
+        if run.data.get("dir") in CORPORA:  # a named offline corpus (stemlm data prepare --corpus NAME), built once
+            from .controls import study_corpus
+            return str(study_corpus(run.data["dir"]))
         return run.data.get("dir")
 
     def train_config(self, run: RunSpec, init: str | None, data_dir: str | None, out_dir: Path | None = None):

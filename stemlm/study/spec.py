@@ -31,12 +31,17 @@ from .runspec import STUDY_VERSION, RunSpec, slug  # noqa: F401  (re-exported: t
 
 STAGES = ("sweep", "compare", "context", "controls", "midtrain")
 SPEC_KEYS = {"name", "description", "skipped", "data_dir", "optim", "train", "sizes", "budget", "eval", "timing",
-             "stability", "probes", "keep_checkpoints", *STAGES}
+             "stability", "probes", "keep_checkpoints", "quick", "compare_with", *STAGES}
+CORPORA = ("default", "wide")  # data_dir values that name an offline corpus (stemlm data prepare --corpus)
 STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
 
 
-def load_spec(path_or_name: str | Path) -> dict:
+def load_spec(path_or_name: str | Path, quick: bool = False) -> dict:
     """A study spec from a YAML path, or by name from the repo's ``studies/`` (``quick``, ``full``, ``gpu``).
+
+    ``quick``: the spec's own ``quick`` section merged over it (one level deep: ``budget``, ``sweep``…
+    keep their other keys; ``sizes`` is replaced), named ``<name>-quick`` — the same study at a tiny size, for the
+    CPU and CI. ``data_dir`` may name an offline corpus (``CORPORA``: ``wide`` is built on first use).
 
     ``midtrain: {from: NAME}`` takes the ``midtrain`` section of another spec (a name in ``studies/``
     or a path); when that spec does not exist the stage is skipped with a note."""
@@ -51,6 +56,15 @@ def load_spec(path_or_name: str | Path) -> dict:
     if spec.get("optim") not in (None, "paper") and not isinstance(spec.get("optim"), list):
         raise ConfigError(f"study spec {path}: optim must be 'paper' or a list of optim.* overrides, got {spec['optim']!r}")
     spec.setdefault("name", path.stem)
+    small = spec.pop("quick", None)
+    if quick:
+        if not isinstance(small, dict):
+            raise ConfigError(f"study spec {path} has no 'quick' section: run `stemlm study run --quick` for the "
+                              "quick spec, or add one")
+        for key, value in small.items():
+            merge = key != "sizes" and isinstance(value, dict) and isinstance(spec.get(key), dict)
+            spec[key] = {**spec[key], **value} if merge else value
+        spec["name"] = f"{spec['name']}-quick"
     _include_midtrain(spec, path)
     _check_eval_tasks(spec, path)
     return spec
