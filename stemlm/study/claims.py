@@ -56,8 +56,10 @@ def correct(parts: list[dict]) -> list[dict]:
         if h["p"] is None or d.get("se") is None or "mean" not in d:
             continue  # no noise estimate: inconclusive whatever the level
         lo, hi = interval(Difference(**{**d, "ci": None}), h["level"])
+        stopped = h["verdict"] == "inconclusive" and h["p"] < 1 - h["level"]
         p["text"] += (f"; Holm {h['rank']} of {h['m']}, p = {h['p']:.3g}: {100 * h['level']:.1f} % interval "
-                      f"[{lo:+.3f}, {hi:+.3f}]{p.get('unit', '')}")
+                      f"[{lo:+.3f}, {hi:+.3f}]{p.get('unit', '')}"
+                      + (" (not judged: a comparison of smaller p was not significant at its level)" if stopped else ""))
     return parts
 
 
