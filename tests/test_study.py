@@ -466,3 +466,17 @@ def test_gpu_spec_and_its_quick_form_are_one_study(tmp_path, data_dir):
     assert _run(path, tmp_path, "--stages", "sweep,compare", "--skip-eval") == 0
     report = (tmp_path / "res" / "report.md").read_text()
     assert "### (a) and (a′) at both scales" in report and "| full | d128, 2.36M tokens per run, 3 seeds |" in report
+
+
+def test_the_runner_trains_what_the_sweep_resolution_asks_for(tmp_path, data_dir):
+    """With sweep.resolve the runner plans the extra sweep runs once a variant's grid is done, and its comparison
+    waits until they are: the pick is the mean over every seed of the lrs near the best."""
+    spec = load_spec(write_spec(tmp_path / "s.yaml", data_dir))
+    spec["sweep"]["resolve"] = {"seeds": [1], "within": 100.0, "extend": 1}
+    study = Study(spec, tmp_path / "res", tmp_path / "scratch", log=lambda m: None)
+    study.run(("sweep",))
+    names = {p.stem for p in (tmp_path / "res" / "runs").glob("sweep-*.json")}
+    for v in ("dense", "stem-1_3"):
+        assert {f"sweep-d64-{v}-lr0.003-seed1", f"sweep-d64-{v}-lr0.03-seed1"} <= names
+    assert all(b["seeds"] == 2 for b in study.tuned.values()) and set(study.tuned) == {"dense", "stem-1/3"}
+    assert not any(r.pending for r in study.runs if r.stage == "compare")

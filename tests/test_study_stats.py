@@ -260,3 +260,41 @@ def test_a_best_lr_at_the_grid_top_is_flagged_unless_a_worse_run_beyond_it_brack
     assert (best["a"]["lr"], best["a"]["edge"]) == (4e-3, "high")  # nothing measured above: the optimum may be there
     assert (best["b"]["lr"], best["b"]["edge"]) == (4e-3, None)    # 3e-2 did worse: bracketed
     assert (best["c"]["lr"], best["c"]["edge"]) == (4e-3, "high")  # 3e-2 did better, outside the grid: still flagged
+
+
+def test_sweep_resolution_extends_past_an_edge_and_reseeds_the_near_best():
+    """STEM-1/3's case in the full study: 2e-3 and 4e-3 a coin flip apart, the best at the grid's top."""
+    from stemlm.study.tuning import pick, resolve
+
+    sweep = {"lrs": [1e-3, 2e-3, 4e-3], "seeds": [0], "variants": ["a"],
+             "resolve": {"seeds": [1, 2], "within": 0.02, "extend": 2}}
+
+    def run(lr, seed, loss, roles=("tune",)):
+        return {"stage": "sweep", "status": "finished", "name": f"a-{lr}-{seed}", "metrics": {"final_val_loss": loss},
+                "labels": {"variant": "a", "lr": lr, "seed": seed, "roles": list(roles)}}
+    runs = [run(1e-3, 0, 5.0), run(2e-3, 0, 4.60), run(4e-3, 0, 4.59)]
+    r = resolve(runs, sweep)["a"]
+    assert not r["resolved"] and r["extra"] == [(8e-3, 0, "extend")]  # best at the top edge: try past it
+    runs.append(run(8e-3, 0, 4.70, ["extend"]))
+    r = resolve(runs, sweep)["a"]  # 4e-3 is bracketed now; 2e-3 and 4e-3 are within 0.02: two more seeds each
+    assert not r["resolved"] and set(r["extra"]) == {(8e-3, 0, "extend")} | {(lr, s, "resolve") for lr in (2e-3, 4e-3)
+                                                                              for s in (1, 2)}
+    runs += [run(2e-3, 1, 4.55), run(2e-3, 2, 4.56), run(4e-3, 1, 4.62), run(4e-3, 2, 4.63)]
+    tuned, extra = pick(runs, sweep)
+    assert tuned["a"]["lr"] == 2e-3 and tuned["a"]["edge"] is None and tuned["a"]["seeds"] == 3
+    assert tuned["a"]["loss"] == pytest.approx((4.60 + 4.55 + 4.56) / 3)
+    # the full study's STEM-1/3: a stress lr (1e-2) beats the grid's best, so it is a candidate like the grid's
+    stress = [run(1e-3, 0, 5.66), run(2e-3, 0, 5.569), run(4e-3, 0, 5.577), run(1e-2, 0, 5.530, ["stress"]),
+              run(3e-2, 0, 5.70, ["stress"])]
+    r = resolve(stress, {**sweep, "resolve": {"seeds": [1, 2], "within": 0.05}})["a"]
+    assert {lr for lr, _, role in r["extra"] if role == "resolve"} == {2e-3, 4e-3, 1e-2} and not any(
+        role == "extend" for _, _, role in r["extra"])
+    from stemlm.study import load_spec, plan
+
+    spec = load_spec("gpu", quick=True)
+    spec["sweep"] = {**spec["sweep"], "resolve": {"seeds": [1]}}
+    runs = plan(spec, {}, {"dense": [(0.2, 0, "extend"), (1e-2, 1, "resolve"), (1e-2, 0, "resolve")]})
+    names = {r.name: r for r in runs if r.stage == "sweep"}
+    assert names["sweep-d32-dense-lr0.2-seed0"].labels["roles"] == ["extend"]
+    assert names["sweep-d32-dense-lr0.01-seed0"].labels["roles"] == ["resolve", "tune"]  # the grid run, one more role
+    assert "sweep-d32-dense-lr0.01-seed1" in names

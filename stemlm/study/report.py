@@ -15,7 +15,7 @@ from .stability import DEFAULTS as SPIKE_DEFAULTS
 from .stats import RULE
 from .tables import compare_rows, context_rows, control_rows, curve_groups, load_results, midtrain_rows, stability_rows
 from .timing import load_timing
-from .tuning import best_lrs, sweep_table
+from .tuning import best_lrs, pick, sweep_table
 from ..accounting import human
 from .measures import __doc__ as MEASURES_DOC
 
@@ -116,8 +116,10 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
     if (other := (meta.get("spec") or {}).get("compare_with")) and (REPO / other / "runs").is_dir():
         lines += _two_scales(rows, meta.get("name", results_dir.name), REPO / other)
     sweep_steps = next((r["config"]["run"]["steps"] for r in runs if r["stage"] == "sweep"), None)
-    lines += sections.tuning(sweep_table(runs), best_lrs([r for r in runs if r["stage"] == "sweep"],
-                                                          settings["grid"] or None), sweep_steps)
+    sweep_runs = [r for r in runs if r["stage"] == "sweep"]
+    best = (pick(sweep_runs, settings["sweep"])[0] if settings["sweep"].get("lrs")
+            else best_lrs(sweep_runs, settings["grid"] or None))
+    lines += sections.tuning(sweep_table(runs), best, sweep_steps)
     lines += _compare(compare)
     for path in plots.loss_curves(curve_groups(runs, timing=timing), out, timed=timing is not None):
         lines += _img(path, path.stem)
@@ -143,7 +145,7 @@ def report_settings(spec: dict) -> dict:
     from .stability import spike_settings
 
     return {"spikes": spike_settings(spec) if spec else dict(SPIKE_DEFAULTS), "paper_lr": TABLE2["lr"],
-            "grid": [float(x) for x in (spec.get("sweep") or {}).get("lrs") or []]}
+            "grid": [float(x) for x in (spec.get("sweep") or {}).get("lrs") or []], "sweep": spec.get("sweep") or {}}
 
 
 def _dynamics(runs: list[dict], out: Path) -> list[str]:

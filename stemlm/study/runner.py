@@ -97,17 +97,18 @@ class Study:
         self.replan()
 
     def replan(self) -> None:
-        """Plan again with the lrs the finished sweep runs pick (``tuning.best_lrs``)."""
-        from .tuning import best_lrs
+        """Plan again with the lrs the finished sweep runs pick, and the extra sweep runs the sweep's
+        resolution asks for (``tuning.pick``)."""
+        from .tuning import pick
 
+        results = [res for r in self.runs if r.stage == "sweep" and (res := self.result(r)) is not None]
+        self.tuned, extra = pick(results, self.spec.get("sweep") or {}) if self.spec.get("sweep") else ({}, {})
+        self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()}, extra)
         runs = [r for r in self.runs if r.stage == "sweep"]
-        results = {r.name: self.result(r) for r in runs}
-        grid = [float(x) for x in (self.spec.get("sweep") or {}).get("lrs") or []]
-        # a variant is tuned once every run of its grid has finished (a partial sweep picks nothing)
-        unfinished = {r.labels["variant"] for r in runs if "tune" in r.labels["roles"] and results[r.name] is None}
-        done = [res for res in results.values() if res is not None and res["labels"]["variant"] not in unfinished]
-        self.tuned = best_lrs(done, grid) if done else {}
-        self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()})
+        if len(runs) > len(results):  # the extra runs just planned may have results already: pick again
+            results = [res for r in runs if (res := self.result(r)) is not None]
+            self.tuned, extra = pick(results, self.spec.get("sweep") or {})
+            self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()}, extra)
         self.by_name = {r.name: r for r in self.runs}
 
     # -- paths ------------------------------------------------------------------------------

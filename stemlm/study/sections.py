@@ -29,7 +29,8 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
              f"Every variant at every peak lr of the grid, the same seeds{f', {steps} steps' if steps else ''}, the same "
              "optimizer setting; the best lr of each variant (lowest mean final validation loss; bold) is the one its "
              "comparison runs use. ◂ / ▸: the best lr is the grid's smallest / largest and no worse run lies beyond it (the optimum may lie outside). "
-             "Cells without a tuning role are the stability stage's extra lrs.", ""]
+             "Cells without a tuning role are the stability stage's extra lrs. With `sweep.resolve`, lrs past an edge are "
+             "tried and the lrs near the best get more seeds (n = seeds averaged).", ""]
     body = []
     for variant, cells in sweep.items():
         b = best.get(variant, {})
@@ -40,6 +41,7 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
                 row.append("")
                 continue
             text = "diverged" if math.isinf(c["loss"]) else f"{c['loss']:.3f}"
+            text += f" (n={len(c['losses'])})" if len(c["losses"]) > 1 else ""
             text = f"**{text}**" if b.get("lr") == lr else text
             tuned_on = lr in b["grid"] if b.get("grid") else "tune" in c["roles"]  # the spec's grid decides, not the run's label
             row.append(text + ("" if tuned_on else " (stress)"))

@@ -111,15 +111,16 @@ def _check_eval_tasks(spec: dict, path: Path) -> None:
             raise ConfigError(f"study spec {path}: unknown eval.{key} {unknown} (`stemlm eval --help` lists the tasks)")
 
 
-def plan(spec: dict, tuned: dict[str, float] | None = None) -> list[RunSpec]:
+def plan(spec: dict, tuned: dict[str, float] | None = None, extra: dict[str, list] | None = None) -> list[RunSpec]:
     """Every run of ``spec`` in execution order (parents first), with ``spec_hash`` filled in.
 
     ``tuned``: ``{variant: lr}`` picked by the sweep (``tuning.best_lrs``); runs that need a tuned lr
-    it does not hold come back with ``pending`` set and no hash."""
+    it does not hold come back with ``pending`` set and no hash. ``extra``: ``{variant: [(lr, seed, role)]}``,
+    sweep runs beyond the grid that the sweep's resolution asks for (``tuning.resolve``)."""
     from . import stages
 
     runs: list[RunSpec] = []
-    runs += stages.sweep_runs(spec)
+    runs += stages.sweep_runs(spec, extra or {})
     runs += stages.compare_runs(spec, tuned or {})
     runs += stages.context_runs(spec, runs)
     runs += stages.control_runs(spec, runs)
