@@ -425,6 +425,11 @@ def test_runner_refuses_a_dirty_checkout_unless_told(tmp_path, monkeypatch, data
     git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a")
     runner.check_clean(repo)  # clean: nothing raised
     (repo / "results.json").write_text("{}")  # untracked results are not code
+    (repo / "results" / "runs").mkdir(parents=True)
+    (repo / "results" / "runs" / "a.json").write_text("{}")
+    git("add", "-A")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "r")
+    (repo / "results" / "runs" / "a.json").write_text('{"rerun": 1}')  # a study rewriting its own result
     runner.check_clean(repo)
     (repo / "stemlm" / "b.py").write_text("y = 2\n")
     with pytest.raises(runner.DirtyTree, match=r"untracked files \(stemlm/b.py\).*--allow-dirty"):

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..version import git_dirty, git_head, untracked
+from ..version import code_dirty, git_head, untracked
 from .measures import accounting_summary, capacity_summary, curves, geometry_summary, run_probes, val_batch_losses
 from .spec import CORPORA, STAGES, RunSpec, plan
 
@@ -64,21 +64,22 @@ def allow_dirty_from_env() -> bool:
 
 
 def check_clean(repo: Path) -> None:
-    """Raise ``DirtyTree`` when the checkout holding ``repo`` has changed tracked files or untracked files
-    in ``SOURCE_DIRS``; outside a git checkout there is nothing to check."""
+    """Raise ``DirtyTree`` when the checkout holding ``repo`` has changed tracked files (results folders
+    aside: a study rewrites its own result JSON) or untracked files in ``SOURCE_DIRS``; outside a git
+    checkout there is nothing to check."""
     head = git_head(repo)
     if head is None:
         return
-    new = untracked(repo, *SOURCE_DIRS)
-    if git_dirty(repo) or new:
-        what = "changes to tracked files" if git_dirty(repo) else f"untracked files ({', '.join(new[:3])})"
+    new, changed = untracked(repo, *SOURCE_DIRS), code_dirty(repo)
+    if changed or new:
+        what = "changes to tracked files" if changed else f"untracked files ({', '.join(new[:3])})"
         raise DirtyTree(f"the checkout at {head[:10]} has {what}: commit them so that each run's recorded commit "
                         "reproduces it, or pass --allow-dirty (the runs then record git_dirty: true)")
 
 
 def provenance() -> dict:
     """Git commit (and whether the tree had changes), library versions and the machine."""
-    return {"git_commit": git_head(REPO), "git_dirty": git_dirty(REPO),
+    return {"git_commit": git_head(REPO), "git_dirty": code_dirty(REPO) or bool(untracked(REPO, *SOURCE_DIRS)),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "python": platform.python_version()}
 
