@@ -485,3 +485,13 @@ def test_the_runner_trains_what_the_sweep_resolution_asks_for(tmp_path, data_dir
         assert {f"sweep-d64-{v}-lr0.003-seed1", f"sweep-d64-{v}-lr0.03-seed1"} <= names
     assert all(b["seeds"] == 2 for b in study.tuned.values()) and set(study.tuned) == {"dense", "stem-1/3"}
     assert not any(r.pending for r in study.runs if r.stage == "compare")
+
+
+def test_cli_quick_with_a_spec_plans_that_specs_quick_section(capsys, tmp_path):
+    """`stemlm study plan --spec gpu --quick` plans gpu.yaml's quick section; `--quick` alone is the quick spec."""
+    assert main(["study", "plan", "--spec", "gpu", "--quick", "--results", str(tmp_path / "r"),
+                 "--scratch", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "sweep-d32-dense-lr0.01-seed0" in out and "d384" not in out
+    assert main(["study", "plan", "--quick", "--results", str(tmp_path / "q"), "--scratch", str(tmp_path / "s")]) == 0
+    assert "hash_moe" in capsys.readouterr().out  # the quick spec, not gpu's
