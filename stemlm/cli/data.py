@@ -3,6 +3,7 @@ show what a prepared data dir holds.
 
 examples:
   stemlm data prepare                          # default corpus into $STEMLM_CACHE/data/default-v1
+  stemlm data prepare --corpus wide            # the wide corpus (~10x the text) into $STEMLM_CACHE/data/wide-v1
   stemlm data prepare --vocab-size 8192 --out runs/data8k
   stemlm data prepare --data notes/ more.jsonl --out runs/mydata
   stemlm data info
@@ -21,7 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", required=True, metavar="{prepare,info}")
     prep = sub.add_parser("prepare", help="build a data dir (tokenizer, token files, facts)",
                           description="Build a data dir: tokenizer.json, train/val token files, meta.json, facts.")
-    prep.add_argument("--out", type=Path, default=None, help="output dir (default: $STEMLM_CACHE/data/default-v1)")
+    prep.add_argument("--corpus", choices=("default", "wide"), default="default",
+                      help="which offline corpus: default (BoolQ's Wikipedia passages + country facts, 2.4M tokens) or "
+                           "wide (also QuAC, NarrativeQA, Python and Linux docs, GCIDE, State of the Union; see "
+                           "docs/data.md); default: default")
+    prep.add_argument("--out", type=Path, default=None,
+                      help="output dir (default: $STEMLM_CACHE/data/default-v1, or wide-v1 with --corpus wide)")
     prep.add_argument("--vocab-size", type=positive_int, default=4096, help="BPE vocabulary size to train (default 4096)")
     prep.add_argument("--data", type=Path, nargs="+", default=None, metavar="PATH",
                       help="your own text instead of the default corpus: .txt/.md files, directories, .jsonl ('text')")
@@ -44,7 +50,15 @@ def run(args: argparse.Namespace) -> int:
     from stemlm.data import corpus
 
     if args.action == "prepare":
-        if args.data:
+        if args.data and args.corpus != "default":
+            raise ValueError("--data builds a corpus from your files; it does not combine with --corpus")
+        if args.corpus == "wide":
+            from stemlm.data.wide import prepare_wide_corpus
+
+            out = prepare_wide_corpus(args.out, vocab_size=args.vocab_size, force=args.force, progress=not args.quiet,
+                                      fact_repeats=args.fact_repeats, val_fraction=args.val_fraction, seed=args.seed,
+                                      tokenizer=args.tokenizer, entity_tokens=not args.no_entity_tokens)
+        elif args.data:
             if args.out is None:
                 raise ValueError("--data needs --out DIR (the default dir is reserved for the default corpus)")
             out = corpus.prepare_corpus(args.data, args.out, vocab_size=args.vocab_size, tokenizer=args.tokenizer,

@@ -11,7 +11,8 @@ examples:
   stemlm study run --quick                       # the whole pipeline at tiny sizes (<= 10 min on 2 cores)
   stemlm study run --spec full                   # the full study (~3 h on 2 quiet cores, see docs/study.md)
   stemlm study run --spec full --stages sweep,compare
-  stemlm study run --spec gpu                    # the comparison at the 350M shape on one GPU (<= 10 min)
+  stemlm study run --spec gpu                    # the second scale: d384 on one epoch of the wide corpus, one GPU
+  stemlm study run --spec gpu --quick            # the same spec at a tiny size on the CPU
   stemlm study plan --spec full                  # the runs, their hashes, done or not, and the time estimate
   stemlm study report results/study/full         # report.md + PNGs from the JSON alone
 """
@@ -29,9 +30,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, text in (("run", "train (or resume) the selected stages, evaluate, write the report"),
                        ("plan", "list the runs of a spec and whether each is finished")):
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--spec", default="full", help="study spec: a YAML file, or a name in studies/ (quick, full, gpu); "
-                                                      "default: full")
-        p.add_argument("--quick", action="store_true", help="the 'quick' spec (same as --spec quick)")
+        p.add_argument("--spec", default=None, help="study spec: a YAML file, or a name in studies/ (quick, full, gpu); "
+                                                    "default: full")
+        p.add_argument("--quick", action="store_true",
+                       help="alone: the 'quick' spec (same as --spec quick); with --spec: that spec's own quick section "
+                            "(the same study at a tiny size, e.g. --spec gpu --quick on the CPU)")
         p.add_argument("--results", default=None, help="results dir (default: results/study/<spec name>)")
         p.add_argument("--scratch", default=None, help="run dirs and checkpoints (default: runs/study/<spec name>)")
         if name == "run":
@@ -41,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 "step time side by side)")
             p.add_argument("--skip-eval", action="store_true", help="skip the eval stage (`stemlm eval` on each checkpoint)")
             p.add_argument("--no-report", action="store_true", help="do not write the report at the end")
+            p.add_argument("--allow-dirty", action="store_true",
+                           help="train even when the checkout has uncommitted changes (refused by default: a run's "
+                                "recorded git commit must reproduce it; such runs record git_dirty: true; "
+                                "STEMLM_ALLOW_DIRTY=1 does the same)")
             p.add_argument("--jobs", type=int, default=1,
                            help="train in this many processes at once, cores // JOBS threads each (default 1; "
                                 "separately started `study run` processes on the same dirs also share the work)")
@@ -57,7 +64,8 @@ def run(args) -> int:
     if args.action == "report":
         print(f"wrote {write_report(args.results_dir, args.out)}")
         return 0
-    spec = load_spec("quick" if args.quick else args.spec)
+    spec = load_spec(args.spec, quick=True) if args.quick and args.spec else load_spec(
+        "quick" if args.quick else args.spec or "full")
     results, scratch = default_dirs(spec)
     results, scratch = args.results or results, args.scratch or scratch
     if args.action == "plan":
@@ -84,10 +92,13 @@ def run(args) -> int:
     if args.jobs > 1 and (train := [s for s in stages if s in STAGES]):
         from ..study.workers import run_workers
 
-        run_workers(["study", "run", "--spec", "quick" if args.quick else args.spec, "--results", str(results),
-                     "--scratch", str(scratch), "--stages", ",".join(train), "--no-report"], args.jobs, log)
+        run_workers(["study", "run", "--spec", args.spec or ("quick" if args.quick else "full"),
+                     *(["--quick"] if args.quick and args.spec else []), "--results", str(results),
+                     "--scratch", str(scratch), "--stages", ",".join(train), "--no-report",
+                     *(["--allow-dirty"] if args.allow_dirty else [])], args.jobs, log)
         stages = tuple(s for s in stages if s not in STAGES)  # timing, eval and the report: here, on every core
-    out = run_study(spec, results, scratch, stages, args.skip_eval, not args.no_report, log)
+    out = run_study(spec, results, scratch, stages, args.skip_eval, not args.no_report, log,
+                    True if args.allow_dirty else None)
     c = out["runs"]
     trained = (f"runs trained by {args.jobs} workers (their lines above)" if stages != parse_stages(args.stages) else
                f"{c['trained']} runs trained ({c['diverged']} diverged), {c['skipped']} skipped"

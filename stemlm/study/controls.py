@@ -21,10 +21,14 @@ PASSKEY_DOCS = 12000
 
 
 def study_corpus(data_dir: str | None) -> Path:
-    """The study's corpus (the default corpus when the spec names none), built on first use."""
+    """The study's corpus: a data dir, or a named offline corpus (``default`` when the spec names none, or
+    ``wide``), built on first use."""
     from ..data import prepare_default_corpus
 
-    return Path(data_dir) if data_dir else prepare_default_corpus(progress=False)
+    if data_dir == "wide":
+        from ..data.wide import prepare_wide_corpus
+        return prepare_wide_corpus(progress=False)
+    return Path(data_dir) if data_dir and data_dir != "default" else prepare_default_corpus(progress=False)
 
 
 def control_corpus(data: dict, data_dir: str | None, root: Path, log: Callable[[str], None] = print) -> Path:

@@ -1,8 +1,11 @@
 """The comparisons behind each claim, from a study's result JSON: ``(parts, notes)`` per claim.
 
-A part is one judged comparison ``{"label", "text", "verdict", "difference"}`` (``stats``); a note is
-context that is not judged (an accuracy at chance, a failed positive control, a comparison that
-only describes). ``settings``: ``{"spikes": stability settings, "paper_lr": lr}`` (the report takes
+A part is one judged comparison ``{"label", "text", "verdict", "difference", "p"}`` (``stats``); its
+noise comes from seeds only (``SEED_KINDS``: a difference over the validation batches or probe items
+of one model is refused, ``PseudoReplication``). A part's verdict is before the correction across
+the claim's parts (``claims``), except ``probe blind`` (its probe failed its positive control:
+nothing is drawn from it). A note is context that is not judged (an accuracy at chance, a
+comparison that only describes). ``settings``: ``{"spikes": stability settings, "paper_lr": lr}`` (the report takes
 them from the study's spec).
 """
 
@@ -14,9 +17,9 @@ from .dynamics import gap_curves, gap_trend, val_curves
 from .measures import loss_roi
 from .paper import TABLE2
 from .probes import knowledge_score, needle_score, probe_of
-from .stability import DEFAULTS as SPIKE_DEFAULTS, run_stability
-from .stats import (Difference, difference, fit_line, one_sample, seeds_needed, sign_test, smallest_significant_split,
-                    verdict)
+from .stability import DEFAULTS as SPIKE_DEFAULTS, paired_spikes, run_stability
+from .stats import (Difference, difference, fit_line, one_sample, p_value, seeds_needed, sign_test,
+                    smallest_significant_split, verdict)
 
 PLACEMENTS = ("stem-1/3", "stem-1/2", "stem-full")
 STEM, MOE, GATE = "stem-1/3", "hash_moe-1/3", "stem_gate-1/3"
@@ -39,12 +42,23 @@ def _first(runs: list[dict], stage: str, **labels) -> dict | None:
     return next((r for r in runs if r["stage"] == stage and all(r["labels"].get(k) == v for k, v in labels.items())), None)
 
 
+SEED_KINDS = ("paired", "welch", "single")  # paired or unpaired by seed; one value (no noise estimate)
+BLIND = "probe blind"
+
+
+class PseudoReplication(ValueError):
+    """A difference whose replicates are not seeds (batches or items of one model) offered as a verdict."""
+
+
 def _part(label: str, d: Difference, sign: int, unit: str = "", extra: str = "") -> dict:
+    if d.kind not in SEED_KINDS:
+        raise PseudoReplication(f"{label}: a verdict needs seeds as replicates, got {d.kind!r} (pseudo-replication)")
     v = verdict(d, sign)
     need = seeds_needed(d) if v == "inconclusive" and d.kind == "paired" else None
     if need is not None:
         extra += f"; ~{need if need <= 100 else '> 100'} seeds would detect a difference this size"
-    return {"label": label, "text": d.text(unit) + extra, "verdict": v, "difference": d.to_dict()}
+    return {"label": label, "text": d.text(unit) + extra, "verdict": v, "difference": d.to_dict(), "p": p_value(d),
+            "unit": unit}
 
 
 def _common(a: dict, b: dict) -> tuple[dict, dict]:
@@ -74,7 +88,7 @@ def roi_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list
             d = one_sample([x - 1 for x in rois])
             roi = (f"loss ROI {1 + d.mean:.2f} [{1 + d.ci[0]:.2f}, {1 + d.ci[1]:.2f}], MDE {d.mde:.2g} (n={d.n} {d.kind})"
                    if d.ci else f"loss ROI {1 + d.mean:.2f} (n={d.n}, no noise estimate)")
-            part = _part(f"{size} {p.split('-')[1]}", d, +1)
+            part = {**_part(f"{size} {p.split('-')[1]}", d, +1), "unit": " (loss ROI − 1)"}
             need = part["text"].partition("; ~")[2]
             part["text"] = (f"{roi}; Δ loss {difference(lp, ld).text(' nats')}; FLOP ratio {fd / fp:.3f}"
                             + (f"; ~{need}" if need else ""))
@@ -159,34 +173,46 @@ def knowledge_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list
         part = _part(f"{size} slope", one_sample(slopes), +1, " nats per unit STEM fraction",
                      f"; seen − unseen contrast (nats): training templates {means}; held-out template {hmeans}")
         if ok is not True:
-            part["verdict"] = "inconclusive"
+            part["verdict"] = BLIND
         parts.append(part)
     return parts, notes
 
 
 def stability_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
-    """(c): robust spike counts of STEM-1/3 and Hash-MoE-1/3 at the paper's lr and above."""
+    """(c): spikes of every comparison run against dense's run of the same seed (same batches, so the data's
+    own bumps cancel: ``stability.paired_spikes``), STEM-1/3 against Hash-MoE-1/3 by an exact sign test;
+    the sweep's runs at the paper's lr and above are described by their status (not judged: one seed)."""
     paper_lr = settings.get("paper_lr", TABLE2["lr"])
     st = {**SPIKE_DEFAULTS, **(settings.get("spikes") or {})}
-    table: dict = defaultdict(dict)
+    compare = {(r["labels"]["size"], r["labels"]["variant"], r["labels"]["seed"]): r for r in runs
+               if r["stage"] == "compare" and r["status"] in ("finished", "diverged")}
+    count: dict = defaultdict(lambda: defaultdict(int))
+    for (size, variant, seed), r in compare.items():
+        if variant != "dense" and (dense := compare.get((size, "dense", seed))) is not None:
+            count[size][variant] += len(paired_spikes(r, dense, st))
+    parts, notes = [], []
+    for size, counts in count.items():
+        if STEM not in counts or MOE not in counts:
+            continue
+        k, n = counts[STEM], counts[STEM] + counts[MOE]
+        p = sign_test(k, n)
+        split = smallest_significant_split(n)
+        v = ("holds" if k < n - k else "contradicted") if p < 0.05 else "untestable" if split is None else "inconclusive"
+        power = (f"at n = {n} a split of ≤ {split} : {n - split} is significant" if split is not None
+                 else f"no split of {n} spikes could be significant (≥ 6 are needed)")
+        seeds = len({s for (z, v_, s) in compare if z == size and v_ == STEM})
+        text = (f"spikes over the {seeds} seeds' comparison runs, each against dense's run of its seed: "
+                + ", ".join(f"{x} {c}" for x, c in sorted(counts.items())) + f"; sign test p = {p:.3g} ({power})")
+        parts.append({"label": f"{size} STEM-1/3 vs Hash-MoE-1/3", "text": text, "verdict": v,
+                      "difference": {"k": k, "n": n, "p": p}, "p": p if split is not None else None})
+    by_variant: dict = defaultdict(list)
     for r in runs:  # "stability": results of STUDY_VERSION 1, whose stress sweep was a stage of its own
         if r["stage"] in ("sweep", "stability") and r["labels"]["lr"] >= paper_lr * (1 - 1e-9):
-            table[r["labels"]["variant"]][r["labels"]["lr"]] = run_stability(r, st)
-    if STEM not in table or MOE not in table:
-        return [], []
-    lrs = sorted(set(table[STEM]) & set(table[MOE]))
-    count = {v: sum(len(table[v][lr]["spikes"]) for lr in lrs) for v in (STEM, MOE, "dense") if v in table}
-    states = {v: ", ".join(f"{lr:g} {table[v][lr]['status']}" for lr in lrs if lr in table[v]) for v in count}
-    k, n = count[STEM], count[STEM] + count[MOE]
-    p = sign_test(k, n)
-    split = smallest_significant_split(n)
-    v = ("holds" if k < n - k else "contradicted") if p < 0.05 else "inconclusive"
-    power = (f"at n = {n} a split of ≤ {split} : {n - split} is significant" if split is not None
-             else f"no split of {n} spikes could be significant (≥ 6 are needed)")
-    text = (f"spikes at lr {', '.join(f'{x:g}' for x in lrs)}: " + ", ".join(f"{x} {c}" for x, c in count.items())
-            + f"; sign test p = {p:.3g} ({power})")
-    notes = [f"{x}: {s}" for x, s in states.items()]
-    return [{"label": "STEM-1/3 vs Hash-MoE-1/3", "text": text, "verdict": v, "difference": {"k": k, "n": n, "p": p}}], notes
+            s_ = run_stability(r, st)
+            by_variant[r["labels"]["variant"]].append(f"{r['labels']['lr']:g} {s_['status']}"
+                                                      + (" (exploded, recovered)" if "recovered" in s_["why"] else ""))
+    notes += [f"sweep, 1 seed, not judged — {v}: {', '.join(xs)}" for v, xs in sorted(by_variant.items())]
+    return parts, notes
 
 
 def _needle_diff(probe: dict) -> Difference:
@@ -211,9 +237,13 @@ def needle_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, l
                  + (f"; loss in the window's last quarter, STEM − dense {difference(qa, qb).text(' nats')}" if qa else ""))
         part = _part(f"{size} needle gain, STEM − dense", difference(a, b), +1, " nats", extra)
         if ok is not True:
-            part["verdict"] = "inconclusive"
+            part["verdict"] = BLIND
         parts.append(part)
-    return parts, [control] if parts else []
+    notes = [control] if parts else []
+    if parts and gains:
+        notes.append("the needle gain rewards repeating the key's tokens as much as retrieving its value: the untreated "
+                     "models gain more than the positive control, so a gain is not a retrieval")
+    return parts, notes
 
 
 def _last_quarter(r: dict) -> float | None:
@@ -236,31 +266,36 @@ def midtrain_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
             continue
         lab = next(iter(rs.values()))["labels"]
         a, b = _common({s: _final(r) for s, r in rs.items()}, {s: _final(r) for s, r in arms[dense].items()})
-        if len(a) >= 2:
-            d = difference(a, b)
-        else:
-            s = next(iter(a))
-            va, vb = rs[s].get("val_batches") or [], arms[dense][s].get("val_batches") or []
-            d = difference(dict(enumerate(va)), dict(enumerate(vb))) if va and len(va) == len(vb) else difference(a, b)
-            d.kind = "paired by validation batch; 1 seed" if d.ci else d.kind
+        d = difference(a, b)  # one seed: no noise estimate, inconclusive (its validation batches are not seeds)
         tags = [lab["ffn"]] if lab.get("ffn") else []
         tags += [f"{k} {lab[k]}" for k in ("init", "anneal") if lab.get(k)]
         label = f"{arm} ({', '.join(tags)})" if tags else arm
-        parts.append(_part(label, d, -1, " nats", f"; start {rs[next(iter(a))]['metrics']['val_loss_init']:.3f} vs "
-                                                   f"{arms[dense][next(iter(a))]['metrics']['val_loss_init']:.3f}"))
+        s0 = next(iter(a))
+        tokens = rs[s0]["metrics"].get("tokens_seen")
+        parts.append(_part(label, d, -1, " nats", f"; start {rs[s0]['metrics']['val_loss_init']:.3f} vs "
+                                                  f"{arms[dense][s0]['metrics']['val_loss_init']:.3f}"
+                                                  + (f"; after {tokens:,} tokens" if tokens else "")))
     return parts, notes
 
 
+ABLATIONS = (  # (variant, reference, predicted sign of variant − reference in loss, label): Table 3's ordering
+    (STEM, GATE, -1, "STEM-1/3 − gate"),
+    (GATE, "dense", +1, "gate − dense"),
+    ("stem_dagger-1/3", STEM, +1, "STEM† − STEM-1/3"),
+    (MOE, STEM, +1, "Hash-MoE − STEM-1/3"),
+)
+
+
 def ablation_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
-    """Ablations: STEM-1/3 against the gate ablation (judged); STEM†, Hash-MoE, dense-wide and stemlm's
-    table setting against STEM-1/3 (described)."""
+    """Ablations, each judged: STEM-1/3 below the gate ablation, the gate ablation above dense (§4.4.2), STEM†
+    and Hash-MoE above STEM-1/3 (final validation loss, per seed); other variants against STEM-1/3 described."""
     parts, notes = [], []
     for size, variants in by_seed(runs, "compare", _final).items():
-        if STEM not in variants:
-            continue
-        if GATE in variants:
-            parts.append(_part(f"{size} STEM-1/3 − gate", difference(*_common(variants[STEM], variants[GATE])), -1, " nats"))
-        for other in sorted(v for v in variants if v not in (STEM, GATE, "dense", *PLACEMENTS)):
+        for a, b, sign, label in ABLATIONS:
+            if a in variants and b in variants:
+                parts.append(_part(f"{size} {label}", difference(*_common(variants[a], variants[b])), sign, " nats"))
+        judged = {STEM, GATE, "dense", "stem_dagger-1/3", MOE, *PLACEMENTS}
+        for other in sorted(v for v in variants if v not in judged and STEM in variants):
             d = difference(*_common(variants[other], variants[STEM]))
-            notes.append(f"{size} {other} − STEM-1/3: {d.text(' nats')}")
+            notes.append(f"{size} {other} − STEM-1/3 (described): {d.text(' nats')}")
     return parts, notes

@@ -9,7 +9,9 @@ figure or section it is printed in. Sources:
 * the official README (github.com/Infini-AI-Lab/STEM): the 350M and 1B pretraining tables and the
   mid-training table, with per-task accuracies.
 
-Nothing here is recalled from memory; a number that neither source prints is not quoted. Numbers
+Nothing here is recalled from memory; a number that neither source prints is not quoted. Four phrases
+of the paper's text (``TEXT``: §4.1, §4.3, §4.4.2) are quoted as an outside audit of the study
+(issue #34) quoted them; they mark where the paper is read with care (``CAVEATS``). Numbers
 that the report computes with are kept as data (``TABLE3``, ``TABLE2``), and a test checks that
 the published ROIs follow from them.
 """
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 README = "official README (github.com/Infini-AI-Lab/STEM)"
 
+TABLE3_TOKENS = 100e9  # Table 3's 350M models: "100B tokens"
 # Table 3, 350M, 100B tokens: average accuracy over the eight tasks and GFLOPs per token.
 TABLE3 = {
     "dense": {"avg_acc": 49.72, "gflops": 0.74},
@@ -35,13 +38,32 @@ TABLE3_ABLATIONS = {
 }
 # Table 2: the 350M training setting, one lr and one weight decay for every parameter.
 TABLE2 = {"lr": 2e-3, "weight_decay": 0.1, "betas": (0.9, 0.95), "warmup_ratio": 0.01, "min_lr_ratio": 0.1}
-# Official README, "350M model with 100B training tokens" (dense, STEM 1/3, 1/2, all layers). The ARC
-# values below sit under the column headed ``arc_easy``; the column headed ``arc_challenge`` reads
-# 57.66-63.01, ARC-Easy's range: the two headers are swapped, and these are ARC-Challenge's.
+# ARC-Challenge and OBQA of the 350M placements (dense, STEM 1/3, 1/2, all layers): printed in the paper's
+# Table 3, and in the official README's "350M model with 100B training tokens" table, where the ARC values
+# stand under the column headed ``arc_easy`` (the README's two ARC headers are swapped).
 README_350M = {"arc_challenge": (30.55, 32.68, 40.00, 39.61), "obqa": (34.80, 33.00, 46.68, 44.53),
                "average": (49.72, 50.90, 54.20, 53.43)}
 README_1B = {"dense": 55.82, "stem": 56.63}  # "1B models with 1T training tokens", average accuracy
 README_MIDTRAIN = {"average": (57.50, 58.49), "gsm8k": (44.2, 46.4), "mmlu": (29.92, 32.38)}  # dense, STEM
+
+
+# Phrases of the paper's text, as quoted by the audit of issue #34 (section: words).
+TEXT = {
+    "warmup": ("§4.1", "10 % warmup"),
+    "midtrain": ("§4.3", "continues to outperform"),
+    "gate": ("§4.4.2", "underperforms even the dense baseline"),
+}
+CAVEATS = {
+    "stability": f"the paper states its warm-up twice: Table 2 gives a ratio of {TABLE2['warmup_ratio']:g}, "
+                 f"{TEXT['warmup'][0]} says \"{TEXT['warmup'][1]}\"; the study uses Table 2's",
+    "midtrain": f"{TEXT['midtrain'][0]} says STEM \"{TEXT['midtrain'][1]}\" at mid-training, which reads like a STEM "
+                "model pretrained as STEM and mid-trained further, not a dense model with STEM inserted: Table 4 may "
+                "not be an insertion result at all",
+    "dynamics": "Fig. 3a is a crossover from behind (STEM starts behind dense and pulls ahead); at d128 STEM leads "
+                "from the first evaluation, so what is tested here is only whether the lead grows",
+    "ablation": f"{TEXT['gate'][0]}: the gate ablation \"{TEXT['gate'][1]}\"; Table 3's averages agree (gate-proj "
+                f"{TABLE3_ABLATIONS['stem_gate-1/3']['avg_acc']:.2f} vs dense {TABLE3['dense']['avg_acc']:.2f})",
+}
 
 
 @dataclass(frozen=True)
@@ -76,7 +98,7 @@ QUOTES: dict[str, Quote] = {
         "(b) more STEM layers, more knowledge",
         "350M: ARC-Challenge " + " → ".join(f"{x:.2f}" for x in README_350M["arc_challenge"]) + ", OBQA "
         + " → ".join(f"{x:.2f}" for x in README_350M["obqa"]) + " (dense, 1/3, 1/2, all layers)",
-        f"{README}, 350M table; its ARC-Challenge values stand under the column headed arc_easy"),
+        f"Table 3; also the {README} 350M table, whose ARC headers are swapped"),
     "stability": Quote(
         "(c) STEM trains stably where Hash-layer MoE spikes",
         f"loss curves: Hash-layer MoE shows loss spikes, STEM and dense stay smooth (qualitative); trained at peak lr "
@@ -94,11 +116,13 @@ QUOTES: dict[str, Quote] = {
         f"{README_MIDTRAIN['mmlu'][1]:.2f} (dense continued → STEM)",
         f"Table 4; {README}, mid-training table"),
     "ablation": Quote(
-        "ablations: the table replaces the up-projection, not the gate",
+        "ablations: the table replaces the up-projection, not the gate; gate-proj below dense; STEM† and Hash-MoE "
+        "below STEM",
         "350M average accuracy (ROI): " + ", ".join(f"{a['label']} {a['avg_acc']:.2f} ({a['roi']:.2f}×)"
                                                     for a in TABLE3_ABLATIONS.values())
-        + f" vs STEM-1/3 {TABLE3['stem-1/3']['avg_acc']:.2f} ({TABLE3['stem-1/3']['roi']:.2f}×)",
-        "Table 3"),
+        + f" vs STEM-1/3 {TABLE3['stem-1/3']['avg_acc']:.2f} ({TABLE3['stem-1/3']['roi']:.2f}×) and dense "
+        f"{TABLE3['dense']['avg_acc']:.2f}; gate-proj \"{TEXT['gate'][1]}\"",
+        f"Table 3; {TEXT['gate'][0]}"),
 }
 
 

@@ -28,9 +28,11 @@ def parse_stages(text: str | None) -> tuple[str, ...]:
 
 
 def run_study(spec: dict, results_dir: str | Path, scratch_dir: str | Path, stages: tuple[str, ...] = ALL_STAGES,
-              skip_eval: bool = False, report: bool = True, log: Callable[[str], None] = print) -> dict:
+              skip_eval: bool = False, report: bool = True, log: Callable[[str], None] = print,
+              allow_dirty: bool | None = None) -> dict:
     """Run the selected stages of ``spec`` (finished runs are skipped), evaluate, write the report.
 
+    ``allow_dirty``: train from a checkout with uncommitted changes (None: ``STEMLM_ALLOW_DIRTY``).
     Returns ``{"runs": counts, "eval": counts or None, "report": path or None, "seconds": wall time}``.
     """
     from .evalstage import run_evals
@@ -39,7 +41,7 @@ def run_study(spec: dict, results_dir: str | Path, scratch_dir: str | Path, stag
     from .timing import run_timing
 
     t0 = time.perf_counter()
-    study = Study(spec, results_dir, scratch_dir, log)
+    study = Study(spec, results_dir, scratch_dir, log, allow_dirty)
     counts = study.run(tuple(s for s in stages if s in STAGES))
     if "timing" in stages:
         run_timing(study, log)

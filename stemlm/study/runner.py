@@ -1,5 +1,10 @@
 """Executing a study: every run through the trainer's library API, one result JSON per run.
 
+A run trains only from a clean checkout (``check_clean``): no change to tracked files and no
+untracked file in the code or the study specs, so that its recorded ``git_commit`` reproduces it.
+``allow_dirty`` (``stemlm study run --allow-dirty``, or ``STEMLM_ALLOW_DIRTY=1`` as the test suite
+sets) trains anyway and records ``git_dirty: true``.
+
 Resumable at two levels: a run whose result JSON exists with the same ``spec_hash`` is skipped;
 a run that was stopped mid-way continues from its newest checkpoint (its run directory, named
 after the spec hash, lives in the scratch dir). A run that diverges (the trainer stops on a
@@ -20,9 +25,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..version import git_dirty, git_head
+from ..version import code_dirty, git_head, untracked
 from .measures import accounting_summary, capacity_summary, curves, geometry_summary, run_probes, val_batch_losses
-from .spec import STAGES, RunSpec, plan
+from .spec import CORPORA, STAGES, RunSpec, plan
 
 Log = Callable[[str], None]
 REPO = Path(__file__).resolve().parents[2]
@@ -46,9 +51,35 @@ def read_json(path: Path) -> dict | None:
         return None
 
 
+SOURCE_DIRS = ("stemlm", "studies", "benchmarks")  # untracked files here change what a run does
+
+
+class DirtyTree(RuntimeError):
+    """The checkout has uncommitted changes, so a run's recorded commit would not reproduce it."""
+
+
+def allow_dirty_from_env() -> bool:
+    """Whether ``STEMLM_ALLOW_DIRTY`` asks to train from a dirty checkout (``1``, ``true``, ``yes``)."""
+    return os.environ.get("STEMLM_ALLOW_DIRTY", "").strip().lower() in ("1", "true", "yes")
+
+
+def check_clean(repo: Path) -> None:
+    """Raise ``DirtyTree`` when the checkout holding ``repo`` has changed tracked files (results folders
+    aside: a study rewrites its own result JSON) or untracked files in ``SOURCE_DIRS``; outside a git
+    checkout there is nothing to check."""
+    head = git_head(repo)
+    if head is None:
+        return
+    new, changed = untracked(repo, *SOURCE_DIRS), code_dirty(repo)
+    if changed or new:
+        what = "changes to tracked files" if changed else f"untracked files ({', '.join(new[:3])})"
+        raise DirtyTree(f"the checkout at {head[:10]} has {what}: commit them so that each run's recorded commit "
+                        "reproduces it, or pass --allow-dirty (the runs then record git_dirty: true)")
+
+
 def provenance() -> dict:
     """Git commit (and whether the tree had changes), library versions and the machine."""
-    return {"git_commit": git_head(REPO), "git_dirty": git_dirty(REPO),
+    return {"git_commit": git_head(REPO), "git_dirty": code_dirty(REPO) or bool(untracked(REPO, *SOURCE_DIRS)),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
             "machine": platform.machine(), "python": platform.python_version()}
 
@@ -56,8 +87,10 @@ def provenance() -> dict:
 class Study:
     """A planned study with its results dir (committed JSON) and scratch dir (runs, checkpoints)."""
 
-    def __init__(self, spec: dict, results_dir: str | Path, scratch_dir: str | Path, log: Log = print):
+    def __init__(self, spec: dict, results_dir: str | Path, scratch_dir: str | Path, log: Log = print,
+                 allow_dirty: bool | None = None):
         self.spec, self.log = spec, log
+        self.allow_dirty = allow_dirty_from_env() if allow_dirty is None else allow_dirty
         self.results, self.scratch = Path(results_dir), Path(scratch_dir)
         self.runs = plan(spec)
         self.by_name = {r.name: r for r in self.runs}
@@ -65,17 +98,18 @@ class Study:
         self.replan()
 
     def replan(self) -> None:
-        """Plan again with the lrs the finished sweep runs pick (``tuning.best_lrs``)."""
-        from .tuning import best_lrs
+        """Plan again with the lrs the finished sweep runs pick, and the extra sweep runs the sweep's
+        resolution asks for (``tuning.pick``)."""
+        from .tuning import pick
 
+        results = [res for r in self.runs if r.stage == "sweep" and (res := self.result(r)) is not None]
+        self.tuned, extra = pick(results, self.spec.get("sweep") or {}) if self.spec.get("sweep") else ({}, {})
+        self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()}, extra)
         runs = [r for r in self.runs if r.stage == "sweep"]
-        results = {r.name: self.result(r) for r in runs}
-        grid = [float(x) for x in (self.spec.get("sweep") or {}).get("lrs") or []]
-        # a variant is tuned once every run of its grid has finished (a partial sweep picks nothing)
-        unfinished = {r.labels["variant"] for r in runs if "tune" in r.labels["roles"] and results[r.name] is None}
-        done = [res for res in results.values() if res is not None and res["labels"]["variant"] not in unfinished]
-        self.tuned = best_lrs(done, grid) if done else {}
-        self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()})
+        if len(runs) > len(results):  # the extra runs just planned may have results already: pick again
+            results = [res for r in runs if (res := self.result(r)) is not None]
+            self.tuned, extra = pick(results, self.spec.get("sweep") or {})
+            self.runs = plan(self.spec, {v: b["lr"] for v, b in self.tuned.items()}, extra)
         self.by_name = {r.name: r for r in self.runs}
 
     # -- paths ------------------------------------------------------------------------------
@@ -184,7 +218,10 @@ class Study:
         return self.train(run, counts)
 
     def train(self, run: RunSpec, counts: dict) -> dict:
-        """Train ``run`` now (``execute``), count it and log its start and outcome."""
+        """Train ``run`` now (``execute``), count it and log its start and outcome; refuses a dirty checkout
+        unless ``allow_dirty``."""
+        if not self.allow_dirty:
+            check_clean(REPO)
         self.log(f"{run.name}: training")
         result = self.execute(run)
         counts["trained"] += 1
@@ -214,6 +251,9 @@ class Study:
         if run.data.get("tokenizer_of_init"):
             from .midtrain import corpus_for_tokenizer
             return str(corpus_for_tokenizer(Path(init), self.scratch / "data", run.convert["source"], self.log))
+        if run.data.get("dir") in CORPORA:  # a named offline corpus (stemlm data prepare --corpus NAME), built once
+            from .controls import study_corpus
+            return str(study_corpus(run.data["dir"]))
         return run.data.get("dir")
 
     def train_config(self, run: RunSpec, init: str | None, data_dir: str | None, out_dir: Path | None = None):

@@ -29,7 +29,8 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
              f"Every variant at every peak lr of the grid, the same seeds{f', {steps} steps' if steps else ''}, the same "
              "optimizer setting; the best lr of each variant (lowest mean final validation loss; bold) is the one its "
              "comparison runs use. ◂ / ▸: the best lr is the grid's smallest / largest and no worse run lies beyond it (the optimum may lie outside). "
-             "Cells without a tuning role are the stability stage's extra lrs.", ""]
+             "Cells without a tuning role are the stability stage's extra lrs. With `sweep.resolve`, lrs past an edge are "
+             "tried and the lrs near the best get more seeds (n = seeds averaged).", ""]
     body = []
     for variant, cells in sweep.items():
         b = best.get(variant, {})
@@ -40,6 +41,7 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
                 row.append("")
                 continue
             text = "diverged" if math.isinf(c["loss"]) else f"{c['loss']:.3f}"
+            text += f" (n={len(c['losses'])})" if len(c["losses"]) > 1 else ""
             text = f"**{text}**" if b.get("lr") == lr else text
             tuned_on = lr in b["grid"] if b.get("grid") else "tune" in c["roles"]  # the spec's grid decides, not the run's label
             row.append(text + ("" if tuned_on else " (stress)"))
@@ -56,12 +58,18 @@ def stability(rows: list[dict], settings: dict) -> list[str]:
     lines = ["## 3. Stability: spikes, collapse, divergence over the sweep", "",
              f"Spike: a step (after warm-up + {st['settle']} steps) whose loss exceeds the mean of the previous "
              f"{st['average']} steps by more than {st['k']:g} σ, σ = 1.4826 · MAD of the step-to-step changes over the "
-             f"previous {st['spread']} steps / √2 (at least {st['floor']:g} nats). Collapsed: finished within "
-             f"{st['collapse_eps']:g} nats of the unigram entropy. Diverged: stopped on a non-finite loss or gradient. "
+             f"previous {st['spread']} steps / √2 (at least {st['floor']:g} nats). Status from the training loss "
+             f"(`stemlm/study/stability.py`): diverged = stopped on a non-finite value, or exploded above ln V + "
+             f"{st['explode']:g} and stayed worse than uniform; collapsed = back at (or never below) H − "
+             f"{st['collapse_eps']:g} and flat over the last quarter; slow start = above H − {st['collapse_eps']:g} at "
+             "the end but still falling. An explosion the run recovered from is noted. These sweep runs have one seed "
+             "and a warm-up of 1–2 steps; spikes here include the data's own bumps (every seed-0 run sees the same "
+             "batches), so (c) is judged on the comparison runs instead, each paired with dense's run of its seed. "
              "Every spike is circled in the curves below.", ""]
     lines += table(["variant", "peak lr", "seed", "status", "steps", "spikes (step: loss / level)", "max train loss",
                     "final val loss"],
-                   [[r["variant"], f"{r['lr']:g}", str(r["seed"]), r["status"], f"{r['steps']}/{r['total_steps']}",
+                   [[r["variant"], f"{r['lr']:g}", str(r["seed"]), r["status"] + (f" ({r['why']})" if r.get("why") else ""),
+                     f"{r['steps']}/{r['total_steps']}",
                      (f"{len(r['spikes'])}: " + ", ".join(f"{s['step']}: {s['loss']:.2f}/{s['level']:.2f}"
                                                          for s in r["spikes"][:4]) + (" …" if len(r["spikes"]) > 4 else ""))
                      if r["spikes"] else "0", f(r["max_train_loss"]), f(r["final_val_loss"])] for r in rows])

@@ -31,12 +31,17 @@ from .runspec import STUDY_VERSION, RunSpec, slug  # noqa: F401  (re-exported: t
 
 STAGES = ("sweep", "compare", "context", "controls", "midtrain")
 SPEC_KEYS = {"name", "description", "skipped", "data_dir", "optim", "train", "sizes", "budget", "eval", "timing",
-             "stability", "probes", "keep_checkpoints", *STAGES}
+             "stability", "probes", "keep_checkpoints", "quick", "compare_with", *STAGES}
+CORPORA = ("default", "wide")  # data_dir values that name an offline corpus (stemlm data prepare --corpus)
 STUDIES_DIR = Path(__file__).resolve().parents[2] / "studies"
 
 
-def load_spec(path_or_name: str | Path) -> dict:
+def load_spec(path_or_name: str | Path, quick: bool = False) -> dict:
     """A study spec from a YAML path, or by name from the repo's ``studies/`` (``quick``, ``full``, ``gpu``).
+
+    ``quick``: the spec's own ``quick`` section merged over it (one level deep: ``budget``, ``sweep``…
+    keep their other keys; ``sizes`` is replaced), named ``<name>-quick`` — the same study at a tiny size, for the
+    CPU and CI. ``data_dir`` may name an offline corpus (``CORPORA``: ``wide`` is built on first use).
 
     ``midtrain: {from: NAME}`` takes the ``midtrain`` section of another spec (a name in ``studies/``
     or a path); when that spec does not exist the stage is skipped with a note."""
@@ -51,6 +56,15 @@ def load_spec(path_or_name: str | Path) -> dict:
     if spec.get("optim") not in (None, "paper") and not isinstance(spec.get("optim"), list):
         raise ConfigError(f"study spec {path}: optim must be 'paper' or a list of optim.* overrides, got {spec['optim']!r}")
     spec.setdefault("name", path.stem)
+    small = spec.pop("quick", None)
+    if quick:
+        if not isinstance(small, dict):
+            raise ConfigError(f"study spec {path} has no 'quick' section: run `stemlm study run --quick` for the "
+                              "quick spec, or add one")
+        for key, value in small.items():
+            merge = key != "sizes" and isinstance(value, dict) and isinstance(spec.get(key), dict)
+            spec[key] = {**spec[key], **value} if merge else value
+        spec["name"] = f"{spec['name']}-quick"
     _include_midtrain(spec, path)
     _check_eval_tasks(spec, path)
     return spec
@@ -97,15 +111,16 @@ def _check_eval_tasks(spec: dict, path: Path) -> None:
             raise ConfigError(f"study spec {path}: unknown eval.{key} {unknown} (`stemlm eval --help` lists the tasks)")
 
 
-def plan(spec: dict, tuned: dict[str, float] | None = None) -> list[RunSpec]:
+def plan(spec: dict, tuned: dict[str, float] | None = None, extra: dict[str, list] | None = None) -> list[RunSpec]:
     """Every run of ``spec`` in execution order (parents first), with ``spec_hash`` filled in.
 
     ``tuned``: ``{variant: lr}`` picked by the sweep (``tuning.best_lrs``); runs that need a tuned lr
-    it does not hold come back with ``pending`` set and no hash."""
+    it does not hold come back with ``pending`` set and no hash. ``extra``: ``{variant: [(lr, seed, role)]}``,
+    sweep runs beyond the grid that the sweep's resolution asks for (``tuning.resolve``)."""
     from . import stages
 
     runs: list[RunSpec] = []
-    runs += stages.sweep_runs(spec)
+    runs += stages.sweep_runs(spec, extra or {})
     runs += stages.compare_runs(spec, tuned or {})
     runs += stages.context_runs(spec, runs)
     runs += stages.control_runs(spec, runs)

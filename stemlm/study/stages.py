@@ -75,9 +75,11 @@ def probe_settings(spec: dict, kind: str) -> dict:
     return {**DEFAULT_PROBES[kind], **((spec.get("probes") or {}).get(kind) or {})}
 
 
-def sweep_runs(spec: dict) -> list[RunSpec]:
+def sweep_runs(spec: dict, extra: dict[str, list] | None = None) -> list[RunSpec]:
     """The tuning grid (every ``sweep.variants`` × ``sweep.lrs``) and the stress lrs of ``stability``
-    (its variants × its lrs), on the sweep's size, seeds and steps; a (variant, lr) in both is one run."""
+    (its variants × its lrs), on the sweep's size, seeds and steps; a (variant, lr) in both is one run.
+    ``extra``: ``{variant: [(lr, seed, role)]}`` of the sweep's resolution (``tuning.resolve``); a run
+    already planned gets the role added."""
     s = spec.get("sweep")
     if not s:
         if spec.get("stability"):
@@ -98,6 +100,17 @@ def sweep_runs(spec: dict) -> list[RunSpec]:
                                 _trained(spec, s, s["size"], variant, seed, lr),
                                 {"size": s["size"], "variant": variant, "seed": seed, "lr": lr, "roles": sorted(roles)},
                                 measures={"val_batches": True}))
+    by_name = {r.name: r for r in runs}
+    for variant, cells in (extra or {}).items():
+        for lr, seed, role in cells:
+            name = f"sweep-{s['size']}-{slug(variant)}-lr{lr:g}-seed{seed}"
+            if name in by_name:
+                by_name[name].labels["roles"] = sorted({*by_name[name].labels["roles"], role})
+                continue
+            by_name[name] = RunSpec(name, "sweep", _trained(spec, s, s["size"], variant, seed, lr),
+                                    {"size": s["size"], "variant": variant, "seed": seed, "lr": lr, "roles": [role]},
+                                    measures={"val_batches": True})
+            runs.append(by_name[name])
     return runs
 
 

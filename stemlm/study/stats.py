@@ -13,8 +13,13 @@ positive, ...). From the measured values of each seed:
   inconclusive;
 * ``verdict``: **holds** when the interval lies wholly on the side the claim predicts,
   **contradicted** when it lies wholly on the other side, **inconclusive** otherwise (and always
-  with fewer than two values per side: no noise estimate). Each comparison is judged at 95 %;
-  there is no correction across the several comparisons of one claim.
+  with fewer than two values per side: no noise estimate). A *single seed is never a noise
+  estimate*: values that share one seed (validation batches, probe items of one model) are not
+  replicates of the seed-to-seed noise, and ``one_seed`` refuses to treat them as such.
+* ``holm``: a claim made of several comparisons (placements, arms) is judged with Holm's step-down
+  correction over them: sorted by p-value, the i-th (from 0) of m is judged by its interval at level
+  ``1 − 0.05 / (m − i)``; after the first comparison that is not significant at its level, the rest
+  are inconclusive. The corrected interval is printed with each comparison.
 
 Also here: an exact two-sided binomial (sign) test for counts, and a least-squares line with the
 interval of its slope (the trend of a gap over training).
@@ -27,9 +32,12 @@ from dataclasses import asdict, dataclass
 
 LEVEL, POWER = 0.95, 0.80
 VERDICTS = ("holds", "contradicted", "inconclusive")
+ALPHA = 1 - LEVEL
 RULE = ("holds if the 95 % interval of the difference lies wholly on the side the claim predicts, contradicted if "
         "wholly on the other side, else inconclusive; MDE = (t₀.₉₇₅ + t₀.₈₀)·se, the smallest true difference "
-        "found with 80 % power")
+        "found with 80 % power; one seed is always inconclusive; the comparisons a claim combines (placements, arms) are "
+        "Holm-corrected: the i-th smallest p of m is judged by its interval at 1 − 0.05/(m − i), and after the first "
+        "that is not significant the rest are inconclusive")
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -157,6 +165,41 @@ def difference(a: dict | list, b: dict | list) -> Difference:
         return from_se(mean, 0.0, len(xa) + len(xb) - 2, n, "welch")
     df = (va + vb) ** 2 / (va ** 2 / (len(xa) - 1) + vb ** 2 / (len(xb) - 1))
     return from_se(mean, se, df, n, "welch")
+
+
+def interval(d: Difference, level: float = LEVEL) -> tuple[float, float] | None:
+    """The ``level`` t interval of ``d`` (None without a noise estimate)."""
+    if d.se is None or d.df is None:
+        return None
+    half = t_quantile((1.0 + level) / 2.0, d.df) * d.se
+    return (d.mean - half, d.mean + half)
+
+
+def p_value(d: Difference) -> float | None:
+    """Two-sided t-test p-value of ``d.mean`` against 0 (None without a noise estimate)."""
+    if d.se is None or d.df is None:
+        return None
+    if d.se == 0.0:
+        return 0.0 if d.mean != 0 else 1.0
+    return min(1.0, 2.0 * (1.0 - t_cdf(abs(d.mean) / d.se, d.df)))
+
+
+def holm(tests: list[tuple[float | None, str]], alpha: float = ALPHA) -> list[dict]:
+    """Holm's step-down correction over ``m`` tests ``[(p, raw_verdict)]``: per test ``{"p", "level", "rank",
+    "m", "verdict"}``, where ``level`` is the family-wise interval level the test is judged at and
+    ``verdict`` the raw one when significant at it (else ``inconclusive``). A test without a p-value
+    counts in ``m`` and is inconclusive."""
+    m = len(tests)
+    order = sorted(range(m), key=lambda i: (tests[i][0] is None, tests[i][0] if tests[i][0] is not None else 1.0))
+    out: list[dict] = [{}] * m
+    stopped = False
+    for rank, i in enumerate(order):
+        p, raw = tests[i]
+        a = alpha / (m - rank)
+        significant = not stopped and p is not None and p < a and raw in ("holds", "contradicted")
+        stopped |= not significant
+        out[i] = {"p": p, "level": 1.0 - a, "rank": rank + 1, "m": m, "verdict": raw if significant else "inconclusive"}
+    return out
 
 
 def verdict(d: Difference, sign: int) -> str:

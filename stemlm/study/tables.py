@@ -169,7 +169,7 @@ def stability_rows(runs: list[dict], settings: dict | None = None) -> list[dict]
             continue
         m, s = r["metrics"], run_stability(r, st)
         rows.append({"variant": r["labels"]["variant"], "lr": r["labels"]["lr"], "seed": r["labels"].get("seed", 0),
-                     "roles": r["labels"].get("roles", ["stress"]), "status": s["status"], "spikes": s["spikes"],
+                     "roles": r["labels"].get("roles", ["stress"]), "status": s["status"], "why": s["why"], "spikes": s["spikes"],
                      "steps": m["steps"], "max_train_loss": m.get("max_train_loss"), "final_val_loss": m["final_val_loss"],
                      "total_steps": r["config"]["run"]["steps"], "warmup_steps": s["warmup_steps"],
                      "train": m["train"], "unigram_entropy": s["unigram_entropy"]})

@@ -5,6 +5,13 @@ steps and optimizer setting. A variant's best lr is the one with the lowest mean
 loss over the sweep seeds (a diverged run counts as infinitely bad); ties go to the smaller lr. A
 best lr at either end of the grid is flagged — the optimum may lie outside it — unless a run at an lr
 beyond that end (the stability stage's extra lrs) did worse, which brackets the optimum.
+
+With ``sweep.resolve`` (``resolve``) the sweep resolves its pick before the comparison starts. The
+candidates are every lr a variant was trained at with the sweep seeds (the grid and the stability
+stage's stress lrs alike); while the best sits at an end of them, the next lr past that end (× or ÷
+``factor``, by default the grid's top ratio) is trained, up to ``extend`` times; then every candidate
+within ``within`` nats of the best (sweep seeds' mean) is trained at the extra ``seeds`` too, and the
+best of those by the mean over all seeds is the variant's lr.
 """
 
 from __future__ import annotations
@@ -54,3 +61,94 @@ def best_lrs(runs: list[dict], grid: list[float] | None = None) -> dict[str, dic
 def tuned_lrs(runs: list[dict], grid: list[float] | None = None) -> dict[str, float]:
     """``{variant: best lr}`` (what ``spec.plan`` takes)."""
     return {v: b["lr"] for v, b in best_lrs(runs, grid).items()}
+
+
+RESOLVE_DEFAULTS = {"seeds": [1, 2], "within": 0.05, "extend": 2, "factor": None}
+
+
+def _per_seed(runs: list[dict]) -> dict[str, dict[float, dict[int, float]]]:
+    """``{variant: {lr: {seed: final loss}}}`` of finished or diverged sweep results (diverged: inf)."""
+    out: dict = defaultdict(lambda: defaultdict(dict))
+    for r in runs:
+        if r["stage"] == "sweep":
+            loss = r["metrics"]["final_val_loss"]
+            out[r["labels"]["variant"]][float(r["labels"]["lr"])][r["labels"].get("seed", 0)] = (
+                math.inf if r["status"] == "diverged" or loss is None else loss)
+    return out
+
+
+def _mean(losses: dict[int, float], seeds: list[int]) -> float:
+    return sum(losses[s] for s in seeds) / len(seeds)
+
+
+def resolve(runs: list[dict], sweep: dict) -> dict[str, dict]:
+    """Per sweep variant: ``{"resolved", "extra", "lr", "loss", "edge", "grid", "near", "seeds"}``.
+
+    The candidates are every lr the variant has sweep-seed results at (the grid, the stability stage's
+    stress lrs, earlier extensions). ``extra``: ``[(lr, seed, role)]`` beyond those that the resolution
+    asks for (role ``extend`` or ``resolve``); ``resolved``: every run it needs has finished, and ``lr``
+    is the pick."""
+    cfg = {**RESOLVE_DEFAULTS, **(sweep.get("resolve") or {})}
+    grid = sorted(float(x) for x in sweep["lrs"])
+    base = list(sweep.get("seeds") or [0])
+    more = [s for s in cfg["seeds"] if s not in base]
+    factor = float(cfg["factor"] or (grid[-1] / grid[-2] if len(grid) > 1 else 2.0))
+    table, extended, out = _per_seed(runs), _extended(runs), {}
+    for variant in sweep["variants"]:
+        cells = table.get(variant, {})
+        have = lambda lr, seeds: all(s in cells.get(lr, {}) for s in seeds)  # noqa: E731
+        extra = [(lr, s, "extend") for lr in sorted(extended.get(variant, ())) for s in base]
+        state = {"resolved": False, "extra": extra, "lr": None, "loss": None, "edge": None, "grid": grid}
+        out[variant] = state
+        if not all(have(lr, base) for lr in grid):
+            continue
+        tried = sorted(set(grid) | {lr for lr in cells if have(lr, base)})
+        for _ in range(int(cfg["extend"]) - len(extended.get(variant, ()))):
+            best = min(tried, key=lambda lr: (_mean(cells[lr], base), lr))
+            edge = "high" if best == max(tried) else "low" if best == min(tried) else None
+            if edge is None:
+                break
+            new = best * factor if edge == "high" else best / factor
+            tried.append(new)
+            extra += [(new, s, "extend") for s in base]
+            if not have(new, base):
+                break
+        if not all(have(lr, base) for lr in tried):
+            continue
+        best0 = min(_mean(cells[lr], base) for lr in tried)
+        near = sorted(lr for lr in tried if _mean(cells[lr], base) - best0 <= float(cfg["within"]))
+        extra += [(lr, s, "resolve") for lr in near for s in more]
+        if not all(have(lr, base + more) for lr in near):
+            continue
+        choice = min(near, key=lambda lr: (_mean(cells[lr], base + more), lr))
+        edge = "high" if choice == max(tried) else "low" if choice == min(tried) else None
+        state.update(resolved=True, lr=choice, loss=_mean(cells[choice], base + more), edge=edge, grid=sorted(tried),
+                     near=near, seeds=len(base + more))
+    return out
+
+
+def _extended(runs: list[dict]) -> dict[str, set[float]]:
+    """``{variant: lrs}`` of the sweep runs an earlier resolution added past an edge (role ``extend``)."""
+    out: dict = defaultdict(set)
+    for r in runs:
+        if r["stage"] == "sweep" and "extend" in r["labels"].get("roles", []):
+            out[r["labels"]["variant"]].add(float(r["labels"]["lr"]))
+    return out
+
+
+def pick(runs: list[dict], sweep: dict) -> tuple[dict[str, dict], dict[str, list]]:
+    """``(tuned, extra)``: each variant's pick (``best_lrs``, or ``resolve`` when the sweep asks for it) and the
+    extra sweep runs ``{variant: [(lr, seed, role)]}`` the resolution needs. A variant is picked only once every
+    run of its grid (and of its resolution) has finished."""
+    if sweep.get("resolve"):
+        res = resolve(runs, sweep)
+        return ({v: r for v, r in res.items() if r["resolved"]}, {v: r["extra"] for v, r in res.items() if r["extra"]})
+    grid = [float(x) for x in sweep.get("lrs") or []]
+    seeds = set(sweep.get("seeds") or [0])
+    done = defaultdict(set)
+    for r in runs:
+        if r["stage"] == "sweep" and float(r["labels"]["lr"]) in grid:
+            done[r["labels"]["variant"]].add((float(r["labels"]["lr"]), r["labels"].get("seed", 0)))
+    complete = {v for v, cells in done.items() if all((lr, s) in cells for lr in grid for s in seeds)}
+    finished = [r for r in runs if r["stage"] == "sweep" and r["labels"]["variant"] in complete]
+    return (best_lrs(finished, grid) if finished else {}), {}
