@@ -55,14 +55,14 @@ DEFAULT = ["zero", "project", "mean-par", "gated-par", "gated-seq", "gated-seq-r
 def dense_and_data():
     """The all-dense stemlm copy of SmolLM2 (exact) and its corpus (train, val token streams)."""
     from stemlm.data import TokenDataset, corpus_in_vocabulary
-    from stemlm.checkpoint.directory import load_model
+    from stemlm.store import open_model
     from stemlm.interop.convert import convert_from_hf
 
     dense_dir = WORK / "smollm2-dense"
     if not (dense_dir / "config.json").exists():
         convert_from_hf("smollm2", dense_dir, ffn="dense")
     data = corpus_in_vocabulary(dense_dir / "tokenizer.json", progress=False)
-    return load_model(dense_dir), TokenDataset.open(data, "train"), TokenDataset.open(data, "val")
+    return open_model(dense_dir), TokenDataset.open(data, "train"), TokenDataset.open(data, "val")
 
 
 def build(dense, train, name: str, layers: str):

@@ -39,7 +39,9 @@ import torch
 from _train_bench import synthetic_data_dir, write_result
 from safetensors.torch import load_file
 
-from stemlm.checkpoint.directory import SAVE_PAUSE_ENV, CheckpointError, load_model
+from stemlm.checkpoint.directory import SAVE_PAUSE_ENV, CheckpointError
+
+from stemlm.store import open_model
 from stemlm.checkpoint.integrity import verify_checkpoint
 from stemlm.train.state import list_checkpoints
 
@@ -126,7 +128,7 @@ def flip_newest(out: Path) -> dict:
     data[len(data) // 2] ^= 0xFF
     weights.write_bytes(bytes(data))
     try:
-        load_model(newest)
+        open_model(newest)
         refused = False
     except CheckpointError:
         refused = True

@@ -71,7 +71,7 @@ def _offline(monkeypatch, tmp_path):
 
 def engine_answers(ckpt, tables="device"):
     """What the engine says directly about the same requests."""
-    lm = load_lm(ckpt, tables=tables, batch_size=4)
+    lm = load_lm(ckpt, tables, batch_size=4)
     mc = [lm.loglikelihood([LoglikelihoodRequest(d["question"], " " + c) for c in d["choices"]]) for d in MC]
     gen = lm.generate_until([GenerateRequest(d["question"], (".",), 6) for d in GEN])
     rolling = lm.loglikelihood_rolling([d["text"] for d in ROLLING])

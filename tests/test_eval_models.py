@@ -35,7 +35,7 @@ def stem_ckpt(tmp_path_factory):
 
 def test_stem_checkpoint_on_every_tier_gives_the_same_answers(stem_ckpt):
     model, path = stem_ckpt
-    lms = {tier: load_lm(path, tables=tier, engine="reference") for tier in ("device", "host", "disk")}
+    lms = {tier: load_lm(path, tier, engine="reference") for tier in ("device", "host", "disk")}
     assert lms["device"].tokens.prefix_ids == [lms["device"].tokens.eot_id]  # the document-start token
     want = lms["device"].loglikelihood(REQUESTS)
     direct = ReferenceLM(model, lms["device"].tokens, 512, 128).loglikelihood(REQUESTS)
@@ -94,7 +94,7 @@ def test_pinned_smollm2_gguf_knows_paris():
 def test_bad_inputs_are_one_line_errors(stem_ckpt, tmp_path):
     _, path = stem_ckpt
     with pytest.raises(ValueError, match="unknown table tier 'ram'"):
-        load_lm(path, tables="ram")
+        load_lm(path, "ram")
     with pytest.raises(ValueError, match="unknown engine"):
         load_lm(path, engine="turbo")
     small = tmp_path / "small"

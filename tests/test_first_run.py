@@ -12,7 +12,7 @@ import torch
 from train_helpers import one_thread  # noqa: F401
 
 import stemlm
-from stemlm.checkpoint.directory import load_model
+from stemlm.store import open_model
 from stemlm.cli import COMMANDS, ArgumentParser, main
 from stemlm.data import prepare_facts_corpus
 
@@ -62,7 +62,7 @@ def test_a_run_directory_loads_with_transformers(run, capsys):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    ref = load_model(out)
+    ref = open_model(out)
     ids = torch.randint(0, ref.cfg.vocab_size, (2, 12))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids))

@@ -154,13 +154,13 @@ def test_cli_errors_are_clear(ckpt, tmp_path, capsys, model):
 
 
 def test_onednn_generation_matches_aten_logits_and_tokens(ckpt, capsys):
-    from stemlm.checkpoint.directory import load_model
+    from stemlm.store import open_model
     from stemlm.runtime.matmul import onednn_available, use_matmul_backend
 
     if not onednn_available():
         pytest.skip("this PyTorch build has no oneDNN")
     path, _ = ckpt
-    aten_model, onednn_model = load_model(path).eval(), load_model(path).eval()
+    aten_model, onednn_model = open_model(path).eval(), open_model(path).eval()
     use_matmul_backend(onednn_model, "onednn")
     prompt = torch.randint(0, aten_model.cfg.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 import stemlm  # noqa: F401  (registers the Auto classes)
 from stemlm import ModelConfig, StemLM, model_config
-from stemlm.checkpoint.directory import CheckpointError, load_model, save_model
+from stemlm.checkpoint.directory import CheckpointError, save_model
+from stemlm.store import open_model
 from stemlm.cli import main
 from stemlm.interop.convert import convert_from_hf, convert_to_hf, llama_name, llama_to_stem, stem_to_llama
 from stemlm.interop.hf import StemConfig, StemForCausalLM
@@ -87,7 +88,7 @@ def test_directory_round_trip_carries_weights_and_tokenizer(tmp_path):
     x = ids()
     with torch.no_grad():
         ref = llama(x).logits
-        torch.testing.assert_close(load_model(ckpt)(x), ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(open_model(ckpt)(x), ref, rtol=0, atol=1e-5)
         torch.testing.assert_close(LlamaForCausalLM.from_pretrained(back)(x).logits, ref, rtol=0, atol=1e-5)
     text = "the cat sat in the park"
     want = AutoTokenizer.from_pretrained(src)(text).input_ids
@@ -164,10 +165,10 @@ def test_auto_model_loads_stemlm_checkpoint(tmp_path, kind, tie):
     assert isinstance(hf, StemForCausalLM)
     x = torch.randint(0, 512, (2, 10))
     with torch.no_grad():
-        torch.testing.assert_close(hf(x).logits, load_model(tmp_path / "c")(x), rtol=0, atol=0)
+        torch.testing.assert_close(hf(x).logits, open_model(tmp_path / "c")(x), rtol=0, atol=0)
     hf.save_pretrained(tmp_path / "h")  # and the HF side writes what checkpoint.load_model reads
     with torch.no_grad():
-        torch.testing.assert_close(load_model(tmp_path / "h")(x), model(x), rtol=0, atol=0)
+        torch.testing.assert_close(open_model(tmp_path / "h")(x), model(x), rtol=0, atol=0)
     assert (hf.model.lm_head.weight is hf.model.tok_embeddings.weight) == tie
 
 
@@ -332,7 +333,7 @@ def test_cli_converts_both_ways_and_reports_errors(tmp_path, capsys):
     llama, src = llama_dir(tmp_path)
     assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "s"), "--ffn", "stem",
                  "--stem-layers", "1", "--init", "random", "--seed", "1"]) == 0
-    assert load_model(tmp_path / "s").cfg.table_layers == (1,)
+    assert open_model(tmp_path / "s").cfg.table_layers == (1,)
     assert main(["convert", "--to-hf", "--ckpt", str(tmp_path / "s"), "--out", str(tmp_path / "x")]) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' progress bars
     assert last.startswith("stemlm convert: error: model has stem layers [1]; only an all-dense")

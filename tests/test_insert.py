@@ -15,7 +15,7 @@ from stemlm.insert.anneal import scales_at, set_scales, to_stem
 from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
 from stemlm.ffn import StemGateFFN
 from stemlm.insert.fit import LayerStats, refine_through_down
-from stemlm.checkpoint.directory import load_model
+from stemlm.store import open_model
 from stemlm.interop.convert import convert_from_hf, llama_to_stem
 from test_hf import llama_dir, tiny_llama
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
@@ -228,7 +228,7 @@ def test_convert_calibrate_from_a_llama_directory_with_raw_text(tmp_path, monkey
     text.write_text("\n\n".join(["the cat sat on the mat and the dog ran in the park"] * 40))
     out = convert_from_hf(src, tmp_path / "out", ffn="stem", stem_layers="2", init="calibrate", calib_data=text,
                           calibration=CalibrationConfig(tokens=256, seq_len=16), progress=False)
-    model = load_model(out)
+    model = open_model(out)
     conv = json.loads((out / "config.json").read_text())["stemlm_conversion"]
     assert conv["init"] == "calibrate" and conv["calibration"]["tokens"] == 256
     assert not (tmp_path / "out.calibrating").exists()  # the work dir is removed once the checkpoint is written
@@ -241,7 +241,7 @@ def test_convert_zero_dagger_equals_the_llama(tmp_path):
     llama, src = llama_dir(tmp_path)
     out = convert_from_hf(src, tmp_path / "out", ffn="stem_dagger", stem_layers="1,2", init="zero", progress=False)
     x = torch.randint(3, 128, (2, 10))
-    torch.testing.assert_close(load_model(out)(x), llama(x).logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(open_model(out)(x), llama(x).logits, rtol=0, atol=1e-5)
 
 
 # -- gradual insertion --------------------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_trainer_anneals_a_dagger_model_from_exactly_dense(tmp_path):
     scales = losses(tmp_path / "run", "up_scale")
     assert scales[0] == 1.0 and scales[4] == scales[-1] == 0.0 and 0 < scales[3] < scales[1] < 1
     assert stem.cfg.ffn == "stem"
-    exported = load_model(res_export)  # the finished run wrote the pure STEM model it became
+    exported = open_model(res_export)  # the finished run wrote the pure STEM model it became
     assert exported.cfg.ffn == "stem" and torch.equal(exported.tables["1"].weight, stem.tables["1"].weight)
 
 

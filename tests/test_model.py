@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 
 from stemlm import ConfigError, StemLM, model_config
-from stemlm.checkpoint.directory import CheckpointError, load_model, save_model
+from stemlm.checkpoint.directory import CheckpointError, save_model
+from stemlm.store import open_model
 from stemlm.ffn import FFN_KINDS, ffn_kind
 from stemlm.ffn.hash_moe import matched_expert_count, token_expert_hash
 from stemlm.inference.kv_cache import KVCache
@@ -128,7 +129,7 @@ def test_save_load_gives_identical_logits(tmp_path, debug_cfg):
     model = StemLM(debug_cfg).eval()
     ids = torch.randint(0, debug_cfg.vocab_size, (2, 9))
     save_model(model, tmp_path / "ckpt")
-    loaded = load_model(tmp_path / "ckpt")
+    loaded = open_model(tmp_path / "ckpt")
     with torch.no_grad():
         torch.testing.assert_close(model(ids), loaded(ids), rtol=0, atol=0)
     assert not list(tmp_path.glob(".ckpt.tmp-*"))
@@ -138,7 +139,7 @@ def test_tied_embeddings_save_load(tmp_path):
     cfg = model_config("debug", tie_embeddings=True)
     model = StemLM(cfg).eval()
     save_model(model, tmp_path / "c")
-    loaded = load_model(tmp_path / "c")
+    loaded = open_model(tmp_path / "c")
     assert loaded.lm_head.weight.data_ptr() == loaded.tok_embeddings.weight.data_ptr()
     ids = torch.randint(0, cfg.vocab_size, (1, 5))
     with torch.no_grad():
@@ -150,16 +151,16 @@ def test_checkpoint_errors_are_clear(tmp_path, debug_cfg):
     (tmp_path / "a" / "model.safetensors").write_bytes(b"garbage" * 10)
     for verify in (True, False):  # the manifest catches it first; without it, the file itself is refused
         with pytest.raises(CheckpointError, match="corrupt"):
-            load_model(tmp_path / "a", verify=verify)
+            open_model(tmp_path / "a", verify=verify)
     save_model(StemLM(debug_cfg.replace(d_ff=96)), tmp_path / "b")
     cfg_b = (tmp_path / "b" / "config.json").read_text().replace('"d_ff": 96', '"d_ff": 128')
     (tmp_path / "b" / "config.json").write_text(cfg_b)
     with pytest.raises(CheckpointError, match="config.json has 409 bytes, its manifest says 408"):
-        load_model(tmp_path / "b")
+        open_model(tmp_path / "b")
     with pytest.raises(CheckpointError, match="shape"):
-        load_model(tmp_path / "b", verify=False)
+        open_model(tmp_path / "b", verify=False)
     with pytest.raises(CheckpointError, match="does not exist"):
-        load_model(tmp_path / "nope")
+        open_model(tmp_path / "nope")
 
 
 def test_failed_save_keeps_previous_checkpoint(tmp_path, debug_cfg, monkeypatch):

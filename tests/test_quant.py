@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint.directory import WEIGHTS_FILE, load_model, save_model
+from stemlm.checkpoint.directory import WEIGHTS_FILE, save_model
+from stemlm.store import open_model
 from stemlm.edit import swap
 from stemlm.model.quant import QuantizedTable, RowCodec, codec_of, quantize_tables
 from stemlm.checkpoint.safetensors_io import read_header
@@ -63,14 +64,14 @@ def test_bad_codecs_and_rows_are_refused():
 @pytest.mark.parametrize("name", QUANT)
 def test_quantized_model_on_every_tier_equals_device_and_reloads_exactly(setup, name, tmp_path):
     cfg, model, root, ids = setup
-    fp32 = load_model(root / "fp32")
+    fp32 = open_model(root / "fp32")
     quantize_tables(fp32, name)
     assert codec_of(fp32.tables).name == name
     with torch.no_grad():
         want, ref = fp32(ids), model(ids)
     assert (want - ref).abs().max() < {"bf16": 1e-3, "int8": 3e-3, "int4": 5e-2}[name]
     save_model(fp32, tmp_path / name)
-    assert torch.equal(load_model(tmp_path / name)(ids), want)
+    assert torch.equal(open_model(tmp_path / name)(ids), want)
     for tier, cache in [("device", 0), ("host", 0), ("host", 5), ("disk", 0), ("disk", 5)]:
         loaded = open_model(tmp_path / name, Placement(tier, cache_rows=cache))
         store = loaded.tables
@@ -113,9 +114,9 @@ def test_disk_tier_serves_as_stored_and_names_the_conversion(setup, tmp_path):
 @pytest.mark.parametrize("tier", ["device", "host", "disk"])
 def test_offload_a_model_with_a_table_dtype(setup, tier, tmp_path):
     _, model, root, ids = setup
-    want = load_model(root / "fp32")
+    want = open_model(root / "fp32")
     quantize_tables(want, "int8")
-    moved = load_model(root / "fp32")
+    moved = open_model(root / "fp32")
     tables_file = tmp_path / "t.safetensors" if tier == "disk" else None
     store = offload_tables(moved, Placement(tier, tables_file=tables_file, table_dtype="int8"))
     assert torch.equal(moved(ids), want(ids))
@@ -126,7 +127,7 @@ def test_offload_a_model_with_a_table_dtype(setup, tier, tmp_path):
 @pytest.mark.parametrize("tier", ["device", "disk"])
 def test_swap_on_quantized_rows_moves_codes_exactly_and_undo_restores_them(setup, name, tier, tmp_path):
     _, _, root, ids = setup
-    model = load_model(root / "fp32")
+    model = open_model(root / "fp32")
     quantize_tables(model, name)
     save_model(model, tmp_path / name)
     weights = (tmp_path / name / WEIGHTS_FILE).read_bytes()
@@ -147,7 +148,7 @@ def test_swap_on_quantized_rows_moves_codes_exactly_and_undo_restores_them(setup
 
 def test_transformers_and_training_refuse_quantized_tables(setup, tmp_path):
     _, _, root, _ = setup
-    model = load_model(root / "fp32")
+    model = open_model(root / "fp32")
     quantize_tables(model, "int8")
     save_model(model, tmp_path / "int8")
     import stemlm.interop.hf  # noqa: F401
@@ -176,12 +177,12 @@ def test_convert_table_dtype_cli_round_trip_and_errors(setup, tmp_path):
     out = _cli("convert", "--ckpt", str(root / "fp32"), "--table-dtype", "int8", "--out", str(tmp_path / "int8"))
     assert out.returncode == 0, out.stderr
     assert "tables stored as int8" in out.stdout
-    expect = load_model(root / "fp32")
+    expect = open_model(root / "fp32")
     quantize_tables(expect, "int8")
-    assert torch.equal(load_model(tmp_path / "int8")(ids), expect(ids))
+    assert torch.equal(open_model(tmp_path / "int8")(ids), expect(ids))
     back = _cli("convert", "--ckpt", str(tmp_path / "int8"), "--table-dtype", "fp32", "--out", str(tmp_path / "back"))
     assert back.returncode == 0, back.stderr
-    assert codec_of(load_model(tmp_path / "back").tables).name == "fp32"
+    assert codec_of(open_model(tmp_path / "back").tables).name == "fp32"
     assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == "stemlm"
     for args, message in [
         (["convert", "--ckpt", str(root / "fp32"), "--out", str(tmp_path / "x")], "--ckpt alone needs --table-dtype"),

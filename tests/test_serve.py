@@ -13,7 +13,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from stemlm.inference.batch_generate import SamplingParams  # noqa: E402
-from stemlm.checkpoint.directory import load_model  # noqa: E402
+from stemlm.store import open_model  # noqa: E402
 from stemlm.serve.responses import token_text  # noqa: E402
 from stemlm.serve.server import ServerThread, load_served  # noqa: E402
 from stemlm.store import Placement  # noqa: E402
@@ -43,7 +43,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def reference(ckpt):
-    return load_model(ckpt)
+    return open_model(ckpt)
 
 
 def metrics(url):

@@ -85,7 +85,7 @@ def test_sigterm_drains_a_streaming_request(ckpt):
 def test_tier_and_model_are_aliases_and_tier_says_it_is_deprecated(capsys):
     from stemlm.cli import ArgumentParser
     from stemlm.cli import serve
-    from stemlm.cli.options import placement_of
+    from stemlm.cli.options import placement_from_args
     from stemlm.store import Placement
 
     parser = ArgumentParser(prog="stemlm serve")
@@ -93,4 +93,4 @@ def test_tier_and_model_are_aliases_and_tier_says_it_is_deprecated(capsys):
     args = parser.parse_args(["--model", "runs/x", "--tier", "host", "--cache-rows", "8", "--no-prefetch"])
     assert args.ckpt == "runs/x" and args.tables == "host"
     assert "--tier is deprecated; use --tables" in capsys.readouterr().err
-    assert placement_of(args) == Placement("host", cache_rows=8, prefetch=False, device="cpu")
+    assert placement_from_args(args) == Placement("host", cache_rows=8, prefetch=False, device="cpu")

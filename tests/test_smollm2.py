@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from stemlm.checkpoint.directory import load_model
+from stemlm.store import open_model
 from stemlm.cli import main
 from stemlm.data.codec import load_codec
 from stemlm.interop.convert import llama_name, llama_to_stem, load_llama, resolve_source
@@ -77,7 +77,7 @@ def test_stem_conversion_through_the_cli(smollm2, tmp_path):
                  "--stem-layers", "1/3", "--init", "project"]) == 0
     print(f"\nstemlm convert --ffn stem --stem-layers 1/3 --init project: {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    stem = load_model(tmp_path / "stem")
+    stem = open_model(tmp_path / "stem")
     print(f"load_model: {time.perf_counter() - t0:.1f} s; STEM layers {stem.cfg.stem_layer_ids}")
     assert stem.cfg.stem_layer_ids == tuple(range(2, 30, 3))
     first = stem.cfg.stem_layer_ids[0]

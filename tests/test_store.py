@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.checkpoint.directory import load_model, save_model
+from stemlm.checkpoint.directory import save_model
+from stemlm.store import open_model
 from stemlm.inference.generate import generate_ids
 from stemlm.checkpoint.safetensors_io import TableFileError
 from stemlm.store import OffloadedTable, Placement, export_tables, offload_tables, open_model
@@ -91,7 +92,7 @@ def test_save_from_offloaded_tier_roundtrips(setup, tmp_path, tier):
     store = m.tables
     save_model(m, tmp_path / "again")
     with torch.no_grad():
-        torch.testing.assert_close(load_model(tmp_path / "again")(batches[1]), ref[1], rtol=0, atol=0)
+        torch.testing.assert_close(open_model(tmp_path / "again")(batches[1]), ref[1], rtol=0, atol=0)
 
 
 def test_writes_are_coherent_with_cache_and_prefetch(setup, tmp_path):

@@ -4,7 +4,7 @@ import pytest
 import torch
 from train_helpers import debug_config, make_token_data, one_thread  # noqa: F401
 
-from stemlm.checkpoint.directory import load_model
+from stemlm.store import open_model
 from stemlm.config import ConfigError
 from stemlm.model.decoder import StemLM
 from stemlm.presets import model_config
@@ -42,6 +42,6 @@ def test_zero_embed_lr_freezes_the_embedding(tmp_path):
     trainer = Trainer(debug_config(data, out, "run.steps=8", "optim.embed_lr=0", "optim.lr=1e-2"))
     emb, head = (trainer.model.tok_embeddings.weight.detach().clone(), trainer.model.lm_head.weight.detach().clone())
     trainer.fit()
-    trained = load_model(list_checkpoints(out)[-1])
+    trained = open_model(list_checkpoints(out)[-1])
     assert torch.equal(trained.tok_embeddings.weight, emb)
     assert not torch.equal(trained.lm_head.weight, head)  # the rest trained

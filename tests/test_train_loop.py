@@ -7,7 +7,7 @@ import pytest
 import torch
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
 
-from stemlm.checkpoint.directory import load_model
+from stemlm.store import open_model
 from stemlm.config import ConfigError
 from stemlm.train import Trainer, TrainingDiverged, train
 from stemlm.train import loop as loop_mod
@@ -35,7 +35,7 @@ def test_loss_decreases_and_run_dir_is_complete(data_dir, tmp_path):
         assert (out / name).exists(), name
     ckpt = list_checkpoints(out)[-1]
     assert len(list_checkpoints(out)) == 2  # keep_last
-    model = load_model(ckpt)  # a normal stemlm checkpoint
+    model = open_model(ckpt)  # a normal stemlm checkpoint
     assert model.cfg.vocab_size == 512 and model.cfg.layer_kinds[2] == "stem"
     ev = evaluate_checkpoint(out, batches=2)
     assert ev["loss"] == pytest.approx(result.val_loss, rel=0.2)
@@ -57,8 +57,8 @@ def test_resume_is_bit_identical(data_dir, tmp_path, table_optimizer):
     train(debug_config(data_dir, tmp_path / "split", *args), resume=True)
     assert losses(tmp_path / "split") == losses(tmp_path / "full")  # exact float equality
     assert losses(tmp_path / "split", "val_loss") == losses(tmp_path / "full", "val_loss")
-    a = load_model(tmp_path / "full").state_dict()
-    b = load_model(tmp_path / "split").state_dict()
+    a = open_model(tmp_path / "full").state_dict()
+    b = open_model(tmp_path / "split").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -142,7 +142,7 @@ def test_bf16_autocast_and_midtrain_from_checkpoint(data_dir, tmp_path):
     train(debug_config(data_dir, tmp_path / "base", "run.steps=3"))
     trainer = Trainer(debug_config(data_dir, tmp_path / "mid", "run.stage=midtrain", "run.dtype=bfloat16",
                                    f"run.init_from={tmp_path / 'base'}", "model.max_seq_len=64"))
-    base = load_model(tmp_path / "base").state_dict()
+    base = open_model(tmp_path / "base").state_dict()
     assert trainer.model.cfg.max_seq_len == 64
     assert all(torch.equal(v, base[k]) for k, v in trainer.model.state_dict().items())
     assert np.isfinite(trainer.train_step()["loss"])
@@ -154,7 +154,7 @@ def test_context_extend_stage_with_document_masking(data_dir, tmp_path):
                        "model.max_seq_len=128", "model.rope_theta=100000", "data.seq_len=96", "data.doc_masking=true",
                        "run.steps=2")
     trainer = Trainer(cfg)
-    base = load_model(tmp_path / "base").state_dict()
+    base = open_model(tmp_path / "base").state_dict()
     assert trainer.model.cfg.max_seq_len == 128 and trainer.model.cfg.rope_theta == 100000
     assert all(torch.equal(v, base[k]) for k, v in trainer.model.state_dict().items())
     batch = trainer.batch(0)
@@ -173,7 +173,7 @@ def test_compile_runs_each_block_compiled_with_eager_losses_and_names(data_dir, 
     assert all(block._compiled_call_impl is not None for block in trainer.model.layers)
     trainer.fit()
     np.testing.assert_allclose(losses(tmp_path / "compiled"), losses(tmp_path / "eager"), rtol=1e-4)
-    eager, compiled = load_model(tmp_path / "eager").state_dict(), load_model(tmp_path / "compiled").state_dict()
+    eager, compiled = open_model(tmp_path / "eager").state_dict(), open_model(tmp_path / "compiled").state_dict()
     assert compiled.keys() == eager.keys()  # same checkpoint names: no "_orig_mod." prefixes
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-3, atol=1e-4)

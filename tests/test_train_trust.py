@@ -14,7 +14,9 @@ import torch
 from safetensors.torch import save_file
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
 
-from stemlm.checkpoint.directory import CheckpointError, load_model, model_state_for_save
+from stemlm.checkpoint.directory import CheckpointError, model_state_for_save
+
+from stemlm.store import open_model
 from stemlm.cli import main
 from stemlm.config import ConfigError
 from stemlm.data.tokenizer import train_bpe
@@ -46,11 +48,11 @@ def test_non_finite_weights_are_never_saved_and_never_loaded(data_dir, tmp_path,
     # a NaN checkpoint written by other means (an older version) is refused by every loader, in one line
     train(debug_config(data_dir, tmp_path / "run", "run.steps=2"))
     ckpt = list_checkpoints(tmp_path / "run")[-1]
-    state = model_state_for_save(load_model(ckpt))
+    state = model_state_for_save(open_model(ckpt))
     save_file({k: torch.full_like(v, float("nan")) for k, v in state.items()}, str(ckpt / "model.safetensors"))
     write_manifest(ckpt)
     with pytest.raises(CheckpointError, match="NaN/inf"):
-        load_model(ckpt)
+        open_model(ckpt)
     train_bpe(["the capital of France is Paris"] * 20, vocab_size=300).save(str(tmp_path / "tokenizer.json"))
     capsys.readouterr()
     for argv in (["eval-ppl", "--ckpt", str(tmp_path / "run")],
@@ -97,12 +99,12 @@ def test_corrupt_checkpoint_is_refused_and_the_previous_one_resumed(data_dir, tm
     good, bad = list_checkpoints(out)
     _flip(bad / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors does not match its sha256"):
-        load_model(bad)
-    load_model(bad, verify=False)  # flipped bytes in a weight load silently without the manifest
+        open_model(bad)
+    open_model(bad, verify=False)  # flipped bytes in a weight load silently without the manifest
     with pytest.warns(CheckpointWarning, match="step_00000008"):
         train(debug_config(data_dir, out, *args), resume=True)
     assert losses(out) == losses(tmp_path / "full")
-    a, b = load_model(tmp_path / "full").state_dict(), load_model(out).state_dict()
+    a, b = open_model(tmp_path / "full").state_dict(), open_model(out).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert (out / "checkpoints" / "corrupt-step_00000008").is_dir()  # kept aside for inspection
     assert [p.name for p in list_checkpoints(out)] == ["step_00000008", "step_00000012"]

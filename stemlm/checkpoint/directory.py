@@ -13,8 +13,9 @@ knows that layout); ``resolve_checkpoint`` picks the newest one whose files veri
 taking ``--ckpt`` accepts a run or a checkpoint.
 
 Every writer also puts a ``manifest.json`` of checksums into the directory (``stemlm.checkpoint.integrity``),
-refuses to write NaN/inf weights, and ``load_model`` verifies the checksums (``verify=False`` skips
-that) and refuses NaN/inf weights with a one-line ``CheckpointError``.
+refuses to write NaN/inf weights, and ``load_in_memory`` (the in-memory tier of ``stemlm.store.open_model``,
+the one public loader) verifies the checksums (``verify=False`` skips that) and refuses NaN/inf
+weights with a one-line ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -184,7 +185,7 @@ def load_state_into(model: StemLM, weights_file: str | os.PathLike, skip_tables:
     model.load_state_dict(loaded, strict=False, assign=False)
 
 
-def load_model(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+def load_in_memory(path: str | os.PathLike, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
                skip_tables: bool = False, verify: bool = True) -> StemLM:
     """Load a checkpoint (or a run's newest checkpoint) into a new ``StemLM``.
 

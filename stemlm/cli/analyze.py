@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..version import git_commit
-from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, placement_of, positive_int
+from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, placement_from_args, positive_int
 
 
 def add_arguments(parser) -> None:
@@ -77,7 +77,7 @@ def run(args) -> int:
         from ..analyze.geometry import geometry, plot_geometry
         from ..analyze.text import windows
 
-        model = open_model(ckpt, placement_of(args))
+        model = open_model(ckpt, placement_from_args(args))
         dense = open_model(args.dense_ckpt) if args.dense_ckpt else None
         seq_len = model.cfg.check_seq_len(args.seq_len, "--seq-len") if args.seq_len else min(128, model.cfg.max_seq_len)
         ids = torch.from_numpy(windows(stream, seq_len, args.seqs, args.seed))  # (seqs, seq_len)

@@ -20,7 +20,7 @@ from ..edit.ops import forget, inject
 from ..edit.report import edit_report, format_report, plot_report, swap_report
 from ..edit.rows import resolve_layers
 from ..edit.strategies import ALIGNS, STRATEGIES
-from .options import add_checkpoint_argument, add_placement_arguments, positive_int, placement_of
+from .options import add_checkpoint_argument, add_placement_arguments, positive_int, placement_from_args
 
 
 def add_arguments(parser) -> None:
@@ -81,7 +81,7 @@ def _report(args, model, tok, prompt: str):
 
 
 def run(args) -> int:
-    model, tok = load_model_and_tokenizer(args.ckpt, args.data, placement_of(args))
+    model, tok = load_model_and_tokenizer(args.ckpt, args.data, placement_from_args(args))
     layers = parse_layers(args.layers)
     if not (layers == [] and args.embedding):
         resolve_layers(model, layers)  # a bad --layers fails before any work

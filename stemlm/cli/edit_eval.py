@@ -19,7 +19,7 @@ from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import MODES
 from ..edit.strategies import ALIGNS
 from .edit import parse_layers
-from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, positive_int, placement_of
+from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, positive_int, placement_from_args
 
 
 def add_arguments(parser) -> None:
@@ -48,7 +48,7 @@ def run(args) -> int:
 
     data_dir = Path(args.data) if args.data else default_data_dir()
     facts = load_facts(data_dir)
-    model, tok = load_model_and_tokenizer(args.ckpt, data_dir, placement_of(args))
+    model, tok = load_model_and_tokenizer(args.ckpt, data_dir, placement_from_args(args))
     layers = parse_layers(args.layers)
     sets = layer_sweep(model) if args.layers_sweep else {args.layers: layers}
     cfg = EditEvalConfig(split=args.split, strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),

@@ -48,14 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args) -> int:
     from ..eval.run import evaluate_paths, format_table
-    from .options import placement_fields
+    from .options import placement_from_args
 
-    placement = placement_fields(args)
+    placement = placement_from_args(args)
     docs, written = evaluate_paths(args.ckpt, args.tasks, args.shots, args.limit, args.seed, args.output,
                                    None if args.no_cache else args.cache_dir, args.batch_size, not args.no_progress,
-                                   gguf=args.gguf, tables=placement.pop("tier"), device=placement.pop("device"),
-                                   engine=args.engine, matmul=args.matmul, table_dtype=placement.pop("table_dtype"),
-                                   **placement)
+                                   gguf=args.gguf, placement=placement, device=placement.device, engine=args.engine,
+                                   matmul=args.matmul)
     print(format_table(docs))
     print(f"above: value - 2 stderr > chance; stemlm {docs[0]['stemlm']}")
     for path in written:

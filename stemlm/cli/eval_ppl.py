@@ -16,7 +16,7 @@ import argparse
 import json
 
 from .options import (add_checkpoint_argument, add_matmul_argument, add_placement_arguments, add_verify_argument,
-                      placement_of, positive_int)
+                      placement_from_args, positive_int)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     from ..train.evaluate import evaluate_checkpoint
 
-    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, placement_of(args),
+    out = evaluate_checkpoint(args.ckpt, args.data, args.batches, args.batch_size, args.seq_len, placement_from_args(args),
                               args.dtype, args.matmul, progress=not args.no_progress, verify=args.verify)
     if args.json:
         print(json.dumps(out, indent=2))

@@ -17,7 +17,7 @@ import sys
 import time
 
 from .options import (add_checkpoint_argument, add_graphs_argument, add_matmul_argument, add_placement_arguments,
-                      add_tokenizer_argument, add_verify_argument, non_negative_float, non_negative_int, placement_of,
+                      add_tokenizer_argument, add_verify_argument, non_negative_float, non_negative_int, placement_from_args,
                       positive_int, probability)
 
 
@@ -47,7 +47,7 @@ def run(args) -> int:
     from ..runtime.matmul import apply_matmul
     from ..store import open_model
 
-    placement = placement_of(args)
+    placement = placement_from_args(args)
     device = placement.device
     check_sampling(args.temperature, args.top_k, args.top_p)
     ckpt = resolve_checkpoint(args.ckpt)

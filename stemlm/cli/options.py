@@ -3,7 +3,7 @@
 * value types with a range (``type=positive_int`` ...): a bad value is refused while parsing,
   naming the option (``argument --pairs: 0 is not a positive integer``);
 * ``add_checkpoint_argument``: ``--ckpt`` (alias ``--model``), the checkpoint or run a command reads;
-* ``add_placement_arguments`` / ``placement_of``: where the STEM tables live (``--tables``,
+* ``add_placement_arguments`` / ``placement_from_args``: where the STEM tables live (``--tables``,
   ``--tables-file``, ``--table-dtype``, ``--cache-rows``, ``--cache-window``, ``--prefetch``,
   ``--device``) and the ``stemlm.store.Placement`` they make;
 * ``--tokenizer``, ``--no-verify``, ``--matmul``, ``--graphs``.
@@ -91,7 +91,7 @@ class _DeprecatedAlias(argparse.Action):
 
 
 def add_placement_arguments(parser, deprecated_tier: bool = False) -> None:
-    """The options that make a ``stemlm.store.Placement`` (``placement_of(args)``); ``deprecated_tier``
+    """The options that make a ``stemlm.store.Placement`` (``placement_from_args(args)``); ``deprecated_tier``
     also accepts ``--tier`` (what ``stemlm serve`` called ``--tables`` before)."""
     from ..store.tiers import TIERS
 
@@ -123,7 +123,7 @@ def placement_fields(args) -> dict:
     return {**fields, **{k: getattr(args, k) for k, v in defaults.items() if getattr(args, k) != v}}
 
 
-def placement_of(args):
+def placement_from_args(args):
     """The ``stemlm.store.Placement`` of the options of ``add_placement_arguments`` (the device resolved)."""
     from ..store.placement import Placement
 

@@ -24,7 +24,7 @@ import sys
 
 from ..checkpoint.rundir import RunDir
 from .options import (add_checkpoint_argument, add_graphs_argument, add_placement_arguments, add_tokenizer_argument,
-                      add_verify_argument, placement_of, positive_float, positive_int)
+                      add_verify_argument, placement_from_args, positive_float, positive_int)
 
 DEFAULT_RUN = "runs/default"
 
@@ -79,7 +79,7 @@ def run(args) -> int:
             raise FileNotFoundError(f"no --ckpt given and no trained default run at {DEFAULT_RUN} "
                                     "(train one with `stemlm train`, or pass --ckpt CKPT)")
         ckpt = DEFAULT_RUN
-    served = load_served(ckpt, placement_of(args), max_batch=args.max_batch, model_name=args.model_name,
+    served = load_served(ckpt, placement_from_args(args), max_batch=args.max_batch, model_name=args.model_name,
                          chat_template=args.chat_template, tokenizer=args.tokenizer, verify=args.verify,
                          limits=Limits(args.api_key or None, args.max_body_bytes, args.max_prompt_tokens,
                                        args.max_new_tokens, args.max_queue, args.request_timeout),

@@ -63,7 +63,7 @@ class StemHarnessLM(LM):
                  batch_size=None, max_batch_size=None, dtype: str = "float32", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, **load_kw):
         super().__init__()
-        self.lm = load_lm(str(pretrained), gguf=gguf, tables=tables, device=_device(device),
+        self.lm = load_lm(str(pretrained), tables, gguf=gguf, device=_device(device),
                           batch_size=_batch_size(batch_size), dtype=dtype, max_length=max_length, **load_kw)
         self.max_gen_toks = max_gen_toks
 

@@ -112,7 +112,7 @@ def _load_stem_checkpoint(path: str, placement: Placement, tokenizer, verify: bo
     return model, codec, [ckpt / WEIGHTS_FILE, ckpt / CONFIG_FILE, *codec.files], known
 
 
-def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement | str = "device", device: str = "cpu",
+def load_lm(path: str | os.PathLike, placement: Placement | str = "device", gguf: str | None = None, device: str = "cpu",
             batch_size: int = 32, dtype: torch.dtype | str = torch.float32, max_length: int | None = None,
             engine: str = "fast", tokenizer: str | os.PathLike | None = None, matmul: str = "aten", verify: bool = True,
             **placement_kw):
@@ -120,7 +120,7 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement 
 
     ``path``: a stemlm run or checkpoint directory, a Hugging Face Llama directory, a directory
     holding ``gguf`` (a GGUF file name or path), a ``.gguf`` file, or ``smollm2`` (the pinned
-    SmolLM2-135M-Instruct GGUF). ``tables``: where the tables of a stemlm checkpoint live, a
+    SmolLM2-135M-Instruct GGUF). ``placement``: where the tables of a stemlm checkpoint live, a
     ``stemlm.store.Placement`` or a tier name (``device`` | ``host`` | ``disk``) whose other fields
     come as keywords (``cache_rows``, ``tables_file``, ``prefetch``, ``table_dtype`` ..., as lm-eval's
     ``model_args`` give them); ``device`` and ``dtype`` are the compute device and dtype.
@@ -135,7 +135,7 @@ def load_lm(path: str | os.PathLike, gguf: str | None = None, tables: Placement 
     dtype = getattr(torch, dtype, dtype) if isinstance(dtype, str) else dtype
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {dtype!r}")
-    placement = placement_of(tables, device=device, dtype=dtype, **placement_kw)
+    placement = placement_of(placement, device=device, dtype=dtype, **placement_kw)
     path = str(path)
     if path.endswith(".gguf") and gguf is None:
         path, gguf = str(Path(path).parent), Path(path).name

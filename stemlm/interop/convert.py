@@ -27,7 +27,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from tqdm import tqdm
 
-from ..checkpoint.directory import (CONFIG_FILE, copy_tokenizer_files, load_model, model_from_state, read_config,
+from ..checkpoint.directory import (CONFIG_FILE, copy_tokenizer_files, model_from_state, read_config,
                          read_config_extras, resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
 from ..ffn import ffn_kind
@@ -38,6 +38,7 @@ from ..model.decoder import StemLM
 from ..model.quant import quantize_tables
 from ..model.tables import init_table_
 from ..runtime.files import atomic_directory
+from ..store import open_model
 
 INITS = ("project", "random", "zero", "calibrate")
 # `stemlm convert --from-hf NAME` shortcuts to pinned registry artifacts: (artifact, member)
@@ -333,7 +334,7 @@ def convert_tables(ckpt: str | os.PathLike, out: str | os.PathLike, table_dtype:
     ckpt = resolve_checkpoint(ckpt)
     out = Path(out)
     _check_out(out, ckpt)
-    model = load_model(ckpt)
+    model = open_model(ckpt)
     _check_has_tables(model.cfg, str(ckpt))
     quantize_tables(model, table_dtype)
     extra = read_config_extras(ckpt)
@@ -358,7 +359,7 @@ def convert_to_hf(ckpt: str | os.PathLike, out: str | os.PathLike) -> Path:
     generation = {k: extras[k] for k in GENERATION_KEYS if extras.get(k) is not None}
     tokenizer = _hf_tokenizer(ckpt)
     check_vocab(tokenizer, cfg.vocab_size)
-    llama = stem_to_llama(load_model(ckpt), **generation)
+    llama = stem_to_llama(open_model(ckpt), **generation)
     with atomic_directory(out) as tmp:
         llama.save_pretrained(str(tmp))
         if tokenizer is not None:

@@ -190,7 +190,7 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         weights = path / WEIGHTS_FILE
         if weights.is_file() and (codec := stored_codec(weights)).quantized:
             raise ValueError(f"{path} stores its STEM tables as {codec.name}, which transformers cannot load: use "
-                             f"stemlm.load_model, or write fp32 tables with `stemlm convert --ckpt {path} "
+                             f"stemlm.store.open_model, or write fp32 tables with `stemlm convert --ckpt {path} "
                              "--table-dtype fp32 --out DIR`")
         return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
 

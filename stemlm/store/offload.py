@@ -30,7 +30,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from ..checkpoint.directory import WEIGHTS_FILE, load_model, load_state_into, read_config, resolve_checkpoint
+from ..checkpoint.directory import WEIGHTS_FILE, load_in_memory, load_state_into, read_config, resolve_checkpoint
 from ..checkpoint.integrity import verify_checkpoint
 from ..model.decoder import StemLM
 from ..model.quant import RowCodec, codec_of, parse_codec
@@ -104,7 +104,7 @@ def offload_tables(model: StemLM, placement: Placement | str, overwrite: bool = 
 def _skeleton(ckpt: Path, device, dtype) -> StemLM:
     """The model of a checkpoint with every weight but the tables loaded; ``model.tables`` empty.
 
-    Built on the meta device, so the tables are never allocated (``load_model(skip_tables=True)``
+    Built on the meta device, so the tables are never allocated (``load_in_memory(skip_tables=True)``
     would allocate and initialise them first); falls back to that if the model has buffers that
     are not stored in the checkpoint.
     """
@@ -112,7 +112,7 @@ def _skeleton(ckpt: Path, device, dtype) -> StemLM:
     with torch.device("meta"):
         model = StemLM(cfg)
     if any(m._non_persistent_buffers_set for m in model.modules()):
-        model = load_model(ckpt, skip_tables=True, verify=False)  # the caller verified it
+        model = load_in_memory(ckpt, skip_tables=True, verify=False)  # the caller verified it
         model.tables = Tables()
     else:
         model.tables = Tables()
@@ -137,7 +137,7 @@ def open_model(checkpoint: str | os.PathLike, placement: Placement | str | None 
     tier = tier_of(p.tier)
     device = torch.device(p.device or "cpu")
     if tier.in_memory and p.table_dtype is None and p.tables_file is None:  # in memory, as stored
-        return load_model(checkpoint, device=device, dtype=p.dtype, verify=verify)
+        return load_in_memory(checkpoint, device=device, dtype=p.dtype, verify=verify)
     ckpt = resolve_checkpoint(checkpoint, verify)
     if verify:
         verify_checkpoint(ckpt)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.directory import load_model
+from ..store import open_model
 from ..config import ConfigError
 from ..data import looks_prepared, prepare_default_corpus, prepare_user_data
 from ..model.decoder import StemLM
@@ -32,7 +32,7 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
     if not cfg.run.init_from:
         torch.manual_seed(cfg.run.seed)
         return StemLM(cfg.model.build(vocab_size=vocab_size))
-    base = load_model(cfg.run.init_from)
+    base = open_model(cfg.run.init_from)
     if (codec := codec_of(base.tables)).quantized:
         raise ConfigError(f"run.init_from: {cfg.run.init_from} stores its tables as {codec.name}, which cannot be trained; "
                           f"write fp32 tables first: stemlm convert --ckpt {cfg.run.init_from} --table-dtype fp32 --out DIR")

@@ -2,7 +2,7 @@
 
 ``run_dir/checkpoints/step_XXXXXXXX/`` holds
 
-* ``config.json`` + ``model.safetensors``: a normal stemlm checkpoint (``load_model`` works);
+* ``config.json`` + ``model.safetensors``: a normal stemlm checkpoint (``stemlm.store.open_model`` loads it);
 * ``optimizer.safetensors`` (all optimizer tensors) + ``optimizer.json`` (groups, scalars);
 * ``trainer_state.json``: step (= data position), tokens/FLOPs seen, spike counter, RNG states,
   the hash of the resume-checked config sections;
