@@ -51,17 +51,17 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
                                   compile=path.endswith("compiled"))
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
     opt = torch.optim.AdamW(backbone, lr=1e-2)
-    losses = []
+    losses, ticket = [], None
     for step, micro in enumerate(batches):
         micro = micro[:accum]
         if path != "reference":
-            model.tables.begin_step([ids[:, :-1] for ids in micro])
+            model.tables.begin_step([ids[:, :-1] for ids in micro], ticket)
         for ids in micro:
             loss = model(ids[:, :-1], targets=ids[:, 1:])
             (loss / accum).backward()
             losses.append(loss.item())
         if path.startswith("host") and step + 1 < len(batches):
-            model.tables.prefetch_step([ids[:, :-1] for ids in batches[step + 1][:accum]])
+            ticket = model.tables.prefetch_step([ids[:, :-1] for ids in batches[step + 1][:accum]])
         clip_grad_norm(backbone, table_opt.collect(), clip)
         table_opt.lr = 0.05 * (step + 1) / len(batches)  # a schedule
         opt.step()

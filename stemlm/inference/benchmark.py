@@ -65,7 +65,7 @@ def decode_benchmark(model, batch: int = 1, new_tokens: int = 100, prompt_len: i
     steps = new_tokens - 1
     return {"batch": batch, "new_tokens": new_tokens, "prompt_len": prompt_len, "graphs": graphs, "mode": core.mode,
             "device": str(core.device), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
-            "tables": getattr(model.tables, "tier", "device"),
+            "tables": model.tables.tier,
             "decode_tokens_per_s": batch * steps / statistics.median(decode),
             "step_ms": 1000 * statistics.median(decode) / steps, "decode_s": decode,
             "prefill_s": [p for p, _, _ in runs], "warmup_s": warmup, "tokens": runs[-1][2][0]}

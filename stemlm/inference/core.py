@@ -91,7 +91,7 @@ class DecodeCore:
         self.eos_ids = frozenset(eos_ids)
         self.store = model.tables if store == "auto" else store
         # rows in the model's memory need no fetching
-        self._prefetch = self.store is not None and getattr(self.store, "tier", "device") != "device"
+        self._prefetch = self.store is not None and self.store.tier != "device"
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         self.mode = resolve_graphs(graphs, self.device, cfg)
         self.static = None

@@ -77,7 +77,7 @@ class StaticStep:
         self.rows = bucket(max_rows)
         self.cache = SlotCache(cfg, self.rows, max_len, self.device, param.dtype, fixed=True)
         self.store = store
-        self.offloaded = store is not None and getattr(store, "tier", "device") != "device"
+        self.offloaded = store is not None and store.tier != "device"
         # host rows the device reads in place (UVA on CUDA): gathered inside the step, no copy from the host
         self.views = store.device_views(self.device) if self.offloaded else None
         if self.views:

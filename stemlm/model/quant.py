@@ -250,7 +250,7 @@ def quantize_tables(model: nn.Module, table_dtype: str | RowCodec, group_size: i
 
     codec = parse_codec(table_dtype, group_size)
     old = model.tables
-    if getattr(old, "tier", "device") != "device":
+    if old.tier != "device":
         raise ValueError(f"quantize_tables works on tables in the model's memory; these are on the {old.tier} tier "
                          "(use store.offload_tables(model, Placement(tier, table_dtype=...)))")
     new = Tables()

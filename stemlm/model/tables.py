@@ -239,6 +239,18 @@ class Tables(nn.ModuleDict):
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start gathering the rows of ``ids`` ahead of the forward (nothing to do in memory)."""
 
+    # -- training: one optimizer step over several micro-batches -----------------------------------
+    def begin_step(self, ids, ticket=None):
+        """Open an optimizer step over the micro-batches' ids ``ids`` (a list of ``(B, T)``); ``ticket``
+        is what ``prefetch_step`` returned for exactly these ids, or None. Nothing to do here: the
+        fused path gathers the step's rows once (``stemlm.train.fused``)."""
+        return None
+
+    def prefetch_step(self, ids):
+        """Start moving the rows of the *next* step's ids ``ids`` towards the compute device (host-RAM
+        training tables); returns the ticket to hand to that step's ``begin_step``. Nothing here."""
+        return None
+
     def device_views(self, device) -> dict[str, torch.Tensor] | None:
         """Each layer's rows as a tensor ``device`` reads in place, for tiers whose rows live off the
         model (``TableStore``: host RAM through a UVA view); None here, where the tables are modules."""

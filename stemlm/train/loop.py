@@ -117,6 +117,7 @@ class Trainer:
         self.forward_model = self.wrap_forward(self.model)
         self._check_step_graph()
         self.captured = None  # the CapturedStep of run.step_graph, built at the first step (after a restore)
+        self._table_ticket = None  # what model.tables.prefetch_step staged for the next step
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
         self.spikes = SpikeDetector(cfg.run.spike_factor, cfg.run.spike_window)
         self.flops_per_token = train_flops_per_token(self.model.cfg, cfg.data.seq_len)
@@ -246,16 +247,16 @@ class Trainer:
                 self.captured = CapturedStep(self, graphs=cfg.run.step_graph == "graph")
             return self._finish_step(t0, ids, *self.captured(host), up_scale, applied=True)
         with ids_checked():
-            if hasattr(tables, "begin_step"):
-                tables.begin_step([b.inputs for b in host])
+            tables.begin_step([b.inputs for b in host], self._table_ticket)
             for b in host:
                 batch = b.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else b.to(self.device)
                 with evaluate_mod.autocast(self.device, cfg.run.dtype):
                     loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
                 (loss / accum).backward()
                 losses.append(loss.detach())
-        if hasattr(tables, "prefetch_step") and self.step + 1 < cfg.run.steps:  # while backward runs
-            tables.prefetch_step([b.inputs for b in self.step_batches(self.step + 1)])
+        self._table_ticket = None
+        if self.step + 1 < cfg.run.steps:  # while backward runs (host-RAM tables move the next step's rows)
+            self._table_ticket = tables.prefetch_step([b.inputs for b in self.step_batches(self.step + 1)])
         table_grads = self.table_opt.collect() if self.table_opt is not None else []
         params = [p for g in self.opt.param_groups for p in g["params"]]
         values, norm = self.step_values(losses, self.clip_gradients(params, table_grads))

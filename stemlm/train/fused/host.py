@@ -74,6 +74,7 @@ class Staged:
     parts: list[torch.Tensor]
     host: list[torch.Tensor]
     event: object
+    generation: int = 0  # HostTables.generation when staged: host rows replaced since make it stale
 
 
 class HostTables(FusedTables):
@@ -101,7 +102,7 @@ class HostTables(FusedTables):
         check_ids(self.cache_ids, self.num_rows)
         self._views: dict[str, torch.Tensor] | None = None
         self.window: Window | None = None
-        self.staged: Staged | None = None
+        self.generation = 0  # bumped when host rows are replaced (load_state_dict): older tickets are stale
         self.pending: list[tuple[torch.Tensor, list[torch.Tensor], object]] = []  # evictions in flight
         self.traffic = {"rows_in": 0, "rows_out": 0}
         # model.state_dict() reads host RAM: write the window back first; model.load_state_dict()
@@ -119,13 +120,15 @@ class HostTables(FusedTables):
         return self.mover.host_empty(shape, dtype).zero_()
 
     # -- a step -----------------------------------------------------------------------------
-    def begin_step(self, ids: Sequence[torch.Tensor]) -> StepRows:
-        """Build the window of the coming step from the previous one and what was staged."""
+    def begin_step(self, ids: Sequence[torch.Tensor], ticket: Staged | None = None) -> StepRows:
+        """Build the window of the coming step from the previous one and what ``prefetch_step`` staged
+        for exactly these ids (its ``ticket``); without a ticket, or one planned against another
+        window, everything is written back and loaded afresh."""
         flat = torch.cat([i.reshape(-1).to("cpu") for i in ids])
         check_ids(flat, self.num_rows)
         d = self._window_dedup(dedup(flat, self.num_rows, exact=True))  # on the host: free
-        staged, self.staged = self.staged, None
-        if staged is None or staged.base is not self.window or not torch.equal(staged.ids, d.uniq):
+        staged = ticket
+        if staged is None or staged.base is not self.window or staged.generation != self.generation:
             self.flush()  # not planned: write everything back, load everything
             self.window = None
             staged = self._stage(d.uniq)
@@ -146,11 +149,12 @@ class HostTables(FusedTables):
         slot_of[ids] = torch.arange(len(ids))
         return Dedup(ids, d.count, slot_of, padded=bool(len(extra)))
 
-    def prefetch_step(self, ids: Sequence[torch.Tensor]) -> None:
-        """Stage the rows of the next step (call while the current step computes)."""
+    def prefetch_step(self, ids: Sequence[torch.Tensor]) -> Staged:
+        """Stage the rows of the next step (call while the current step computes); returns the ticket
+        to pass to that step's ``begin_step``."""
         flat = torch.cat([i.reshape(-1).to("cpu") for i in ids])
         check_ids(flat, self.num_rows)
-        self.staged = self._stage(self._window_dedup(dedup(flat, self.num_rows, exact=True)).uniq)
+        return self._stage(self._window_dedup(dedup(flat, self.num_rows, exact=True)).uniq)
 
     def _stage(self, uniq: torch.Tensor) -> Staged:
         """Plan the window of ``uniq`` against the current one and copy the rows it lacks."""
@@ -168,7 +172,7 @@ class HostTables(FusedTables):
             host = [self._gather_host(part, fresh) for part in PARTS]
             parts, event = self.mover.to_device(host)
         self.traffic["rows_in"] += len(fresh)
-        return Staged(uniq, base, carry_pos, carry_src, fresh_pos, parts, host, event)
+        return Staged(uniq, base, carry_pos, carry_src, fresh_pos, parts, host, event, self.generation)
 
     def _gather_host(self, part: str, ids: torch.Tensor) -> torch.Tensor:
         src = self._host(part)
@@ -256,14 +260,15 @@ class HostTables(FusedTables):
 
     def _reload_rows(self) -> None:
         self._land_evictions()
-        self.staged = None
+        self.generation += 1
         if self.window is not None:
             rows = self.storage.index_select(1, self.window.ids).to(self.compute)
             self.window.parts["rows"].data.copy_(rows)
 
     def state_loaded(self) -> None:
-        """The host state was replaced (a resume): forget the window, anything in flight and the views."""
-        self.window, self.staged, self.pending, self._views = None, None, [], None
+        """The host state was replaced (a resume): forget the window, anything in flight and the views
+        (a ticket staged before is then planned against another window: ``begin_step`` ignores it)."""
+        self.window, self.pending, self._views = None, [], None
 
     def _rows_no_grad(self, ids: torch.Tensor) -> LayerRows:
         self.flush()

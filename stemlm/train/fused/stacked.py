@@ -127,8 +127,9 @@ class FusedTables(Tables):
         return self.storage.device
 
     # -- a step -----------------------------------------------------------------------------
-    def begin_step(self, ids: Sequence[torch.Tensor]) -> StepRows:
-        """Dedup the ids of every micro-batch of the coming optimizer step and gather their rows."""
+    def begin_step(self, ids: Sequence[torch.Tensor], ticket=None) -> StepRows:
+        """Dedup the ids of every micro-batch of the coming optimizer step and gather their rows
+        (``ticket``: unused here, the rows are on the device)."""
         flat = torch.cat([i.reshape(-1).to(ids[0].device) for i in ids])
         check_ids(flat, self.num_rows)  # where the ids are: on the host (the trainer's) no device waits
         flat = to_device_async(flat, self.device)
