@@ -5,8 +5,14 @@ import torch
 import torch.nn.functional as F
 
 from stemlm.config import ModelConfig
-from stemlm.model.loss import linear_cross_entropy, reference_cross_entropy
+from stemlm.model.loss import IGNORE_INDEX, linear_cross_entropy
 from stemlm.model.decoder import StemLM
+
+
+def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The plain path (full logits, ``F.cross_entropy``), for tests and comparisons."""
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()  # (N, V)
+    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
 
 
 def _loss_and_grads(fn, hidden, weight, targets, upstream=3.0, **kw):

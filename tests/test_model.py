@@ -9,7 +9,7 @@ from stemlm.checkpoint.directory import CheckpointError, save_model
 from stemlm.store import open_model
 from stemlm.ffn import FFN_KINDS, ffn_kind
 from stemlm.ffn.hash_moe import matched_expert_count, token_expert_hash
-from stemlm.inference.kv_cache import KVCache
+from kv_helpers import KVCache
 
 KINDS = ["dense", "stem", "stem_dagger", "stem_gate", "hash_moe"]
 

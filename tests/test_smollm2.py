@@ -13,7 +13,7 @@ from stemlm.store import open_model
 from stemlm.cli import main
 from stemlm.data.codec import load_codec
 from stemlm.interop.convert import llama_name, llama_to_stem, load_llama, resolve_source
-from stemlm.inference.kv_cache import KVCache
+from kv_helpers import KVCache
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..runtime.files import atomic_write_text
 from ..version import git_commit
 from .options import add_checkpoint_argument, add_placement_arguments, non_negative_int, placement_from_args, positive_int
 
@@ -89,6 +90,6 @@ def run(args) -> int:
             print(f"layer {layer['layer']} ({layer['kind']}): {stats}")
         png = plot_geometry(res, out / "geometry.png")
     res["git_commit"] = git_commit()  # the code that produced the numbers
-    (out / f"{args.what}.json").write_text(json.dumps(res, indent=2))
+    atomic_write_text(out / f"{args.what}.json", json.dumps(res, indent=2))
     print(f"wrote {out / (args.what + '.json')} and {png}")
     return 0

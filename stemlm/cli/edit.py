@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..runtime.files import atomic_write_text
 from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import forget, inject
 from ..edit.report import edit_report, format_report, plot_report, swap_report
@@ -96,6 +97,6 @@ def run(args) -> int:
                 path = path.with_name(f"{path.stem}_{i}{path.suffix}")
             print(f"wrote {plot_report(report, path)}")
     if args.json:
-        Path(args.json).write_text(json.dumps(reports, indent=2))
+        atomic_write_text(Path(args.json), json.dumps(reports, indent=2))
         print(f"wrote {args.json}")
     return 0

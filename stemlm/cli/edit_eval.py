@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..runtime.files import atomic_write_text
 from ..edit.evaluate import EditEvalConfig, layer_sweep, run_edit_eval
 from ..edit.load import load_model_and_tokenizer
 from ..edit.ops import MODES
@@ -60,7 +61,7 @@ def run(args) -> int:
     print(format_runs(result))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
+        atomic_write_text(Path(args.out), json.dumps(result, indent=2))
         print(f"wrote {args.out}")
     return 0
 

@@ -1,5 +1,7 @@
-"""Key/value caches: ``KVCache`` (preallocated ``(B, n_kv, max_len, hd)`` buffers per layer, all rows at the
-same position) and ``SlotCache`` (the decode core's: every row at its own position, rows join and leave)."""
+"""The decode core's key/value cache, ``SlotCache``: every row at its own position, rows join and leave.
+
+``StemLM.forward`` takes any object with an ``update(layer_idx, k, v, start_pos)`` method as its
+``cache`` (the Hugging Face wrapper adapts ``DynamicCache`` this way; the tests keep a plain one)."""
 
 from __future__ import annotations
 
@@ -8,37 +10,13 @@ import torch
 from ..config import ModelConfig
 
 
-class KVCache:
-    """Keys and values of every layer; ``update`` writes new positions and returns the prefix.
-
-    Any object with the same ``update(layer_idx, k, v, start_pos)`` method can be passed to
-    ``StemLM.forward`` (the Hugging Face wrapper adapts ``DynamicCache`` this way).
-    """
-
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None, device=None,
-                 dtype: torch.dtype = torch.float32):
-        self.max_len = max_len or cfg.max_seq_len
-        shape = (batch_size, cfg.n_kv_heads, self.max_len, cfg.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-
-    def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
-        """Store ``k, v (B, nkv, T, hd)`` at ``start_pos`` and return all keys/values so far."""
-        end = start_pos + k.shape[2]
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: position {end} exceeds its length {self.max_len}")
-        self.k[layer_idx][:, :, start_pos:end] = k
-        self.v[layer_idx][:, :, start_pos:end] = v
-        return self.k[layer_idx][:, :, :end], self.v[layer_idx][:, :, :end]
-
-
 class SlotCache:
     """The KV cache of a running batch: row ``r`` holds its sequence's keys at slots ``0..len-1``, so
     slot = position and no row carries padding. Rows join and leave without moving the others' keys.
 
     A forward writes through one of three views, set before it (``StemLM.forward`` calls ``update``):
 
-    * ``uniform(n, span)``: rows ``0..n-1`` all write at ``start_pos`` (what ``KVCache`` does);
+    * ``uniform(n, span)``: rows ``0..n-1`` all write at ``start_pos`` (one cache position for all rows);
     * ``ragged(slots, span)``: row ``j`` writes its one new token at ``slots[j]`` (its own position),
       keys ``0..span-1`` are returned and a mask hides each row's slots past its own;
     * ``prefill(rows)``: a group's right-padded prompts go to cache rows ``rows`` at slots ``0..W-1``;

@@ -186,7 +186,8 @@ class StemLM(nn.Module):
                 table_rows: Mapping[str, torch.Tensor] | None = None, check: bool = True) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
-        ``cache`` (optional) keeps keys/values across calls (see ``kv_cache.KVCache``);
+        ``cache`` (optional) keeps keys/values across calls: any object with ``update(layer, k, v, start)``
+        (``stemlm.inference.kv_cache.SlotCache``, the HF wrapper's adapter);
         ``doc_ids (B, T)`` masks attention across documents; ``return_hidden`` returns the
         final normed hidden states ``(B, T, d)`` instead of logits; with ``targets (B, T)``
         (``-100`` = ignore) the mean cross-entropy is returned instead, computed by

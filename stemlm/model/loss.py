@@ -14,7 +14,6 @@ path (three matmuls), a fraction of the memory traffic, and peak memory ``chunk 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..runtime.matmul import mm_nn, mm_nt, onednn_applies
 
@@ -95,9 +94,3 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
         # True under torch.no_grad, so the Function alone would still form them)
         return _chunked_loss(hidden, weight, targets, chunk, backend, need_grad=False)[0]
     return _LinearCrossEntropy.apply(hidden, weight, targets, chunk, backend)
-
-
-def reference_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The plain path (full logits, ``F.cross_entropy``), for tests and comparisons."""
-    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()  # (N, V)
-    return F.cross_entropy(logits.float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
