@@ -20,7 +20,7 @@ from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request as HttpRequest
+from fastapi import APIRouter, FastAPI, Request as HttpRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
@@ -183,108 +183,152 @@ def _stream(jobs: list[_Job], first: list[str], chunk, final, usage_chunk, openi
 
 
 def create_app(served: Served) -> FastAPI:
-    """The FastAPI application serving ``served``."""
-    @asynccontextmanager
-    async def lifespan(app):
-        served.engine.start()
-        yield
-        await asyncio.to_thread(served.engine.shutdown, True)
-
-    app = FastAPI(title="stemlm", lifespan=lifespan)
+    """The FastAPI application serving ``served`` (the routes below read it from ``app.state``)."""
+    app = FastAPI(title="stemlm", lifespan=_lifespan)
+    app.state.served = served
     app.add_middleware(Guard, limits=served.limits)
     _add_error_handlers(app)
-    codec = served.codec
-    limits = served.limits
-
-    @app.get("/health")
-    async def health():
-        return {"status": "ok"}
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "stemlm",
-                                            "max_model_len": served.context}]}
-
-    @app.get("/metrics")
-    async def metrics():
-        counts = served.engine.counts()
-        store = served.store.stats() if served.store is not None else None
-        return {**served.engine.metrics.snapshot(), **counts, "queue_length": counts["requests_queued"],
-                "max_batch": served.engine.max_batch,
-                "table_store": None if store is None else {k: v for k, v in store.items() if k != "per_table"}}
-
-    @app.get("/tokenizer_info")
-    async def tokenizer_info():
-        eos = codec.eos_id
-        return {"eos_token": None if eos is None else responses.token_text(codec, eos), "bos_token": None,
-                "pad_token": None, "model_max_length": served.context,
-                "chat_template": served.chat.source if served.chat else None}
-
-    @app.post("/tokenize")
-    async def tokenize(body: api.TokenizeRequest):
-        ids = codec.encode(body.prompt, special=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": served.context}
-
-    @app.post("/detokenize")
-    async def detokenize(body: api.DetokenizeRequest):
-        api.check_prompt(body.tokens or [0], served.vocab_size, max(served.context, len(body.tokens)), "tokens")
-        return {"prompt": codec.decode(body.tokens)}
-
-    @app.post("/v1/completions")
-    async def completions(body: api.CompletionRequest, http: HttpRequest):
-        api.check_common(body, served.name)
-        prompts = api.completion_prompts(body, codec)
-        if not prompts:
-            raise ApiError(400, "the prompt list is empty", "prompt")
-        check_new_tokens_limit(body.max_tokens, limits)
-        jobs = []
-        for ids in prompts:
-            check_prompt_limit(len(ids), limits)
-            api.check_prompt(ids, served.vocab_size, served.context)
-            n = api.max_new_tokens(body.max_tokens, len(ids), served.context,
-                                   _capped(COMPLETIONS_DEFAULT_MAX_TOKENS, limits))
-            jobs.append((ids, api.sampling(body, n)))
-        k = body.logprobs
-        jobs = _submit(served, [_Job(served, ids, sp, body.stops(), k, k if body.echo else None, bool(body.stream))
-                                for ids, sp in jobs])
-        rid = responses.new_id("cmpl")
-        if body.stream:
-            first = [codec.decode(j.outcome.prompt) if body.echo else "" for j in jobs]
-            usage = (lambda: responses.usage_chunk(rid, served.name, "text_completion", [j.outcome for j in jobs])) \
-                if body.stream_options and body.stream_options.include_usage else None
-            return _stream(jobs, first, lambda i, text: responses.completion_chunk(rid, served.name, i, text),
-                           lambda i, reason: responses.completion_chunk(rid, served.name, i, "", reason), usage)
-        await _collect(http, jobs)
-        return responses.completion_body(rid, served.name, codec, [j.outcome for j in jobs], body.echo, k is not None)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: api.ChatRequest, http: HttpRequest):
-        api.check_common(body, served.name)
-        if served.chat is None:
-            raise ApiError(400, f"model {served.name!r} has no chat template; use /v1/completions, or start the "
-                                "server with --chat-template FILE", "messages", "no_chat_template")
-        text = served.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
-        ids = codec.encode(text, special=True)
-        check_prompt_limit(len(ids), limits, "messages")
-        api.check_prompt(ids, served.vocab_size, served.context, "messages")
-        requested, param = (body.max_completion_tokens, "max_completion_tokens") \
-            if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
-        check_new_tokens_limit(requested, limits, param)
-        n = api.max_new_tokens(requested, len(ids), served.context, _capped(None, limits), param)
-        k = (body.top_logprobs or 0) if body.logprobs else None
-        jobs = _submit(served, [_Job(served, ids, api.sampling(body, n), body.stops(), k, stream=bool(body.stream))])
-        rid = responses.new_id("chatcmpl")
-        if body.stream:
-            usage = (lambda: responses.usage_chunk(rid, served.name, "chat.completion.chunk", [jobs[0].outcome])) \
-                if body.stream_options and body.stream_options.include_usage else None
-            role = responses.chat_chunk(rid, served.name, {"role": "assistant", "content": ""})
-            return _stream(jobs, [""], lambda i, text: responses.chat_chunk(rid, served.name, {"content": text}),
-                           lambda i, reason: responses.chat_chunk(rid, served.name, {}, reason), usage,
-                           opening=role)
-        await _collect(http, jobs)
-        return responses.chat_body(rid, served.name, codec, jobs[0].outcome, k is not None)
-
+    app.include_router(router)
     return app
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI):
+    """Start the engine; at shutdown (after uvicorn has let in-flight requests finish) drain it."""
+    served = app.state.served
+    served.engine.start()
+    yield
+    await asyncio.to_thread(served.engine.shutdown, True)
+
+
+router = APIRouter()
+
+
+def _served(http: HttpRequest) -> Served:
+    return http.app.state.served
+
+
+@router.get("/health")
+async def health():
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(http: HttpRequest):
+    served = _served(http)
+    return {"object": "list", "data": [{"id": served.name, "object": "model", "created": 0, "owned_by": "stemlm",
+                                        "max_model_len": served.context}]}
+
+
+@router.get("/metrics")
+async def metrics(http: HttpRequest):
+    served = _served(http)
+    counts = served.engine.counts()
+    store = served.store.stats() if served.store is not None else None
+    return {**served.engine.metrics.snapshot(), **counts, "queue_length": counts["requests_queued"],
+            "max_batch": served.engine.max_batch,
+            "table_store": None if store is None else {k: v for k, v in store.items() if k != "per_table"}}
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(http: HttpRequest):
+    served = _served(http)
+    codec, eos = served.codec, served.codec.eos_id
+    return {"eos_token": None if eos is None else responses.token_text(codec, eos), "bos_token": None,
+            "pad_token": None, "model_max_length": served.context,
+            "chat_template": served.chat.source if served.chat else None}
+
+
+@router.post("/tokenize")
+async def tokenize(body: api.TokenizeRequest, http: HttpRequest):
+    served = _served(http)
+    ids = served.codec.encode(body.prompt, special=body.add_special_tokens)
+    return {"tokens": ids, "count": len(ids), "max_model_len": served.context}
+
+
+@router.post("/detokenize")
+async def detokenize(body: api.DetokenizeRequest, http: HttpRequest):
+    served = _served(http)
+    api.check_prompt(body.tokens or [0], served.vocab_size, max(served.context, len(body.tokens)), "tokens")
+    return {"prompt": served.codec.decode(body.tokens)}
+
+
+@router.post("/v1/completions")
+async def completions(body: api.CompletionRequest, http: HttpRequest):
+    served = _served(http)
+    codec, limits = served.codec, served.limits
+    api.check_common(body, served.name)
+    prompts = api.completion_prompts(body, codec)
+    if not prompts:
+        raise ApiError(400, "the prompt list is empty", "prompt")
+    check_new_tokens_limit(body.max_tokens, limits)
+    asks = []
+    for ids in prompts:
+        check_prompt_limit(len(ids), limits)
+        api.check_prompt(ids, served.vocab_size, served.context)
+        n = api.max_new_tokens(body.max_tokens, len(ids), served.context, _capped(COMPLETIONS_DEFAULT_MAX_TOKENS, limits))
+        asks.append((ids, api.sampling(body, n)))
+    k = body.logprobs
+    jobs = _submit(served, [_Job(served, ids, sp, body.stops(), k, k if body.echo else None, bool(body.stream))
+                            for ids, sp in asks])
+    rid, name = responses.new_id("cmpl"), served.name
+    usage = (lambda: responses.usage_chunk(rid, name, "text_completion", [j.outcome for j in jobs])) \
+        if body.stream_options and body.stream_options.include_usage else None
+    shape = _StreamShape([codec.decode(j.outcome.prompt) if body.echo else "" for j in jobs],
+                         lambda i, text: responses.completion_chunk(rid, name, i, text),
+                         lambda i, reason: responses.completion_chunk(rid, name, i, "", reason), usage)
+    return await _answer(http, jobs, bool(body.stream), shape,
+                         lambda: responses.completion_body(rid, name, codec, [j.outcome for j in jobs], body.echo,
+                                                           k is not None))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: api.ChatRequest, http: HttpRequest):
+    served = _served(http)
+    codec, limits = served.codec, served.limits
+    api.check_common(body, served.name)
+    if served.chat is None:
+        raise ApiError(400, f"model {served.name!r} has no chat template; use /v1/completions, or start the "
+                            "server with --chat-template FILE", "messages", "no_chat_template")
+    text = served.chat.render([{"role": m.role, "content": m.text()} for m in body.messages])
+    ids = codec.encode(text, special=True)
+    check_prompt_limit(len(ids), limits, "messages")
+    api.check_prompt(ids, served.vocab_size, served.context, "messages")
+    requested, param = (body.max_completion_tokens, "max_completion_tokens") \
+        if body.max_completion_tokens is not None else (body.max_tokens, "max_tokens")
+    check_new_tokens_limit(requested, limits, param)
+    n = api.max_new_tokens(requested, len(ids), served.context, _capped(None, limits), param)
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    jobs = _submit(served, [_Job(served, ids, api.sampling(body, n), body.stops(), k, stream=bool(body.stream))])
+    rid, name = responses.new_id("chatcmpl"), served.name
+    usage = (lambda: responses.usage_chunk(rid, name, "chat.completion.chunk", [jobs[0].outcome])) \
+        if body.stream_options and body.stream_options.include_usage else None
+    shape = _StreamShape([""], lambda i, text: responses.chat_chunk(rid, name, {"content": text}),
+                         lambda i, reason: responses.chat_chunk(rid, name, {}, reason), usage,
+                         opening=responses.chat_chunk(rid, name, {"role": "assistant", "content": ""}))
+    return await _answer(http, jobs, bool(body.stream), shape,
+                         lambda: responses.chat_body(rid, name, codec, jobs[0].outcome, k is not None))
+
+
+@dataclass
+class _StreamShape:
+    """How a streamed answer is built: each job's ``first`` piece, a text ``chunk(i, text)``, the
+    ``final(i, reason)`` chunk, an optional ``usage`` chunk and an ``opening`` event."""
+
+    first: list[str]
+    chunk: object
+    final: object
+    usage: object = None
+    opening: dict | None = None
+
+
+async def _answer(http: HttpRequest, jobs: list[_Job], streaming: bool, shape: _StreamShape, body):
+    """The one job runner of completions and chat: stream the jobs' events as they come, or wait for
+    every job's end (or the client's disconnect) and answer with ``body()``."""
+    if streaming:
+        return _stream(jobs, shape.first, shape.chunk, shape.final, shape.usage, shape.opening)
+    await _collect(http, jobs)
+    return body()
 
 
 def _capped(default: int | None, limits: Limits) -> int | None:
