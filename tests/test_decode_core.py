@@ -8,7 +8,7 @@ import torch
 
 from stemlm import StemLM, model_config
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
-from stemlm.inference.core import DecodeCore, Sequence
+from stemlm.inference.core import DecodeCore, Generation
 from stemlm.inference.generate import generate_ids
 from stemlm.inference.static import bucket, resolve_graphs
 from stemlm.store import Placement, offload_tables
@@ -59,7 +59,7 @@ def test_static_step_logits_equal_the_eager_step(stem, tier, tmp_path):
     cores = [DecodeCore(model, max_rows=5, max_len=40, graphs=g) for g in ("off", "static")]
     logits = []
     for core in cores:
-        core.add([Sequence(p, SamplingParams(20)) for p in prompts()])
+        core.add([Generation(p, SamplingParams(20)) for p in prompts()])
         tokens, slots = [s.tokens[-1] for s in core.running], [s.next_slot for s in core.running]
         logits.append(core._eager_step(tokens, slots) if core.static is None else core.static(tokens, slots).clone())
     store.close()
@@ -71,7 +71,7 @@ def test_rows_join_and_leave_without_disturbing_the_others(stem):
     ps = prompts((4, 7, 2, 5))
     want = generate_batch(stem, ps, SamplingParams(8), graphs="off")
     core = DecodeCore(stem, max_rows=4, graphs="static")
-    seqs = [Sequence(p, SamplingParams(8 if i != 1 else 3)) for i, p in enumerate(ps)]
+    seqs = [Generation(p, SamplingParams(8 if i != 1 else 3)) for i, p in enumerate(ps)]
     core.add(seqs[:2])
     core.step()
     core.add(seqs[2:3])  # joins while the others are mid-way
@@ -89,8 +89,8 @@ def test_dropped_and_stopped_rows_leave_the_batch(stem):
     ps = prompts((3, 5, 4))
     free = generate_batch(stem, ps, SamplingParams(6))
     core = DecodeCore(stem, eos_ids=(free[2][1],), max_rows=3)
-    seqs = [Sequence(ps[0], SamplingParams(6)), Sequence(ps[1], SamplingParams(6), stop=lambda t: len(t) == 2),
-            Sequence(ps[2], SamplingParams(6))]
+    seqs = [Generation(ps[0], SamplingParams(6)), Generation(ps[1], SamplingParams(6), stop=lambda t: len(t) == 2),
+            Generation(ps[2], SamplingParams(6))]
     core.add(seqs)
     core.drop([seqs[0]])
     while core.running:
@@ -110,7 +110,7 @@ def test_graph_settings_are_checked(stem):
     assert resolve_graphs("auto", "cuda", moe.cfg) == "eager"  # routing by data cannot be captured
     with pytest.raises(ValueError, match="do not fit"):
         core = DecodeCore(stem, max_rows=2)
-        core.add([Sequence([1], SamplingParams(2)) for _ in range(3)])
+        core.add([Generation([1], SamplingParams(2)) for _ in range(3)])
 
 
 def test_decode_benchmark_reports_the_decode_it_ran(stem, tmp_path):

@@ -7,7 +7,7 @@ import torch
 from stemlm import StemLM, model_config
 from stemlm.data.tokenizer import train_bpe
 from stemlm.eval.api import GenerateRequest, LoglikelihoodRequest, ReferenceLM
-from stemlm.eval.engine import Engine
+from stemlm.eval.engine import EvalEngine
 from stemlm.data.codec import TextCodec
 from stemlm.store import Placement, offload_tables
 
@@ -55,7 +55,7 @@ def assert_same_answers(got, want):
 def test_engine_equals_reference(tokens, ffn, batch_size):
     model = make_model(ffn)
     ref = ReferenceLM(model, tokens, model.cfg.vocab_size, MAX_LENGTH)
-    engine = Engine(model, tokens, max_length=MAX_LENGTH, batch_size=batch_size)
+    engine = EvalEngine(model, tokens, max_length=MAX_LENGTH, batch_size=batch_size)
     want_gen = ref.generate_until(gen_requests())
     assert engine.generate_until(gen_requests()) == want_gen
     reqs = requests(tokens)
@@ -78,7 +78,7 @@ def test_engine_with_offloaded_tables_equals_reference_in_memory(tokens, tier, t
     model = make_model("stem")
     tables_file = tmp_path / "tables.safetensors" if tier == "disk" else None
     store = offload_tables(model, Placement(tier, tables_file=tables_file, cache_rows=16))
-    engine = Engine(model, tokens, max_length=MAX_LENGTH, batch_size=5)
+    engine = EvalEngine(model, tokens, max_length=MAX_LENGTH, batch_size=5)
     reqs = requests(tokens)
     assert_same_answers(engine.loglikelihood(reqs), ref.loglikelihood(reqs))
     assert engine.generate_until(gen_requests()) == ref.generate_until(gen_requests())
@@ -89,7 +89,7 @@ def test_engine_with_offloaded_tables_equals_reference_in_memory(tokens, tier, t
 
 def test_each_context_runs_once_and_no_gradients(tokens, monkeypatch):
     model = make_model("stem")
-    engine = Engine(model, tokens, max_length=MAX_LENGTH, batch_size=64)
+    engine = EvalEngine(model, tokens, max_length=MAX_LENGTH, batch_size=64)
     seen = []
     real = model.forward
     monkeypatch.setattr(model, "forward", lambda ids, **kw: seen.append(ids.clone()) or real(ids, **kw))
@@ -103,14 +103,14 @@ def test_each_context_runs_once_and_no_gradients(tokens, monkeypatch):
 
 
 def test_bad_requests_are_clear_errors(tokens):
-    engine = Engine(make_model("dense"), tokens, max_length=8)
+    engine = EvalEngine(make_model("dense"), tokens, max_length=8)
     with pytest.raises(ValueError, match="longer than max_length=8"):
         engine.loglikelihood([LoglikelihoodRequest("a", " " + " ".join(TEXTS[:3]))])
-    small = Engine(StemLM(model_config("debug", vocab_size=64)).eval(), tokens, max_length=8)
+    small = EvalEngine(StemLM(model_config("debug", vocab_size=64)).eval(), tokens, max_length=8)
     with pytest.raises(ValueError, match="beyond the model's vocabulary of 64"):
         small.loglikelihood([LoglikelihoodRequest("The capital", " of France")])
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
-        Engine(make_model("dense"), tokens, batch_size=0)
+        EvalEngine(make_model("dense"), tokens, batch_size=0)
 
 
 def test_rolling_windows_are_the_harness_windows():

@@ -37,7 +37,7 @@ HEAD_CHUNK_ELEMENTS = 1 << 24  # logits formed at once in the LM head (64 MB in 
 Pair = tuple[tuple[int, ...], tuple[int, ...]]  # (context ids, continuation ids)
 
 
-class Engine:
+class EvalEngine:
     """``LanguageModel`` over a ``StemLM`` (any FFN kind, tables on any tier); see the module docstring."""
 
     def __init__(self, model, tokens: Tokens, max_length: int | None = None, batch_size: int = 32,

@@ -160,6 +160,6 @@ def load_lm(path: str | os.PathLike, placement: Placement | str = "device", gguf
                               **({"table_dtype": codec.metadata()} if codec.quantized else {}))
     if engine == "reference":
         return ReferenceLM(model.eval(), tokens, vocab, max_length, identity=identity)
-    from .engine import Engine
+    from .engine import EvalEngine
 
-    return Engine(model.eval(), tokens, max_length=max_length, batch_size=batch_size, identity=identity)
+    return EvalEngine(model.eval(), tokens, max_length=max_length, batch_size=batch_size, identity=identity)

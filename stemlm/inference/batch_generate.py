@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .core import DecodeCore, Sequence as Seq
+from .core import DecodeCore, Generation
 from .sampling import SamplingParams, sample_rows  # noqa: F401  (re-exported)
 from ..model.tables import check_ids
 
@@ -79,7 +79,7 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams
             raise ValueError(f"prompt {i} of {len(p)} tokens exceeds max_seq_len={cfg.max_seq_len}")
         check_ids(torch.tensor(list(p)), cfg.vocab_size)
     pad_id = pad_id if pad_id is not None else (eos_id if eos_id is not None else 0)
-    seqs = [Seq(list(p), sp, None if stop is None else (lambda toks, i=i: stop(i, toks)))
+    seqs = [Generation(list(p), sp, None if stop is None else (lambda toks, i=i: stop(i, toks)))
             for i, (p, sp) in enumerate(zip(prompts, params))]
     longest = max((len(p) + min(sp.max_new_tokens, cfg.max_seq_len - len(p) + 1) for p, sp in zip(prompts, params)),
                   default=1)
@@ -89,7 +89,7 @@ def decode_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams
 
 
 @torch.no_grad()
-def _decode_batch(core: DecodeCore, seqs: list[Seq]) -> Iterator[BatchStep]:
+def _decode_batch(core: DecodeCore, seqs: list[Generation]) -> Iterator[BatchStep]:
     if not seqs:
         return
     index = {id(s): i for i, s in enumerate(seqs)}

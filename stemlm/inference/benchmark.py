@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .core import DecodeCore, Sequence
+from .core import DecodeCore, Generation
 from .sampling import SamplingParams
 
 
@@ -25,7 +25,7 @@ def _sync(device: torch.device) -> None:
 
 def _run(core: DecodeCore, prompts: list[list[int]], new_tokens: int) -> tuple[float, float, list[list[int]]]:
     """One generation: ``(prefill seconds, decode seconds, tokens of every prompt)``."""
-    seqs = [Sequence(p, SamplingParams(new_tokens)) for p in prompts]
+    seqs = [Generation(p, SamplingParams(new_tokens)) for p in prompts]
     _sync(core.device)
     t0 = time.perf_counter()
     core.add(seqs)

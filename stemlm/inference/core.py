@@ -36,7 +36,7 @@ from .static import StaticStep, resolve_graphs
 
 
 @dataclass(eq=False)
-class Sequence:
+class Generation:
     """One prompt being decoded. ``stop(tokens)`` ends it early; ``logprobs``/``prompt_logprobs`` ask for
     that many alternatives per generated / prompt token (0 = only the chosen token's). ``generator``
     defaults to one seeded with ``params.seed``; sequences may share one (drawn in row order).
@@ -68,8 +68,8 @@ class Progress:
     """What one ``add`` or ``step`` did: ``emitted`` got one new token each (in row order), ``finished``
     ended in this call; ``ids (n, W)`` were fed with ``lengths[j]`` real tokens in row ``j``."""
 
-    emitted: list[Sequence]
-    finished: list[Sequence]
+    emitted: list[Generation]
+    finished: list[Generation]
     ids: torch.Tensor | None = None
     lengths: list[int] = field(default_factory=list)
 
@@ -103,12 +103,12 @@ class DecodeCore:
             self.max_rows, self.cache = self.static.rows, self.static.cache
             if self.static.views:  # the step reads host rows in place: nothing to prefetch
                 self._prefetch = False
-        self.running: list[Sequence] = []
+        self.running: list[Generation] = []
         self._ticket = None  # the rows prefetched for the next step's ids (store.prefetch), or None
 
     # -- joining ------------------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, seqs: Seq[Sequence]) -> Progress:
+    def add(self, seqs: Seq[Generation]) -> Progress:
         """Prefill ``seqs`` as one group and sample each one's first token; a sequence with no room
         for a token finishes at once (``length``) unless it asked for prompt logprobs."""
         fresh, done = [], []
@@ -139,7 +139,7 @@ class DecodeCore:
         emitted = self._sample([fresh[j] for j in going], logits[going])
         return Progress(emitted, done + self._retire(), ids, lengths)
 
-    def _prefill(self, group: list[Sequence], cache_rows: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def _prefill(self, group: list[Generation], cache_rows: list[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
         """Run the group's prompts right-padded into ``cache_rows``; ``(ids, lengths, last logits (n, V))``."""
         lengths = [len(s.prompt) for s in group]
         width = max(lengths)
@@ -195,7 +195,7 @@ class DecodeCore:
         if self.static is None:
             self.cache.reserve(rows, min(length, self.max_len))
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[Sequence]:
+    def _sample(self, seqs: list[Generation], logits: torch.Tensor) -> list[Generation]:
         """A token per row of ``logits (n, V)`` for ``seqs``; marks those that end."""
         tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for j, (s, tok) in enumerate(zip(seqs, tokens)):
@@ -209,13 +209,13 @@ class DecodeCore:
         return list(seqs)
 
     # -- leaving ------------------------------------------------------------------------------
-    def drop(self, seqs: Seq[Sequence], reason: str = "cancelled") -> None:
+    def drop(self, seqs: Seq[Generation], reason: str = "cancelled") -> None:
         """Take ``seqs`` out of the batch (``finish_reason = reason``); the others go on."""
         for s in seqs:
             s.finish_reason = reason
         self._retire()
 
-    def _retire(self) -> list[Sequence]:
+    def _retire(self) -> list[Generation]:
         """Remove finished rows from the batch and the cache; prefetch the next step's rows (the ticket is
         kept for ``step``: every change of the running batch passes here, so it is always for its tokens)."""
         done = [s for s in self.running if s.finish_reason is not None]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import torch
 
-from .core import DecodeCore, Sequence
+from .core import DecodeCore, Generation
 from .sampling import SamplingParams, check_sampling, draw, new_generator, sample, sampling_probs  # noqa: F401
 
 
@@ -46,7 +46,7 @@ def _generate(core: DecodeCore, prompt, n_new, params, seed, eos_id) -> Iterator
     if n_new <= 0:
         return
     shared = new_generator(seed, prompt.device)
-    seqs = [Sequence(row, params, generator=shared) for row in prompt.tolist()]
+    seqs = [Generation(row, params, generator=shared) for row in prompt.tolist()]
     finished = torch.zeros(prompt.shape[0], dtype=torch.bool, device=prompt.device)
     core.add(seqs)
     for step in range(n_new):

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..inference.core import DecodeCore, Sequence as Seq
+from ..inference.core import DecodeCore, Generation
 from ..inference.sampling import SamplingParams
 from .metrics import Metrics
 
@@ -65,11 +65,11 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     deadline: float | None = None  # the engine's clock() after which it ends the request ("timeout")
-    seq: Seq = field(init=False)
+    seq: Generation = field(init=False)
     _cancel: threading.Event = field(init=False, default_factory=threading.Event)
 
     def __post_init__(self):
-        self.seq = Seq(self.prompt, self.params, self.stop, self.logprobs, self.prompt_logprobs)
+        self.seq = Generation(self.prompt, self.params, self.stop, self.logprobs, self.prompt_logprobs)
 
     @property
     def tokens(self) -> list[int]:
@@ -205,7 +205,7 @@ class Engine:
             if self._idle():
                 self._cond.notify_all()  # wake wait_idle
 
-    def _admissible(self, newcomers: list[Request]) -> list[Seq]:
+    def _admissible(self, newcomers: list[Request]) -> list[Generation]:
         """The newcomers' sequences, less those cancelled or timed out while they waited."""
         seqs = []
         for req in newcomers:

@@ -150,12 +150,12 @@ def _mean(xs: list[float]) -> float:
 
 
 def lm_for(model, data_dir: str | Path, max_length: int | None = None, batch_size: int = 64) -> LanguageModel:
-    """An eval ``Engine`` over an in-memory ``model`` with the tokenizer of its data dir."""
+    """An eval ``EvalEngine`` over an in-memory ``model`` with the tokenizer of its data dir."""
     from ..data.codec import load_codec
-    from ..eval.engine import Engine
+    from ..eval.engine import EvalEngine
 
     tokens = load_codec(tokenizer=Path(data_dir) / "tokenizer.json")
-    return Engine(model.eval(), tokens, max_length=max_length or model.cfg.max_seq_len, batch_size=batch_size,
+    return EvalEngine(model.eval(), tokens, max_length=max_length or model.cfg.max_seq_len, batch_size=batch_size,
                   identity="study-probe")
 
 

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 import yaml
 
-from ..args import dataclass_to_dict, resolve_config, yaml_mapping
+from ..layered_config import dataclass_to_dict, resolve_config, yaml_mapping
 from ..config import ConfigError, ModelConfig
 from ..fields import field_types
 from ..insert.anneal import ANNEAL_MODES

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..args import yaml_mapping
+from ..layered_config import yaml_mapping
 from ..checkpoint.directory import read_config, resolve_checkpoint
 from ..data import TokenDataset, count_eval_batches, iter_eval_batches
 from ..runtime.devices import resolve_device
