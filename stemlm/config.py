@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from .ffn import FFN_KINDS, TABLE_KINDS, ffn_kind
+from .ffn import KINDS, DenseFFN, ffn_kind
 from .fields import ConfigError, coerce_fields
 
 TABLE_INITS = ("xavier_normal", "matched", "normal")
@@ -126,8 +126,8 @@ class ModelConfig:
             set_("d_ff", swiglu_hidden_dim(self.d_model))
         if self.d_ff <= 0:
             raise ConfigError(f"d_ff must be positive, got {self.d_ff}")
-        if self.ffn not in FFN_KINDS:
-            raise ConfigError(f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(FFN_KINDS)}")
+        if self.ffn not in KINDS:  # the registry itself: a kind added to it is known everywhere
+            raise ConfigError(f"unknown ffn kind {self.ffn!r}; choose one of {', '.join(KINDS)}")
         if self.table_init not in TABLE_INITS:
             raise ConfigError(f"unknown table_init {self.table_init!r}; choose one of {', '.join(TABLE_INITS)}")
         for name in ("rope_theta", "norm_eps", "init_std"):
@@ -135,10 +135,10 @@ class ModelConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)!r}")
         if self.hash_seed < 0:
             raise ConfigError(f"hash_seed must be >= 0, got {self.hash_seed}")
-        layers = () if self.ffn == "dense" else resolve_stem_layers(self.stem_layers, self.n_layers)
+        layers = () if self.ffn == DenseFFN.name else resolve_stem_layers(self.stem_layers, self.n_layers)
         set_("head_dim", self.d_model // self.n_heads)
         set_("stem_layer_ids", layers)
-        set_("layer_kinds", tuple(self.ffn if i in layers else "dense" for i in range(self.n_layers)))
+        set_("layer_kinds", tuple(self.ffn if i in layers else DenseFFN.name for i in range(self.n_layers)))
         for name, value in ffn_kind(self.ffn).derived_fields(self).items():  # e.g. Hash-MoE's expert count
             set_(name, value)
 
@@ -146,7 +146,7 @@ class ModelConfig:
     @property
     def table_layers(self) -> tuple[int, ...]:
         """Indices of layers that own a token-indexed table (STEM, STEM†, gate ablation)."""
-        return tuple(i for i, k in enumerate(self.layer_kinds) if k in TABLE_KINDS)
+        return tuple(i for i, k in enumerate(self.layer_kinds) if ffn_kind(k).owns_table)
 
     def to_dict(self) -> dict:
         """Constructor arguments only (derived fields are recomputed on load)."""

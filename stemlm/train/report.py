@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..ffn import TABLE_KINDS
+from ..ffn import ffn_kind
 from .result import TrainResult
 from ..checkpoint.rundir import RunDir
 
@@ -58,7 +58,7 @@ def next_steps_lines(result: TrainResult, ffn: str | None = None) -> list[str]:
     if text:  # generating and editing need the tokenizer the checkpoint carries
         lines.append(f'  stemlm generate --ckpt {run} --prompt "The capital of France is" --max-new-tokens 20')
     lines.append(f"  stemlm eval-ppl --ckpt {run}")
-    if text and ffn in TABLE_KINDS:
+    if text and ffn_kind(ffn).owns_table:
         lines.append(f'  stemlm edit --ckpt {run} --swap Spain=Germany --prompt "The capital of Spain is"')
     config = shlex.quote(str(result.run_dir / "config.yaml"))
     lines.append(f"  stemlm train --config {config} --resume run.steps={2 * result.steps}   # train on to twice the steps")
