@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from stemlm import StemLM, model_config
 from stemlm import accounting as acc
-from stemlm.inference.kv_cache import KVCache
+from kv_helpers import KVCache
 
 KINDS = ["dense", "stem", "stem_dagger", "stem_gate", "hash_moe"]
 # On CPU, torch 2.13 runs SDPA through this kernel, which FlopCounterMode has no formula for
