@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
-.PHONY: install run demo demo-real test test-slow test-latest bench gpu-check
+.PHONY: install run demo demo-real test test-slow test-latest bench bench-check gpu-check
 install: $(STAMP)
 
 run: $(STAMP)
@@ -48,6 +48,11 @@ test-latest:
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
+
+# Re-measure the README's CPU figures at HEAD: each benchmark 3 times, interleaved, against the committed JSON
+# (CHECK_ARGS="--only P7,serve" for a selection); writes benchmarks/results/check.json and check.md.
+bench-check: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) benchmarks/check.py $(CHECK_ARGS)
 
 # Every GPU figure of issue 27 side by side (docs/gpu.md): run on the GPU machine from this source
 # tree, with no install (only torch, numpy, safetensors, tokenizers and pyyaml need importing).

@@ -1,0 +1,222 @@
+"""Re-measure the README's CPU figures at HEAD, several independent times, and compare with the committed JSON.
+
+    python benchmarks/check.py                   # every check, 3 runs each, interleaved (make bench-check)
+    python benchmarks/check.py --only P7,serve   # a selection (names below, or their P-numbers)
+    python benchmarks/check.py --runs 5 --list
+
+A README figure comes from one run of its benchmark: its within-run rounds say nothing of how the
+machine's state moves the figure between runs (issue 38: P7 read 1.36× in its committed run and
+1.15× / 1.11× when re-run on the same code). Here each selected benchmark runs ``--runs`` times, each
+time as its own process, the benchmarks interleaved (round 1: A B C, round 2: A B C, ...), each
+writing its JSON into a scratch directory (``STEMLM_BENCH_RESULTS``), never over the committed one.
+
+For every figure the report gives the committed value, every run's value, their spread
+``[min, max]`` and median, whether the spread excludes the committed value ("not reproduced"), and
+the goal's verdict in every run: "met" only when every run met it. A committed verdict that the
+re-runs do not all share is named as a flip. Written to ``benchmarks/results/check.json`` and
+``check.md`` (``--out``); the README table shows the spread of a figure that has one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or HERE / "results")
+
+
+@dataclass
+class Check:
+    """One benchmark re-run: how to run it, its JSON, and its goal's figures.
+
+    ``figures(json) -> {name: value}``; ``goals`` maps a figure to ``(text, predicate)``."""
+
+    name: str
+    label: str
+    script: str
+    result: str
+    figures: Callable[[dict], dict[str, float]]
+    goals: dict[str, tuple[str, Callable[[float], bool]]]
+    args: list[str] = field(default_factory=list)
+
+
+def _serve(r: dict) -> dict[str, float]:
+    return {f"overhead_c{c}": v["overhead"] for c, v in r["concurrency"].items()}
+
+
+def _batch(r: dict) -> dict[str, float]:
+    return {f"{tier}_b8_over_b1": v["summary"]["speed_ratio_b8_over_b1"] for tier, v in r["tiers"].items()
+            if v.get("summary")}
+
+
+def _offload(r: dict) -> dict[str, float]:
+    return {f"{k}_disk_over_ram": v["speed_ratio_vs_ram"] for k, v in r["summary"].items()}
+
+
+CHECKS = [
+    Check("train_step", "P1", "bench_train_step.py", "train_step.json", lambda r: {"gap": r["gap"]},
+          {"gap": ("|STEM-full ÷ dense − FLOP ratio| ≤ 0.03", lambda v: abs(v) <= 0.03)}),
+    Check("sparse_optim", "P2", "bench_sparse_optim.py", "sparse_optim.json",
+          lambda r: {"vs_defaults": r["main"]["dense_over_sparse_step"],
+                     "fused_vs_fused": r["main"]["dense_fused_over_sparse_fused_step"]},
+          {"vs_defaults": ("≥ 20×", lambda v: v >= 20), "fused_vs_fused": ("≥ 7×", lambda v: v >= 7)}),
+    Check("mfu", "P3", "bench_mfu.py", "mfu.json", lambda r: {f"{k}_mfu": v["mfu"] for k, v in r["runs"].items()},
+          {"dense_mfu": ("≥ 50 %", lambda v: v >= 0.5), "stem_mfu": ("≥ 50 %", lambda v: v >= 0.5)}),
+    Check("offload_decode", "P4", "bench_offload_decode.py", "offload_decode.json", _offload,
+          {"disk_disk_over_ram": ("≥ 0.95×", lambda v: v >= 0.95),
+           "disk-cold_disk_over_ram": ("≥ 0.95×", lambda v: v >= 0.95)}),
+    Check("vs_hf", "P7", "bench_vs_hf.py", "vs_hf.json",
+          lambda r: {"ratio": r["ratio"], "ratio_aten": r["ratio_aten"], "ratio_compiled": r["ratio_compiled"]},
+          {"ratio": ("≥ 1.3×", lambda v: v >= 1.3), "ratio_compiled": ("≥ 1.3×", lambda v: v >= 1.3)}),
+    Check("batch_decode", "batch", "bench_batch_decode.py", "batch_decode.json", _batch,
+          {"host_b8_over_b1": ("≥ 4×", lambda v: v >= 4), "disk_b8_over_b1": ("≥ 4×", lambda v: v >= 4)}),
+    Check("serve", "P11", "bench_serve.py", "bench_serve.json", _serve,
+          {f"overhead_c{c}": ("≤ +10 %", lambda v: v <= 0.10) for c in (1, 2, 4, 8, 16)}),
+]
+
+
+def select(only: str | None) -> list[Check]:
+    """The checks named in ``only`` (names or labels, comma-separated), or all."""
+    if not only:
+        return list(CHECKS)
+    want = {x.strip().lower() for x in only.split(",") if x.strip()}
+    picked = [c for c in CHECKS if c.name.lower() in want or c.label.lower() in want]
+    unknown = want - {c.name.lower() for c in picked} - {c.label.lower() for c in picked}
+    if unknown:
+        raise SystemExit(f"check.py: unknown check(s) {', '.join(sorted(unknown))}; "
+                         f"choose from {', '.join(f'{c.label}/{c.name}' for c in CHECKS)}")
+    return picked
+
+
+def run_once(check: Check, scratch: Path, python: str = sys.executable, timeout: float = 3600) -> dict:
+    """One run of ``check``'s benchmark in its own process; its figures (``{"error": ...}`` if it failed)."""
+    out = scratch / f"{check.name}-{time.time_ns()}"
+    out.mkdir(parents=True)
+    env = {**os.environ, "STEMLM_BENCH_RESULTS": str(out), "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    t0 = time.perf_counter()
+    proc = subprocess.run([python, str(HERE / check.script), *check.args], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+    wall = time.perf_counter() - t0
+    path = out / check.result
+    if proc.returncode != 0 or not path.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"error": f"exit {proc.returncode}: {tail[0]}", "wall_s": wall}
+    return {"figures": check.figures(json.loads(path.read_text())), "wall_s": wall}
+
+
+def summarize(check: Check, runs: list[dict], committed: dict | None) -> dict:
+    """Per figure: committed value, the runs' values, spread, median, reproduced?, verdicts, flip."""
+    ok = [r["figures"] for r in runs if "figures" in r]
+    names = sorted({k for f in ok for k in f} | set(committed or {}))
+    out = {}
+    for name in names:
+        values = [f[name] for f in ok if name in f]
+        entry = {"committed": (committed or {}).get(name), "runs": values}
+        if values:
+            lo, hi = min(values), max(values)
+            entry.update(min=lo, max=hi, median=statistics.median(values))
+            if entry["committed"] is not None:
+                entry["reproduced"] = lo <= entry["committed"] <= hi
+        if name in check.goals:
+            text, pred = check.goals[name]
+            entry["goal"] = text
+            verdicts = [bool(pred(v)) for v in values]
+            entry["met_every_run"] = bool(verdicts) and all(verdicts)
+            entry["met_some_run"] = any(verdicts)
+            if entry["committed"] is not None:
+                entry["committed_met"] = bool(pred(entry["committed"]))
+                entry["flip"] = bool(verdicts) and any(v != entry["committed_met"] for v in verdicts)
+        out[name] = entry
+    return out
+
+
+def committed_figures(check: Check, results: Path = RESULTS) -> dict | None:
+    """The figures of the committed JSON, or None when there is none."""
+    path = results / check.result
+    if not path.exists():
+        return None
+    try:
+        return check.figures(json.loads(path.read_text()))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def run_checks(checks: list[Check], runs: int, scratch: Path, results: Path = RESULTS, python: str = sys.executable,
+               log=print) -> dict:
+    """Every check ``runs`` times, interleaved; the report (see the module docstring)."""
+    raw: dict[str, list[dict]] = {c.name: [] for c in checks}
+    for i in range(runs):
+        for c in checks:
+            r = run_once(c, scratch, python)
+            raw[c.name].append(r)
+            what = r.get("error") or ", ".join(f"{k} {v:.4g}" for k, v in r["figures"].items())
+            log(f"run {i + 1}/{runs} {c.label} {c.name} ({r['wall_s']:.0f} s): {what}")
+    from stemlm.version import git_commit
+
+    report = {"commit": git_commit(), "runs": runs, "machine": {"cpus": os.cpu_count()}, "checks": {}}
+    for c in checks:
+        report["checks"][c.name] = {"label": c.label, "script": c.script, "result": c.result,
+                                    "wall_s": [r["wall_s"] for r in raw[c.name]],
+                                    "errors": [r["error"] for r in raw[c.name] if "error" in r],
+                                    "figures": summarize(c, raw[c.name], committed_figures(c, results))}
+    return report
+
+
+def markdown(report: dict) -> str:
+    """A readable summary of ``run_checks``'s report."""
+    lines = [f"# Re-measured CPU figures at {report['commit']} ({report['runs']} runs each, interleaved)", "",
+             "| check | figure | committed | runs: median [min, max] | reproduced? | goal | every run met it? | flip? |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, c in report["checks"].items():
+        for fig, e in c["figures"].items():
+            spread = f"{e['median']:.4g} [{e['min']:.4g}, {e['max']:.4g}]" if "median" in e else "—"
+            com = "—" if e["committed"] is None else f"{e['committed']:.4g}"
+            rep = {True: "yes", False: "**no**"}.get(e.get("reproduced"), "—")
+            met = {True: "yes", False: "**no**"}.get(e.get("met_every_run"), "—")
+            flip = "**yes**" if e.get("flip") else ("no" if "flip" in e else "—")
+            lines.append(f"| {c['label']} {name} | {fig} | {com} | {spread} | {rep} | {e.get('goal', '—')} | {met} | {flip} |")
+        if c["errors"]:
+            lines.append(f"| {c['label']} {name} | errors | {'; '.join(c['errors'])} | | | | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3, help="independent runs of each benchmark (default 3)")
+    ap.add_argument("--only", help="comma-separated checks, by name or label (e.g. P7,serve)")
+    ap.add_argument("--list", action="store_true", help="list the checks and exit")
+    ap.add_argument("--out", default=str(RESULTS / "check"), help="report path without suffix (default: results/check)")
+    args = ap.parse_args(argv)
+    if args.list:
+        for c in CHECKS:
+            print(f"{c.label:>6}  {c.name:<15} {c.script}  -> {c.result}")
+        return 0
+    if args.runs < 1:
+        ap.error("--runs must be at least 1")
+    checks = select(args.only)
+    with tempfile.TemporaryDirectory(prefix="stemlm-check-") as scratch:
+        report = run_checks(checks, args.runs, Path(scratch))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from stemlm.runtime.files import atomic_write_text
+
+    atomic_write_text(out.with_suffix(".json"), json.dumps(report, indent=2))
+    atomic_write_text(out.with_suffix(".md"), markdown(report))
+    print(markdown(report))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

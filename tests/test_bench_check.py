@@ -1,0 +1,50 @@
+"""``benchmarks/check.py``: independent runs, interleaved, summarized against the committed figures."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import check  # noqa: E402
+
+FAKE = """
+import json, os, pathlib, sys
+out = pathlib.Path(os.environ["STEMLM_BENCH_RESULTS"])
+runs = pathlib.Path(sys.argv[1])
+n = len(list(runs.glob("*"))) if runs.exists() else 0
+runs.mkdir(exist_ok=True)
+(runs / str(n)).write_text("")
+(out / "fake.json").write_text(json.dumps({"ratio": [1.2, 1.4, 1.35][n % 3]}))
+"""
+
+
+def test_runs_are_interleaved_summarized_and_judged(tmp_path):
+    script = tmp_path / "bench_fake.py"
+    script.write_text(FAKE)
+    committed = tmp_path / "results"
+    committed.mkdir()
+    (committed / "fake.json").write_text(json.dumps({"ratio": 1.36}))
+    fake = check.Check("fake", "P9", str(script), "fake.json", lambda r: {"ratio": r["ratio"]},
+                       {"ratio": ("≥ 1.3×", lambda v: v >= 1.3)}, args=[str(tmp_path / "count")])
+    log = []
+    report = check.run_checks([fake], 3, tmp_path / "scratch", results=committed, log=log.append)
+    e = report["checks"]["fake"]["figures"]["ratio"]
+    assert e["runs"] == [1.2, 1.4, 1.35] and (e["min"], e["max"], e["median"]) == (1.2, 1.4, 1.35)
+    assert e["reproduced"] is True  # 1.36 lies in [1.2, 1.4]
+    assert e["met_every_run"] is False and e["met_some_run"] and e["committed_met"] and e["flip"]
+    assert len(log) == 3 and not report["checks"]["fake"]["errors"]
+    md = check.markdown(report)
+    assert "| P9 fake | ratio | 1.36 | 1.35 [1.2, 1.4] | yes | ≥ 1.3× | **no** | **yes** |" in md
+
+
+def test_a_failing_run_is_reported_and_unknown_names_refused(tmp_path):
+    script = tmp_path / "bench_broken.py"
+    script.write_text("raise SystemExit('no data here')")
+    broken = check.Check("broken", "P0", str(script), "broken.json", lambda r: r, {})
+    report = check.run_checks([broken], 1, tmp_path / "scratch", results=tmp_path, log=lambda *_: None)
+    assert report["checks"]["broken"]["errors"] == ["exit 1: no data here"]
+    assert [c.name for c in check.select("P7,serve")] == ["vs_hf", "serve"]
+    with pytest.raises(SystemExit, match="unknown check"):
+        check.select("P99")
