@@ -43,7 +43,7 @@ def test_two_workers_train_every_run_once_with_the_sequential_losses(tmp_path, c
     assert done.returncode == 0, done.stderr[-2000:]
     assert "2 workers, 1 thread(s) each" in done.stderr and "runs trained by 2 workers" in done.stdout
     trained = [line.split(": ")[1] for line in done.stderr.splitlines() if line.endswith(": training")]
-    assert len(trained) == len(set(trained)) == 8  # 4 sweep + 4 comparison runs, none twice
+    assert len(trained) == len(set(trained)) == 8, done.stderr[-4000:]  # 4 sweep + 4 comparison runs, none twice
 
     assert main(["study", "run", *common, "--results", str(tmp_path / "seq"), "--scratch", str(tmp_path / "seq-scratch")]) == 0
     assert "8 runs trained" in capsys.readouterr().out

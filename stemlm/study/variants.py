@@ -12,7 +12,8 @@ model whose FFN width ``d_ff`` makes its total parameters closest to ``stem-1/3`
 from __future__ import annotations
 
 from .. import accounting as acc
-from ..config import FFN_KINDS, ConfigError, ModelConfig
+from ..config import ConfigError, ModelConfig
+from ..ffn import KINDS
 from ..presets import model_config
 
 WIDE = "dense-wide"
@@ -42,8 +43,8 @@ def parse_variant(variant: str) -> tuple[str, str | None]:
     if variant == WIDE:
         return "dense", None
     kind, _, placement = variant.partition("-")
-    if kind not in FFN_KINDS:
-        raise ConfigError(f"study variant {variant!r}: unknown FFN kind {kind!r}; choose one of {', '.join(FFN_KINDS)} "
+    if kind not in KINDS:
+        raise ConfigError(f"study variant {variant!r}: unknown FFN kind {kind!r}; choose one of {', '.join(KINDS)} "
                           f"(as KIND-PLACEMENT, e.g. stem-1/3) or {WIDE}")
     if kind != "dense" and not placement:
         raise ConfigError(f"study variant {variant!r} needs a placement, e.g. {kind}-1/3")
