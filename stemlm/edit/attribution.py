@@ -15,6 +15,7 @@ import contextlib
 from collections.abc import Iterable
 from dataclasses import replace
 
+from ..ffn import ffn_kind
 from ..insert.anneal import annealed_layers, check_annealable
 from .evaluate import EditEvalConfig, run_edit_eval
 
@@ -31,7 +32,7 @@ def stem_at(model, layers: Iterable[int]):
     saved = [(f, f.up_scale, f.row_scale) for f in annealed_layers(model)]
     try:
         for i, block in enumerate(model.layers):
-            if block.kind == "stem_dagger":
+            if ffn_kind(block.kind).anneals_to:  # its scales choose between the dense layer and pure STEM
                 block.ffn.up_scale, block.ffn.row_scale = (0.0, 1.0) if i in chosen else (1.0, 0.0)
         yield model
     finally:

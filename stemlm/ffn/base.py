@@ -15,7 +15,9 @@ only) and the token ids. Its class attributes and class methods answer, without 
   from a dense FFN's weights, and ``zero_rows_are_dense``;
 * decoding: ``routes_by_data`` (the step depends on the ids' values: no CUDA graph);
 * the fused table kernels: ``fuses_row_gather`` (its ``hidden`` takes ``IndexedRows`` and gathers the
-  rows inside the kernel; other kinds get the rows expanded per position).
+  rows inside the kernel; other kinds get the rows expanded per position);
+* gradual insertion (``stemlm.insert.anneal``): ``anneals_to``, the kind it becomes once its
+  ``up_scale`` reaches 0 (None: it does not anneal).
 
 Sizes come from a ``ModelConfig`` (``d_model``, ``d_ff``, ``vocab_size``, ``n_experts``).
 """
@@ -45,6 +47,7 @@ class FFNKind(nn.Module):
     zero_rows_are_dense: ClassVar[bool] = False  # with all-zero rows the layer is exactly the dense layer
     routes_by_data: ClassVar[bool] = False  # the computation depends on the ids' values
     fuses_row_gather: ClassVar[bool] = False  # takes ``IndexedRows`` (rows not expanded per position) in forward
+    anneals_to: ClassVar[str | None] = None  # the kind gradual insertion turns it into (its up_scale/row_scale), if any
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

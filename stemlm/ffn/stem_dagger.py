@@ -21,6 +21,7 @@ class StemDaggerFFN(FFNKind):
     owns_table = True
     table_from = "w_up"
     zero_rows_are_dense = True
+    anneals_to = StemFFN.name  # up_scale 0, row_scale 1: pure STEM
 
     def __init__(self, cfg):
         super().__init__(cfg)

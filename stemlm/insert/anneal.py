@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import ModelConfig
+from ..ffn import KINDS, ffn_kind
 
 ANNEAL_MODES = ("off", "dagger", "blend")
 
@@ -52,16 +53,17 @@ def apply_schedule(model, mode: str, step: int, total_steps: int, ratio: float) 
 
 
 def annealed_layers(model) -> list:
-    """The FFNs a schedule acts on: those of the ``stem_dagger`` layers."""
-    return [b.ffn for b in model.layers if b.kind == "stem_dagger"]
+    """The FFNs a schedule acts on: those of the layers whose kind anneals (``FFNKind.anneals_to``)."""
+    return [b.ffn for b in model.layers if ffn_kind(b.kind).anneals_to]
 
 
 def check_annealable(cfg: ModelConfig) -> None:
-    """A one-line ``ValueError`` unless every table layer of ``cfg`` is ``stem_dagger``."""
+    """A one-line ``ValueError`` unless every table layer of ``cfg`` is of a kind that anneals."""
     kinds = {cfg.layer_kinds[i] for i in cfg.table_layers}
-    if kinds != {"stem_dagger"}:
-        raise ValueError(f"run.anneal needs a model whose table layers are all stem_dagger (convert with "
-                         f"--ffn stem_dagger), got {sorted(kinds) or 'no table layers'}")
+    can = [name for name, kind in KINDS.items() if kind.anneals_to]
+    if not kinds or any(not ffn_kind(k).anneals_to for k in kinds) or len(kinds) > 1:
+        raise ValueError(f"run.anneal needs a model whose table layers are all {' or '.join(can)} (convert with "
+                         f"--ffn {can[0]}), got {sorted(kinds) or 'no table layers'}")
 
 
 def set_scales(model, up_scale: float, row_scale: float) -> None:
@@ -84,7 +86,7 @@ def to_stem(model):
         if ffn.up_scale != 0.0 or ffn.row_scale != 1.0:
             raise ValueError(f"the up-projection is not annealed out yet (s={ffn.up_scale:g}, r={ffn.row_scale:g}); "
                              "train until run.anneal_ratio of the steps have passed")
-    cfg = model.cfg.replace(ffn="stem")
+    cfg = model.cfg.replace(ffn=ffn_kind(model.cfg.ffn).anneals_to)
     state = {k: v for k, v in model.state_dict().items()
              if not (k.endswith(".ffn.w_up.weight") and int(k.split(".")[1]) in cfg.table_layers)}
     return model_from_state(cfg, state).train(model.training)
