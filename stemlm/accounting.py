@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig
-from .ffn import ffn_kind
+from .ffn import DenseFFN, HashMoEFFN, StemFFN, ffn_kind
 
 FLOPS_PER_MAC = 2
 TRAIN_FLOPS_MULTIPLIER = 3  # forward + backward (2 × forward) for matmuls
@@ -177,7 +177,7 @@ def layer_saving_fraction(cfg: ModelConfig, seq_len: int, kind: str | None = Non
     """Exact per-layer saving of ``kind`` (default ``cfg.ffn``) against a dense layer, GQA included."""
     kind = kind or cfg.ffn
     attn = attention_params(cfg) + attention_score_macs_per_token(cfg, seq_len)
-    dense = attn + ffn_macs_per_token(cfg, "dense")
+    dense = attn + ffn_macs_per_token(cfg, DenseFFN.name)
     return (dense - attn - ffn_macs_per_token(cfg, kind)) / dense
 
 
@@ -234,8 +234,9 @@ def stored_param_count(ckpt_dir) -> int:
 # -- one report ------------------------------------------------------------------------------
 def hash_moe_match(cfg: ModelConfig) -> dict:
     """Parameters of one Hash-MoE layer (matched expert count) against one STEM layer."""
-    moe = cfg.replace(ffn="hash_moe", n_experts=cfg.n_experts if cfg.ffn == "hash_moe" else None)
-    stem, hm = sum(ffn_params(cfg, "stem").values()), ffn_params(moe, "hash_moe")["weights"]
+    moe_name = HashMoEFFN.name
+    moe = cfg.replace(ffn=moe_name, n_experts=cfg.n_experts if cfg.ffn == moe_name else None)
+    stem, hm = sum(ffn_params(cfg, StemFFN.name).values()), ffn_params(moe, moe_name)["weights"]
     return {"n_experts": moe.n_experts, "hash_moe_layer_params": hm, "stem_layer_params": stem,
             "ratio": hm / stem}
 
@@ -245,7 +246,7 @@ def summarize(cfg: ModelConfig, seq_len: int | None = None, dtype_bytes: int = 2
     seq_len = seq_len or cfg.max_seq_len
     if dtype_bytes <= 0:
         raise ValueError(f"dtype_bytes must be positive, got {dtype_bytes}")
-    dense = cfg.replace(ffn="dense")
+    dense = cfg.replace(ffn=DenseFFN.name)
     fwd, dense_fwd = forward_flops_per_token(cfg, seq_len), forward_flops_per_token(dense, seq_len)
     return {
         "config": cfg.to_dict(),
