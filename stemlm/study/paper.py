@@ -124,10 +124,3 @@ QUOTES: dict[str, Quote] = {
         f"{TABLE3['dense']['avg_acc']:.2f}; gate-proj \"{TEXT['gate'][1]}\"",
         f"Table 3; {TEXT['gate'][0]}"),
 }
-
-
-def table3_roi(variant: str) -> float:
-    """Accuracy ROI of a Table 3 placement recomputed from its average accuracy and GFLOPs:
-    ``(acc / F) / (acc_dense / F_dense)``."""
-    v, d = TABLE3[variant], TABLE3["dense"]
-    return (v["avg_acc"] / v["gflops"]) / (d["avg_acc"] / d["gflops"])

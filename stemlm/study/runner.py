@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..runtime.files import atomic_write_text
 from ..version import code_dirty, git_head, untracked
 from .measures import accounting_summary, capacity_summary, curves, geometry_summary, run_probes, val_batch_losses
 from .spec import CORPORA, STAGES, RunSpec, plan
@@ -34,12 +35,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def write_json(path: Path, data: dict) -> Path:
-    """Write ``data`` to ``path`` atomically (a temp file renamed into place)."""
+    """Write ``data`` to ``path`` as JSON through the one atomic writer (``runtime.files``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=1, default=str))
     return path
 
 

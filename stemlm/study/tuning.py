@@ -58,11 +58,6 @@ def best_lrs(runs: list[dict], grid: list[float] | None = None) -> dict[str, dic
     return out
 
 
-def tuned_lrs(runs: list[dict], grid: list[float] | None = None) -> dict[str, float]:
-    """``{variant: best lr}`` (what ``spec.plan`` takes)."""
-    return {v: b["lr"] for v, b in best_lrs(runs, grid).items()}
-
-
 RESOLVE_DEFAULTS = {"seeds": [1, 2], "within": 0.05, "extend": 2, "factor": None}
 
 
