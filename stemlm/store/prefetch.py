@@ -21,10 +21,8 @@ A write (``write_rows``) after a prefetch was issued makes that table's prefetch
 
 Read-ahead (disk tier): before gathering a layer, the worker tells the kernel the rows of the
 next ``READ_AHEAD_LAYERS`` layers (``advise``: ``POSIX_FADV_WILLNEED``), so the device serves
-those reads in parallel instead of one ``pread`` at a time. Cold page cache, this machine: 16
-layers × 64 rows ready in 25 ms instead of 220-250 ms, × 4096 rows in 2.2-2.4 s instead of
-25-32 s; one-token decode 1.06× faster (paired A/B, 8 rounds). Rows already in the page cache
-cost a hint ~1.4 µs each (warm decode A/B: 1.00×). ``read_ahead = False`` turns it off.
+those reads in parallel instead of one ``pread`` at a time (what it gained, measured, is in
+docs/offload.md). ``read_ahead = False`` turns it off.
 """
 
 from __future__ import annotations
