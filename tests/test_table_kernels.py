@@ -124,7 +124,7 @@ def test_trainer_with_triton_kernels(tmp_path):
     from train_helpers import debug_config, losses, make_token_data
 
     data = make_token_data(tmp_path / "data")
-    common = ("run.steps=3", "optim.grad_accum=2", "model.ffn=stem", "model.stem_layers=1/2", "run.eval_every=3")
+    common = ("run.steps=2", "optim.grad_accum=2", "model.ffn=stem", "model.stem_layers=1/2", "run.eval_every=2")
     with Trainer(debug_config(data, tmp_path / "ref", *common, "run.table_path=reference")) as t:
         t.fit()
     with Trainer(debug_config(data, tmp_path / "tri", *common, "run.table_path=fused", "run.table_kernels=triton")) as t:
@@ -159,14 +159,14 @@ def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
     from train_helpers import debug_config, losses, make_token_data
 
     data = make_token_data(tmp_path / "data")
-    common = ("run.steps=4", "optim.grad_accum=2", "model.ffn=stem", "model.stem_layers=1/2", "run.eval_every=2",
+    common = ("run.steps=3", "optim.grad_accum=2", "model.ffn=stem", "model.stem_layers=1/2", "run.eval_every=3",
               "run.ckpt_every=2", "optim.grad_clip=0.5", "optim.table_weight_decay=0.1",
               "optim.decay_untouched=catchup", "run.table_path=fused", *extra)
     with Trainer(debug_config(data, tmp_path / "eager", *common)) as ref:
         ref.fit()
     with Trainer(debug_config(data, tmp_path / "static", *common, "run.step_graph=static")) as t:
         t.fit()
-        assert t.captured is not None and t.captured.calls == 4
+        assert t.captured is not None and t.captured.calls == 3
     tol = {"rtol": 0, "atol": 0}  # bit for bit
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "static")), torch.tensor(losses(tmp_path / "eager")), **tol)
     got, want = t.model.state_dict(), ref.model.state_dict()
