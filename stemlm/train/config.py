@@ -175,6 +175,11 @@ class RunSection:
     anneal: str = _f("off", "gradual insertion of a stem_dagger model: off | dagger (tables start at zero) | blend "
                      "(tables start calibrated); the up-projection is annealed out (docs/insertion.md)")
     anneal_ratio: float = _f(0.5, "fraction of run.steps over which run.anneal takes the up-projection from 1 to 0")
+    distill: Optional[str] = _f(None, "teacher checkpoint (or run dir), e.g. the dense model a STEM model was converted "
+                                "from: the loss adds the KL to its next-token distribution (docs/insertion.md)")
+    distill_weight: float = _f(0.5, "run.distill: weight w of the KL; loss = (1 - w) CE + w T^2 KL")
+    distill_temperature: float = _f(1.0, "run.distill: temperature T of both distributions")
+    distill_top_k: int = _f(0, "run.distill: 0 = the teacher's full distribution, k = its k most likely tokens (renormalised)")
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
                                  "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
                                  "both compute the same steps, so it may change on resume")
@@ -192,6 +197,12 @@ class RunSection:
             raise ConfigError(f"run.anneal_ratio must be in (0, 1], got {self.anneal_ratio!r}")
         if self.anneal != "off" and self.compile:
             raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
+        if self.distill is not None:
+            from .distill import DistillConfig
+            try:
+                DistillConfig(self.distill, self.distill_weight, self.distill_temperature, self.distill_top_k)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
         _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))
