@@ -92,3 +92,24 @@ def test_bad_distillation_settings_are_one_line_errors():
         CalibrationConfig(distill_batch=0)
     with pytest.raises(ValueError, match="als_rounds must be >= 0"):
         CalibrationConfig(als_rounds=-2)
+
+
+def test_convert_cli_distills_after_calibrating(tmp_path, monkeypatch, capsys):
+    import json
+
+    from stemlm.cli import main
+    from test_hf import llama_dir
+
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
+    _, src = llama_dir(tmp_path)
+    text = tmp_path / "calib.txt"
+    text.write_text("\n\n".join(["the cat sat on the mat and the dog ran in the park"] * 40))
+    out = tmp_path / "out"
+    assert main(["convert", "--from-hf", str(src), "--out", str(out), "--ffn", "stem", "--stem-layers", "2",
+                 "--init", "calibrate", "--calib-data", str(text), "--calib-tokens", "256", "--calib-seq-len", "16",
+                 "--distill-steps", "5", "--distill-batch", "16", "--distill-down"]) == 0
+    calib = json.loads((out / "config.json").read_text())["stemlm_conversion"]["calibration"]
+    assert calib["distill_steps"] == 5 and calib["distill_down"] is True
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "o2"), "--ffn", "stem",
+                 "--distill-steps", "3"]) != 0
+    assert "--distill-steps applies to --init calibrate only" in capsys.readouterr().err
