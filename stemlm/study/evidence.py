@@ -244,7 +244,7 @@ def midtrain_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
             d = difference(dict(enumerate(va)), dict(enumerate(vb))) if va and len(va) == len(vb) else difference(a, b)
             d.kind = "paired by validation batch; 1 seed" if d.ci else d.kind
         tags = [lab["ffn"]] if lab.get("ffn") else []
-        tags += [f"{k} {lab[k]}" for k in ("init", "anneal") if lab.get(k)]
+        tags += [f"{k} {lab[k]}" for k in ("init", "anneal", "distill") if lab.get(k)]
         label = f"{arm} ({', '.join(tags)})" if tags else arm
         parts.append(_part(label, d, -1, " nats", f"; start {rs[next(iter(a))]['metrics']['val_loss_init']:.3f} vs "
                                                    f"{arms[dense][next(iter(a))]['metrics']['val_loss_init']:.3f}"))
