@@ -89,3 +89,20 @@ def test_bad_distill_settings_are_one_line_errors(data_dir, teacher, tmp_path):
         train(debug_config(data_dir, tmp_path / "x", f"run.distill={tmp_path / 'missing'}"))
     with pytest.raises(ConfigError, match="vocabulary"):
         train(debug_config(data_dir, tmp_path / "y", f"run.distill={teacher}", "model.vocab_size=600"))
+
+
+def test_cached_top_k_teacher_trains_like_the_teacher_computed_on_the_fly(data_dir, teacher, tmp_path):
+    """run.distill_cache writes the teacher's top-k of every micro-batch once (fp16 values), then trains
+    without the teacher: the losses follow the on-the-fly top-k run; a resumed run reuses the files."""
+    args = ("run.steps=6", "optim.grad_accum=2", f"run.distill={teacher}", "run.distill_top_k=8",
+            "run.distill_weight=0.7", "run.distill_temperature=2.0")
+    train(debug_config(data_dir, tmp_path / "live", *args))
+    train(debug_config(data_dir, tmp_path / "cached", *args, "run.distill_cache=true"), stop_at=3)
+    files = sorted((tmp_path / "cached" / "distill_topk").glob("*.safetensors"))
+    assert len(files) == 12  # 6 steps x 2 micro-batches, all written before the first step
+    stamps = [f.stat().st_mtime_ns for f in files]
+    train(debug_config(data_dir, tmp_path / "cached", *args, "run.distill_cache=true"), resume=True)
+    assert [f.stat().st_mtime_ns for f in files] == stamps
+    np.testing.assert_allclose(losses(tmp_path / "cached"), losses(tmp_path / "live"), rtol=2e-3)
+    with pytest.raises(ConfigError, match="distill_top_k > 0"):
+        debug_config(data_dir, tmp_path / "x", f"run.distill={teacher}", "run.distill_cache=true")

@@ -180,6 +180,8 @@ class RunSection:
     distill_weight: float = _f(0.5, "run.distill: weight w of the KL; loss = (1 - w) CE + w T^2 KL")
     distill_temperature: float = _f(1.0, "run.distill: temperature T of both distributions")
     distill_top_k: int = _f(0, "run.distill: 0 = the teacher's full distribution, k = its k most likely tokens (renormalised)")
+    distill_cache: bool = _f(False, "run.distill: write the teacher's top-k of every micro-batch to <run.out>/distill_topk "
+                                    "before training (needs run.distill_top_k > 0), so training holds only the student")
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
                                  "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
                                  "both compute the same steps, so it may change on resume")
@@ -203,6 +205,8 @@ class RunSection:
                 DistillConfig(self.distill, self.distill_weight, self.distill_temperature, self.distill_top_k)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
+            if self.distill_cache and not self.distill_top_k:
+                raise ConfigError("run.distill_cache stores the teacher's top-k: set run.distill_top_k > 0")
         _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))

@@ -102,7 +102,9 @@ class Trainer:
                                              self.device, self.model)
         apply_table_path(self.model, self.table_path, cfg.run.tables, self.device)
         try:
-            self.teacher = teacher_for_run(cfg.run, self.device, self.model)  # None without run.distill
+            self.teacher = teacher_for_run(cfg.run, self.device, self.model, self.host_batch,  # None without run.distill
+                                           cfg.run.steps * cfg.optim.grad_accum, self.run_dir / "distill_topk",
+                                           cfg.run.progress and self.is_main)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
