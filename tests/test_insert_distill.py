@@ -113,3 +113,18 @@ def test_convert_cli_distills_after_calibrating(tmp_path, monkeypatch, capsys):
     assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "o2"), "--ffn", "stem",
                  "--distill-steps", "3"]) != 0
     assert "--distill-steps applies to --init calibrate only" in capsys.readouterr().err
+
+
+def test_shrink_pulls_rarely_seen_rows_towards_the_pooled_row():
+    from stemlm.insert.fit import LayerStats
+
+    stats = LayerStats.zeros(4, 2)
+    ids = torch.tensor([0] * 50 + [1])
+    target = torch.cat([torch.ones(50, 2), torch.full((1, 2), 10.0)])
+    stats.add(ids, target, None)
+    pooled = target.mean(0)
+    plain, shrunk = stats.rows(), stats.rows(shrink=1.0)
+    torch.testing.assert_close(plain[1], torch.full((2,), 10.0))
+    torch.testing.assert_close(shrunk[1], (10.0 + pooled) / 2)  # one context and one pseudo-context of the pool
+    assert (shrunk[0] - plain[0]).abs().max() < (shrunk[1] - plain[1]).abs().max() / 10
+    torch.testing.assert_close(shrunk[3], pooled)

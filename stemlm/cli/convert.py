@@ -66,6 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        "the activations of the layers converted before it)")
     calib.add_argument("--calib-refit-down", action=argparse.BooleanOptionalAction, default=CalibrationConfig.refit_down,
                        help="also refit each STEM layer's down-projection by least squares (default: %(default)s)")
+    calib.add_argument("--calib-shrink", type=float, default=CalibrationConfig.shrink,
+                       help="pseudo-contexts of the pooled fit added to every seen id, so rows of rarely seen ids lean "
+                       "towards the pooled row (default: %(default)s)")
     calib.add_argument("--calib-als-rounds", type=non_negative_int, default=CalibrationConfig.als_rounds,
                        help="rounds of alternating least squares after the fit: rows given W_d, then W_d given the "
                        "rows (refits W_d; default: %(default)s)")
@@ -126,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         calibration = CalibrationConfig(method=args.calib_method, unseen=args.calib_unseen, sequential=not args.calib_parallel,
                                         refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len,
                                         dagger_rows=args.calib_dagger_rows, device=args.calib_device,
-                                        als_rounds=args.calib_als_rounds, distill_steps=args.distill_steps,
+                                        shrink=args.calib_shrink, als_rounds=args.calib_als_rounds,
+                                        distill_steps=args.distill_steps,
                                         distill_lr=args.distill_lr, distill_batch=args.distill_batch,
                                         distill_down=args.distill_down)
     elif args.calib_data is not None:

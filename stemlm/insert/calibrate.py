@@ -57,6 +57,7 @@ class CalibrationConfig:
     down_iters: int = 8  # conjugate-gradient iterations of ``method=down``
     dagger_rows: str = "zero"  # stem_dagger tables: zero (exactly the dense model) | fit (rows replacing W_u x,
     #                            for run.anneal=blend, which weighs them against the annealed-out up-projection)
+    shrink: float = 0.0  # pseudo-contexts of the pooled fit added to every seen id (rare ids lean to the pooled row)
     als_rounds: int = 0  # rounds of alternating least squares after the fit: rows given W_d, then W_d given rows
     distill_steps: int = 0  # Adam steps of local distillation per converted layer (stemlm.insert.distill)
     distill_lr: float = 1e-3  # its learning rate (linear decay to a tenth)
@@ -74,7 +75,7 @@ class CalibrationConfig:
                 raise ValueError(f"calibration {name} must be a positive integer, got {getattr(self, name)}")
         if self.dagger_rows not in ("zero", "fit"):
             raise ValueError(f"unknown dagger_rows {self.dagger_rows!r}; choose zero or fit")
-        for name in ("als_rounds", "distill_steps"):
+        for name in ("als_rounds", "distill_steps", "shrink"):
             if getattr(self, name) < 0:
                 raise ValueError(f"calibration {name} must be >= 0, got {getattr(self, name)}")
         if self.distill_batch < 1 or self.distill_lr <= 0:
@@ -260,7 +261,7 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
             x = ffn_input(c)
             target, weight = ffn_kind(kind).calibration_target(ffn, x)
             stats.add(ids[c].reshape(-1), target, None if calib.method == "mean" else weight)
-        rows = stats.rows(calib.unseen, embedding)
+        rows = stats.rows(calib.unseen, embedding, shrink=calib.shrink)
         del stats
         if calib.method == "down":
             xs = torch.cat([ffn_input(c) for c in chunks])

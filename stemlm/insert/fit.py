@@ -54,16 +54,22 @@ class LayerStats:
         self.weighted.index_add_(0, ids, (w * target).double())
         self.count.index_add_(0, ids, torch.ones_like(ids))
 
-    def rows(self, unseen: str = "pooled", embedding: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
+    def rows(self, unseen: str = "pooled", embedding: torch.Tensor | None = None, eps: float = 1e-12,
+             shrink: float = 0.0) -> torch.Tensor:
         """The fitted table ``(V, d_ff)`` fp32: the weighted mean per id, ``unseen`` where no context
-        was seen (``regress`` needs the input ``embedding (V, d)``)."""
+        was seen (``regress`` needs the input ``embedding (V, d)``).
+
+        ``shrink > 0`` adds that many pseudo-contexts of the pooled fit to every seen id (each weighted
+        like an average context), so the rows of ids seen a few times lean towards the pooled row."""
         if unseen not in UNSEEN:
             raise ValueError(f"unknown unseen-id default {unseen!r}; choose one of {', '.join(UNSEEN)}")
         seen = self.count > 0
         out = torch.zeros_like(self.weighted)
-        out[seen] = self.weighted[seen] / self.weight[seen].clamp_min(eps)
+        prior_w = shrink * self.weight.sum(0) / self.count.sum().clamp_min(1)  # (d_ff,) shrink × mean weight
+        pooled = self.weighted.sum(0) / self.weight.sum(0).clamp_min(eps)
+        out[seen] = (self.weighted[seen] + prior_w * pooled) / (self.weight[seen] + prior_w).clamp_min(eps)
         if unseen == "pooled":
-            out[~seen] = self.weighted.sum(0) / self.weight.sum(0).clamp_min(eps)
+            out[~seen] = pooled
         elif unseen == "regress":
             if embedding is None:
                 raise ValueError("unseen='regress' needs the input embedding")
