@@ -25,11 +25,13 @@ def _settings(calibration: dict) -> dict:
 
 
 def default_entry(runs: dict) -> dict | None:
-    """The grid entry measured with the current defaults of ``convert --init calibrate`` (None if absent)."""
+    """The grid entry measured with the current defaults of ``convert --init calibrate`` on the default
+    calibration text (None if absent)."""
     from stemlm.insert.calibrate import CalibrationConfig
 
     want = {k: v for k, v in asdict(CalibrationConfig()).items() if k not in NOT_COMPARED}
-    return next((r for r in runs.values() if "calibration" in r and _settings(r["calibration"]) == want), None)
+    return next((r for r in runs.values() if "calibration" in r and not r.get("calib_mixed_sources")  # default text
+                 and _settings(r["calibration"]) == want), None)
 
 
 def distilled_entries(runs: dict) -> list[dict]:
