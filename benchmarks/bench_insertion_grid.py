@@ -43,6 +43,7 @@ from stemlm.version import git_commit  # noqa: E402
 
 K = 65_536
 DISTILL = {"distill_steps": 100, "distill_batch": 1024, "distill_lr": 1e-3, "distill_down": True}
+DISTILL_LONG = {"distill_steps": 200, "distill_batch": 1024, "distill_lr": 1e-2, "distill_down": True}
 GRID_SETTINGS = {
     "gated-seq": {"method": "gated", "tokens": K},
     "gated-seq-refit": {"method": "gated", "tokens": K, "refit_down": True},
@@ -52,6 +53,16 @@ GRID_SETTINGS = {
     "gated-seq-refit-shrink4": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
     "gated-seq-refit-regress-shrink4": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
                                         "shrink": 4.0},
+    "gated-seq-refit-shrink16": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0},
+    "gated-seq-refit-shrink64": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0},
+    "gated-seq-refit-shrink16-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0, **DISTILL},
+    "gated-seq-refit-shrink64-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0, **DISTILL},
+    "gated-seq-refit-shrink16-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0,
+                                            **DISTILL_LONG},
+    "gated-seq-refit-shrink64-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0,
+                                            **DISTILL_LONG},
+    "gated-seq-als2-shrink64": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "shrink": 64.0},
+    "gated-seq-als2-shrink16": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "shrink": 16.0},
     "gated-seq-als2": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4},
     "gated-seq-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, **DISTILL},
     "gated-par-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, "sequential": False, **DISTILL},

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate
 from stemlm.insert.distill import DistillSettings, alternate_layer, distill_layer, layer_error
-from test_insert import V, calib_ids, dense_model, ffn_io, fit
+from test_insert import FIT_BASE, V, calib_ids, dense_model, ffn_io, fit
 from train_helpers import one_thread  # noqa: F401
 
 DISTILL = {"distill_steps": 60, "distill_batch": 32, "distill_lr": 1e-2}
@@ -63,7 +63,7 @@ def test_distillation_is_deterministic_and_a_pass_resumes_to_the_same_tables(tmp
         return real(*args, **kwargs)
 
     target = model.cfg.replace(ffn="stem", stem_layers="1,3")
-    calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4, **kw)
+    calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4, **{**FIT_BASE, **kw})
     monkeypatch.setattr(cal, "_fit_layer", failing)
     with pytest.raises(KeyboardInterrupt):
         calibrate(model, target, ids, calib, tmp_path / "work", progress=False, save_every_s=0)
