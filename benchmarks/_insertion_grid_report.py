@@ -87,7 +87,7 @@ def grid_section(path: Path = GRID) -> list[str]:
 
 
 def _tokens(runs: dict) -> str:
-    toks = sorted({r["calib_tokens"] for r in runs.values()})
+    toks = sorted({r["calib_tokens"] for r in runs.values() if "calib_tokens" in r})
     return ", ".join(f"{t:,}" for t in toks)
 
 

@@ -55,6 +55,7 @@ GRID_SETTINGS = {
                                         "shrink": 4.0},
     "gated-seq-refit-shrink16": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0},
     "gated-seq-refit-shrink64": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0},
+    "gated-seq-refit-shrink256": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 256.0},
     "gated-seq-refit-shrink16-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0, **DISTILL},
     "gated-seq-refit-shrink64-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0, **DISTILL},
     "gated-seq-refit-shrink16-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0,
