@@ -15,12 +15,15 @@ ROOT = Path(__file__).resolve().parents[1]
 GRID = ROOT / "benchmarks" / "results" / "insertion_grid.json"
 OOD_GOAL, DISTILLED_GOAL = 1.0, 0.5  # nats above dense at step 0, out of the calibration domain
 NOT_COMPARED = {"tokens", "device", "seq_len", "chunk", "down_iters"}  # fixed by the grid, or not part of the fit
+# What an entry's settings left out meant when the grid's first entries were written (the CalibrationConfig defaults
+# of the time); entries written since record every setting, so a later change of the defaults cannot relabel them.
+MEASURED_BASE = {"refit_down": False, "shrink": 0.0}
 
 
 def _settings(calibration: dict) -> dict:
     from stemlm.insert.calibrate import CalibrationConfig
 
-    full = asdict(CalibrationConfig(**calibration, device="cpu"))
+    full = asdict(CalibrationConfig(**{**MEASURED_BASE, **calibration, "device": "cpu"}))
     return {k: v for k, v in full.items() if k not in NOT_COMPARED}
 
 

@@ -18,7 +18,7 @@ from the same wheel: more kinds of text, neither of the held-out kinds.
     python benchmarks/bench_insertion_grid.py --python-doc ... --grid gated-seq,gated-seq-refit-regress
 
 Settings are merged into the JSON file as they finish (a setting already there is skipped), so an
-interrupted grid resumes. Each entry records the calibration time and per-layer output errors.
+interrupted grid resumes. Each entry records every calibration setting it ran with. Each entry records the calibration time and per-layer output errors.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_insertion import RESULTS, WORK, dense_and_data  # noqa: E402
 
+from stemlm.insert.calibrate import CalibrationConfig  # noqa: E402
 from stemlm.runtime.files import atomic_write_text  # noqa: E402
 from stemlm.version import git_commit  # noqa: E402
 
@@ -56,6 +58,7 @@ GRID_SETTINGS = {
     "gated-seq-refit-shrink16": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0},
     "gated-seq-refit-shrink64": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0},
     "gated-seq-refit-shrink256": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 256.0},
+    "gated-seq-refit-shrink1024": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0},
     "gated-seq-refit-shrink16-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0, **DISTILL},
     "gated-seq-refit-shrink64-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0, **DISTILL},
     "gated-seq-refit-shrink16-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0,
@@ -206,7 +209,8 @@ def main() -> None:
         model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
         losses = {k: loss_on(model, s) for k, s in sets.items()}
         ood = (losses["technical"] + losses["legal"]) / 2 - (base["technical"] + base["legal"]) / 2
-        entry = {"setting": name, "layers": args.layers, "calibration": GRID_SETTINGS[name], **losses,
+        settings = {k: v for k, v in asdict(CalibrationConfig(**GRID_SETTINGS[name])).items() if k != "device"}
+        entry = {"setting": name, "layers": args.layers, "calibration": settings, **losses,
                  "delta": {k: losses[k] - base[k] for k in sets}, "delta_ood_mean": ood, **info, "log": lines,
                  "git_commit": git_commit()}
         result["runs"][key] = entry

@@ -96,7 +96,7 @@ def test_the_insertion_grid_row_reads_the_current_default_from_calibration_confi
 
     d = CalibrationConfig()
     default = {"method": d.method, "unseen": d.unseen, "sequential": d.sequential, "refit_down": d.refit_down,
-               "als_rounds": d.als_rounds, "tokens": 1024}
+               "shrink": d.shrink, "als_rounds": d.als_rounds, "tokens": 1024}
 
     def entry(cal, ood):
         return {"calibration": cal, "delta_ood_mean": ood, "delta": {"in_domain": ood / 2}}
