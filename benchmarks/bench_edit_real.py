@@ -61,7 +61,8 @@ def convert(calib_tokens: int, out: Path, layers: list[int] | str = "full", unse
 
     if (out / "config.json").exists():
         return out
-    calib = CalibrationConfig(tokens=calib_tokens, sequential=False, dagger_rows="fit", unseen=unseen)
+    calib = CalibrationConfig(tokens=calib_tokens, sequential=False, dagger_rows="fit", unseen=unseen,
+                              shrink=0.0)  # the rows the recorded edits were measured with, whatever convert's default
     return convert_from_hf("smollm2", out, ffn="stem_dagger", stem_layers=layers, init="calibrate", calibration=calib,
                            log=print)
 

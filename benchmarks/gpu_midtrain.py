@@ -3,6 +3,9 @@
     python benchmarks/gpu_midtrain.py --corpus DIR                 # on one H100: ~7.5 min for three seeds
     python benchmarks/gpu_midtrain.py --smoke                      # a random 3-layer Llama, on any device, seconds
 
+The ``stem-calibrated-kd`` arm is the calibrated conversion trained with ``run.distill``: the KL to the
+frozen dense model's next-token distribution on the same batch (the spec's ``distill`` settings).
+
 The arms, their conversions (calibration settings included), learning rate, schedule, batch and
 evaluation are those of ``studies/midtrain-gpu.yaml`` (``stemlm.study.midtrain.midtrain_runs``). What
 differs from ``stemlm study run --spec midtrain-gpu`` is only the driving: every arm's trainer is built
@@ -31,7 +34,7 @@ from pathlib import Path
 import torch
 
 from _gpu_parts import sync
-from stemlm.study.midtrain import converted_model, midtrain_runs
+from stemlm.study.midtrain import converted_model, distill_overrides, midtrain_runs
 from stemlm.study.spec import load_spec
 from stemlm.train import Trainer, load_train_config
 from stemlm.version import git_commit
@@ -70,8 +73,9 @@ def stage(args, corpus: Path, source: str) -> tuple[dict, list]:
 def build(run, root: Path, corpus: Path, log) -> Trainer:
     """The run's trainer, started from its converted model (converted once, calibrated on the GPU)."""
     init = converted_model(run.convert, root / "convert", log)
-    cfg = load_train_config(None, None, [*run.overrides, f"run.out={root / 'runs' / run.name}", "run.progress=false", "run.compile=false",
-                                         "run.plots=false", f"data.dir={corpus}", f"run.init_from={init}"])
+    cfg = load_train_config(None, None, [*run.overrides, f"run.out={root / 'runs' / run.name}", "run.progress=false",
+                                         "run.compile=false", "run.plots=false", f"data.dir={corpus}",
+                                         f"run.init_from={init}", *distill_overrides(run, root / "convert", log)])
     return Trainer(cfg)
 
 
@@ -137,7 +141,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--corpus", type=Path, help="prepared data dir in SmolLM2's vocabulary (train + val splits)")
     p.add_argument("--spec", default="midtrain-gpu", help="study spec whose midtrain section is run (default: %(default)s)")
-    p.add_argument("--arms", default="dense,stem-calibrated,stem-gradual",
+    p.add_argument("--arms", default="dense,stem-calibrated,stem-calibrated-kd,stem-gradual",
                    help="comma-separated arms of the spec, dense first (default: %(default)s)")
     p.add_argument("--seeds", default="0,1,2", help="seeds, run in turn while the budget lasts (default: %(default)s)")
     p.add_argument("--budget-s", type=float, default=450.0,

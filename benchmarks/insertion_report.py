@@ -3,7 +3,8 @@
     python benchmarks/insertion_report.py           # rewrite the section between the marker comments
     python benchmarks/insertion_report.py --check   # exit 1 if docs/insertion.md is out of date
 
-Reads ``benchmarks/results/insertion_step0.json`` (``bench_insertion.py``), the mid-training study
+Reads ``benchmarks/results/insertion_step0.json`` (``bench_insertion.py``), ``insertion_grid.json``
+(``bench_insertion_grid.py``), the mid-training study
 studies ``results/study/midtrain/`` and ``results/study/midtrain-300k/`` (``stemlm study run --spec NAME``) and
 the GPU runs of ``gpu_midtrain.py`` (``benchmarks/_gpu_midtrain_report.py``), the edit results (``benchmarks/_edit_report.py``: ``bench_edit_trace.py``, ``bench_edit_real.py``); a part
 whose results do not exist yet is left out. Plots go to ``results/insertion/``.
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from _gpu_midtrain_report import gpu_midtrain_section
+from _insertion_grid_report import grid_section
 from _edit_report import edit_sections, num as _f, pct as _pct, pyplot_or_none as _pyplot
 from stemlm.runtime.plotting import save
 
@@ -241,6 +243,7 @@ def render() -> str:
     lines: list[str] = []
     if STEP0.exists():
         lines += step0_section(json.loads(STEP0.read_text()))
+    lines += grid_section()
     for name in STUDIES:
         if (ROOT / "results" / "study" / name / "runs").is_dir():
             lines += midtrain_section(ROOT / "results" / "study" / name)

@@ -45,7 +45,9 @@ def demo_checkpoint(placement: str = DEFAULT_PLACEMENT, calib_tokens: int = DEFA
     if not (out / "config.json").exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         convert_from_hf("smollm2", out, ffn="stem", stem_layers=placement, init="calibrate",
-                        calibration=CalibrationConfig(tokens=calib_tokens), progress=progress, log=print)
+                        # the demo's measured conversion (no W_d refit, no shrink), whatever convert's default
+                        calibration=CalibrationConfig(tokens=calib_tokens, refit_down=False, shrink=0.0),
+                        progress=progress, log=print)
     return out
 
 

@@ -19,13 +19,16 @@ def test_smoke_run_trains_every_arm_in_lockstep(tmp_path):
     r = json.loads(out.read_text())
     assert r["smoke"] and set(r["seeds"]) == {"0", "1"} and r["seeds_skipped"] == []
     for seed in r["seeds"].values():
-        assert list(seed) == ["dense", "stem-calibrated", "stem-gradual"]
+        assert list(seed) == ["dense", "stem-calibrated", "stem-calibrated-kd", "stem-gradual"]
         tokens = {arm: o["tokens"] for arm, o in seed.items()}
         assert len(set(tokens.values())) == 1 and tokens["dense"] > 0  # every arm saw the same number of tokens
         assert [c[0] for c in seed["dense"]["curve"]] == [0, 2, 4]  # run.eval_every=2 of 4 steps, plus step 0
         # the blend starts as exactly the dense model; the calibrated one-shot conversion does not
         assert abs(seed["stem-gradual"]["init_loss"] - seed["dense"]["init_loss"]) < 1e-6
         assert seed["stem-calibrated"]["init_loss"] != seed["dense"]["init_loss"]
+        # the distilled arm starts from the same conversion and trains on the same tokens, to another end
+        assert seed["stem-calibrated-kd"]["init_loss"] == seed["stem-calibrated"]["init_loss"]
+        assert seed["stem-calibrated-kd"]["final_loss"] != seed["stem-calibrated"]["final_loss"]
     s = r["summary"]["stem-calibrated"]
     assert len(s["final_gap_per_seed"]) == 2 and s["final_gap_sd"] is not None
     assert "stem-calibrated − dense" in proc.stdout

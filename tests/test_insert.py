@@ -39,9 +39,12 @@ def calib_ids(n_seq=6, T=24, seed=1):
     return torch.randint(0, V - 10, (n_seq, T), generator=g)  # the last 10 ids are never seen
 
 
+FIT_BASE = {"refit_down": False, "shrink": 0.0}  # the plain fit, whatever convert's defaults add to it
+
+
 def fit(model, ids, tmp_path, kind="stem", layers="2", **kw):
     target = model.cfg.replace(ffn=kind, stem_layers=layers)
-    calib = CalibrationConfig(**{"tokens": ids.numel(), "seq_len": ids.shape[1], "chunk": 4, **kw})
+    calib = CalibrationConfig(**{"tokens": ids.numel(), "seq_len": ids.shape[1], "chunk": 4, **FIT_BASE, **kw})
     fitted = calibrate(model, target, ids, calib, tmp_path / "work", progress=False)
     return assemble(model, target, fitted), fitted
 
@@ -140,7 +143,7 @@ def test_interrupted_calibration_resumes_to_the_same_tables(tmp_path, monkeypatc
         return real(*args, **kw)
 
     target = model.cfg.replace(ffn="stem", stem_layers="1,2,3")
-    calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4)
+    calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4, **FIT_BASE)
     monkeypatch.setattr(cal, "_fit_layer", failing)
     with pytest.raises(KeyboardInterrupt):
         calibrate(model, target, ids, calib, tmp_path / "work", progress=False, save_every_s=0)

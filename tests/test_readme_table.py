@@ -84,3 +84,28 @@ def test_batch_decode_row_reads_the_benchmark_json(tmp_path, readme_table):
         ratio = res["summary"]["speed_ratio_b8_over_b1"]
         assert f"{tier}: **{ratio:.2f}×**" in row
         assert f"{tier}: {'yes' if ratio >= readme_table.BATCH_GOAL else 'no'}" in row.rsplit("|", 2)[1]
+
+
+def test_the_insertion_grid_row_reads_the_current_default_from_calibration_config(monkeypatch):
+    """The README's grid row names the entry measured with today's CalibrationConfig defaults, and the best
+    distilled one; the goals follow their deltas."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    from _insertion_grid_report import default_entry, readme_cell
+
+    from stemlm.insert.calibrate import CalibrationConfig
+
+    d = CalibrationConfig()
+    default = {"method": d.method, "unseen": d.unseen, "sequential": d.sequential, "refit_down": d.refit_down,
+               "shrink": d.shrink, "als_rounds": d.als_rounds, "tokens": 1024}
+
+    def entry(cal, ood):
+        return {"calibration": cal, "delta_ood_mean": ood, "delta": {"in_domain": ood / 2}}
+
+    runs = {"dense": {"in_domain": 3.0, "technical": 2.0, "legal": 2.5},
+            "a": entry(default, 0.8), "b": entry({**default, "method": "mean"}, 0.1),
+            "c": entry({**default, "distill_steps": 10}, 0.4), "e": entry({**default, "distill_steps": 20}, 0.6)}
+    assert default_entry({k: v for k, v in runs.items() if k != "dense"}) is runs["a"]
+    measured, met = readme_cell({"runs": runs})
+    assert "+0.80" in measured and "+0.40" in measured and met
+    runs["c"]["delta_ood_mean"] = 0.7
+    assert readme_cell({"runs": runs})[1] is False

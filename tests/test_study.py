@@ -380,6 +380,19 @@ def test_a_midtrain_arm_s_own_overrides_come_after_the_shared_ones():
         midtrain_arms({"arms": {"a": {"ffn": "stem", "train": "optim.table_lr=1"}}})
 
 
+def test_a_distilled_midtrain_arm_has_the_dense_conversion_as_its_teacher():
+    from stemlm.study.midtrain import midtrain_arms, midtrain_runs
+
+    m = {"source": "smollm2", "steps": 2, "batch_size": 1, "seq_len": 8,
+         "arms": {"dense": {"ffn": "dense"}, "kd": {"ffn": "stem", "init": "zero", "distill": {"weight": 0.3, "top_k": 8}}}}
+    runs = {r.labels["variant"]: r for r in midtrain_runs({"budget": {}}, m)}
+    assert runs["kd"].teacher == runs["dense"].convert and runs["dense"].teacher is None
+    assert {"run.distill_weight=0.3", "run.distill_top_k=8"} <= set(runs["kd"].overrides)
+    assert "teacher" in runs["kd"].hash_input(None) and "teacher" not in runs["dense"].hash_input(None)
+    with pytest.raises(ConfigError, match="distill must be a mapping"):
+        midtrain_arms({"arms": {"a": {"ffn": "stem", "distill": {"alpha": 1}}}})
+
+
 def test_plan_of_a_midtrain_spec_lists_its_arms(tmp_path, capsys):
     """A spec without model sizes (a pretrained model's mid-training) plans and estimates without error."""
     assert main(["study", "plan", "--spec", "midtrain", "--results", str(tmp_path / "res")]) == 0

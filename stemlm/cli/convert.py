@@ -6,6 +6,7 @@ examples:
   stemlm convert --from-hf smollm2 --out runs/smollm2-dense
   stemlm convert --from-hf smollm2 --out runs/smollm2-stem --ffn stem --stem-layers 1/3 --init calibrate
   stemlm convert --from-hf smollm2 --out runs/smollm2-stem-ft --ffn stem --init calibrate --calib-data my_text.txt
+  stemlm convert --from-hf smollm2 --out runs/smollm2-stem-kd --ffn stem --init calibrate --distill-steps 100
   stemlm convert --from-hf smollm2 --out runs/smollm2-dagger --ffn stem_dagger --init zero   # exactly the dense model
   stemlm convert --from-hf smollm2 --out runs/smollm2-blend --ffn stem_dagger --init calibrate --calib-dagger-rows fit
   stemlm convert --from-hf path/to/llama --out runs/llama-stem --ffn stem_dagger --stem-layers 2,5 --init random
@@ -63,8 +64,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib.add_argument("--calib-parallel", action="store_true",
                        help="fit every layer on the dense model's own activations (default: layer by layer, each on "
                        "the activations of the layers converted before it)")
-    calib.add_argument("--calib-refit-down", action="store_true",
-                       help="also refit each STEM layer's down-projection by least squares")
+    calib.add_argument("--calib-refit-down", action=argparse.BooleanOptionalAction, default=CalibrationConfig.refit_down,
+                       help="also refit each STEM layer's down-projection by least squares (default: %(default)s)")
+    calib.add_argument("--calib-shrink", type=float, default=CalibrationConfig.shrink,
+                       help="pseudo-contexts of the pooled fit added to every seen id, so rows of rarely seen ids lean "
+                       "towards the pooled row (default: %(default)s)")
+    calib.add_argument("--calib-als-rounds", type=non_negative_int, default=CalibrationConfig.als_rounds,
+                       help="rounds of alternating least squares after the fit: rows given W_d, then W_d given the "
+                       "rows (refits W_d; default: %(default)s)")
+    distill = parser.add_argument_group("local distillation (--init calibrate)")
+    distill.add_argument("--distill-steps", type=non_negative_int, default=CalibrationConfig.distill_steps,
+                         help="Adam steps per converted layer that train its rows (of the ids the calibration saw) "
+                         "to reproduce the dense layer's output on the calibration pass's inputs; 0 = off "
+                         "(default: %(default)s)")
+    distill.add_argument("--distill-lr", type=float, default=CalibrationConfig.distill_lr,
+                         help="learning rate of local distillation, decayed linearly to a tenth (default: %(default)s)")
+    distill.add_argument("--distill-batch", type=positive_int, default=CalibrationConfig.distill_batch,
+                         help="tokens per local-distillation step (default: %(default)s)")
+    distill.add_argument("--distill-down", action=argparse.BooleanOptionalAction, default=CalibrationConfig.distill_down,
+                         help="also train W_d of the converted layers while distilling (default: %(default)s)")
     calib.add_argument("--calib-dagger-rows", choices=["zero", "fit"], default="zero",
                        help="--ffn stem_dagger tables: zero (exactly the dense model) or fit (the calibrated STEM rows, "
                        "the start of gradual insertion with `stemlm train run.anneal=blend`) (default: %(default)s)")
@@ -110,9 +128,15 @@ def run(args: argparse.Namespace) -> int:
     if args.init == "calibrate":
         calibration = CalibrationConfig(method=args.calib_method, unseen=args.calib_unseen, sequential=not args.calib_parallel,
                                         refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len,
-                                        dagger_rows=args.calib_dagger_rows, device=args.calib_device)
+                                        dagger_rows=args.calib_dagger_rows, device=args.calib_device,
+                                        shrink=args.calib_shrink, als_rounds=args.calib_als_rounds,
+                                        distill_steps=args.distill_steps,
+                                        distill_lr=args.distill_lr, distill_batch=args.distill_batch,
+                                        distill_down=args.distill_down)
     elif args.calib_data is not None:
         raise ValueError("--calib-data applies to --init calibrate only")
+    elif args.distill_steps:
+        raise ValueError("--distill-steps applies to --init calibrate only")
     out = convert_from_hf(args.from_hf, args.out, args.gguf, ffn=args.ffn, stem_layers=args.stem_layers or "1/3",
                           init=args.init, table_init=args.table_init, seed=args.seed, table_dtype=args.table_dtype,
                           calibration=calibration, calib_data=args.calib_data, log=print)

@@ -8,6 +8,11 @@ With ``sequential`` (default) the stream then passes through the converted STEM 
 later layer is fitted on the activations the already-converted layers produce; without it the
 dense FFN is kept in the stream (every layer fitted on the dense model's own activations).
 
+After a layer's rows are fitted (and ``W_d`` refitted with ``refit_down``), ``als_rounds`` rounds of
+alternating least squares and ``distill_steps`` steps of local distillation can follow
+(``stemlm.insert.distill``): both make the converted layer's output match the dense layer's on the
+same inputs, the pass's stream (the dense model's own hidden states with ``sequential=False``).
+
 Memory is bounded by the stream, one layer's statistics (``2 × V × d_ff`` fp64) and one table:
 each fitted table goes to a work directory on disk at once. The work directory also makes the
 pass resumable: the stream and the position are saved after a table layer when at least
@@ -34,23 +39,33 @@ from ..ffn import ffn_kind
 from ..model.decoder import StemLM, rope_cos_sin
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_file, atomic_write_text
+from .distill import DistillSettings, alternate_layer, distill_layer
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
 
 @dataclass(frozen=True)
 class CalibrationConfig:
-    """How the rows are fitted (see ``stemlm.insert.fit`` for the methods)."""
+    """How the rows are fitted (see ``stemlm.insert.fit`` for the methods).
+
+    The defaults are the best setting of the committed grid (``benchmarks/bench_insertion_grid.py``,
+    docs/insertion.md): measured on held-out text in and out of the calibration domain."""
 
     method: str = "gated"  # gated | mean | down | zero
     unseen: str = "pooled"  # default row of ids the calibration text never shows: pooled | zero
     sequential: bool = True  # fit each layer on the activations of the layers converted before it
-    refit_down: bool = False  # also refit W_d by least squares on the STEM hidden activations
+    refit_down: bool = True  # also refit W_d by least squares on the STEM hidden activations
     tokens: int = 262_144  # calibration tokens (rounded down to whole windows)
     seq_len: int = 256  # window length
     chunk: int = 8  # windows per forward chunk
     down_iters: int = 8  # conjugate-gradient iterations of ``method=down``
     dagger_rows: str = "zero"  # stem_dagger tables: zero (exactly the dense model) | fit (rows replacing W_u x,
     #                            for run.anneal=blend, which weighs them against the annealed-out up-projection)
+    shrink: float = 1024.0  # pseudo-contexts of the pooled fit added to every seen id (rare ids lean to the pooled row)
+    als_rounds: int = 0  # rounds of alternating least squares after the fit: rows given W_d, then W_d given rows
+    distill_steps: int = 0  # Adam steps of local distillation per converted layer (stemlm.insert.distill)
+    distill_lr: float = 1e-3  # its learning rate (linear decay to a tenth)
+    distill_batch: int = 2048  # its minibatch, in tokens
+    distill_down: bool = False  # also train W_d of the converted layers while distilling
     device: str = "auto"  # where the pass runs: auto (the GPU if there is one) | cpu | cuda[:N]; not part of the key
 
     def __post_init__(self):
@@ -63,6 +78,12 @@ class CalibrationConfig:
                 raise ValueError(f"calibration {name} must be a positive integer, got {getattr(self, name)}")
         if self.dagger_rows not in ("zero", "fit"):
             raise ValueError(f"unknown dagger_rows {self.dagger_rows!r}; choose zero or fit")
+        for name in ("als_rounds", "distill_steps", "shrink"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"calibration {name} must be >= 0, got {getattr(self, name)}")
+        if self.distill_batch < 1 or self.distill_lr <= 0:
+            raise ValueError(f"distillation needs distill_batch >= 1 and distill_lr > 0, got {self.distill_batch}, "
+                             f"{self.distill_lr}")
         if self.tokens < self.seq_len:
             raise ValueError(f"calibration tokens ({self.tokens}) must cover one window of seq_len {self.seq_len}")
         resolve_device(self.device, "calibration device")
@@ -184,9 +205,10 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             h = stream[c]
             h += block.attn(block.attn_norm(h), cos, sin, 0)
         if ffn_kind(kind).owns_table:
-            refit = calib.refit_down and not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model
+            refine = not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model: no W_d change
             kind = fitted_kind(kind, calib)
-            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refit)
+            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
+                                      lambda s, i=i: log(f"layer {i}: {s}"), progress)
             work.save_table(i, rows, w_down)
             out[i] = (work.table_file(i), work.down_file(i) if w_down is not None else None)
             use_stem = calib.sequential
@@ -221,8 +243,13 @@ def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch
 
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
-               calib: CalibrationConfig, embedding: torch.Tensor, refit_down: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream."""
+               calib: CalibrationConfig, embedding: torch.Tensor, refine: bool,
+               log: Callable[[str], None] = lambda s: None, progress: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream.
+
+    With ``refine`` the fit is followed by the ``W_d`` refit, alternating least squares and local
+    distillation that ``calib`` asks for (``stemlm.insert.distill``)."""
     ffn = block.ffn
     d_ff = ffn.w_down.weight.shape[1]
 
@@ -237,19 +264,32 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
             x = ffn_input(c)
             target, weight = ffn_kind(kind).calibration_target(ffn, x)
             stats.add(ids[c].reshape(-1), target, None if calib.method == "mean" else weight)
-        rows = stats.rows(calib.unseen, embedding)
+        rows = stats.rows(calib.unseen, embedding, shrink=calib.shrink)
         del stats
         if calib.method == "down":
             xs = torch.cat([ffn_input(c) for c in chunks])
             rows = _refine_down(ffn, kind, xs, ids, rows, calib.down_iters)
-    if not refit_down:
-        return rows, None
-    refit = DownRefit(d_ff, ffn.w_down.weight.shape[0], embedding.device)
-    for c in chunks:
-        x = ffn_input(c)
-        hidden = ffn_kind(kind).hidden(ffn, x, rows[ids[c].reshape(-1)])
-        refit.add(hidden, ffn(x))
-    return rows, refit.solve()
+    w_down = None
+    if not refine:
+        return rows, w_down
+    if calib.als_rounds:
+        xs = torch.cat([ffn_input(c) for c in chunks])
+        rows, w_down, info = alternate_layer(ffn, kind, xs, ids.reshape(-1), rows, calib.als_rounds, calib.down_iters)
+        log(f"alternating least squares, output error {info['error_before']:.4f} -> {info['error_after']:.4f}")
+    elif calib.refit_down:
+        refit = DownRefit(d_ff, ffn.w_down.weight.shape[0], embedding.device)
+        for c in chunks:
+            x = ffn_input(c)
+            hidden = ffn_kind(kind).hidden(ffn, x, rows[ids[c].reshape(-1)])
+            refit.add(hidden, ffn(x))
+        w_down = refit.solve()
+    if calib.distill_steps:
+        settings = DistillSettings(calib.distill_steps, calib.distill_lr, calib.distill_batch, calib.distill_down)
+        xs = torch.cat([ffn_input(c) for c in chunks])
+        with torch.enable_grad():
+            rows, w_down, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, w_down, settings, progress)
+        log(f"local distillation, output error {info['error_before']:.4f} -> {info['error_after']:.4f}")
+    return rows, w_down
 
 
 def _refine_down(ffn, kind, xs, ids, rows, iters):

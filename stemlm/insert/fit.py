@@ -54,16 +54,22 @@ class LayerStats:
         self.weighted.index_add_(0, ids, (w * target).double())
         self.count.index_add_(0, ids, torch.ones_like(ids))
 
-    def rows(self, unseen: str = "pooled", embedding: torch.Tensor | None = None, eps: float = 1e-12) -> torch.Tensor:
+    def rows(self, unseen: str = "pooled", embedding: torch.Tensor | None = None, eps: float = 1e-12,
+             shrink: float = 0.0) -> torch.Tensor:
         """The fitted table ``(V, d_ff)`` fp32: the weighted mean per id, ``unseen`` where no context
-        was seen (``regress`` needs the input ``embedding (V, d)``)."""
+        was seen (``regress`` needs the input ``embedding (V, d)``).
+
+        ``shrink > 0`` adds that many pseudo-contexts of the pooled fit to every seen id (each weighted
+        like an average context), so the rows of ids seen a few times lean towards the pooled row."""
         if unseen not in UNSEEN:
             raise ValueError(f"unknown unseen-id default {unseen!r}; choose one of {', '.join(UNSEEN)}")
         seen = self.count > 0
         out = torch.zeros_like(self.weighted)
-        out[seen] = self.weighted[seen] / self.weight[seen].clamp_min(eps)
+        prior_w = shrink * self.weight.sum(0) / self.count.sum().clamp_min(1)  # (d_ff,) shrink × mean weight
+        pooled = self.weighted.sum(0) / self.weight.sum(0).clamp_min(eps)
+        out[seen] = (self.weighted[seen] + prior_w * pooled) / (self.weight[seen] + prior_w).clamp_min(eps)
         if unseen == "pooled":
-            out[~seen] = self.weighted.sum(0) / self.weight.sum(0).clamp_min(eps)
+            out[~seen] = pooled
         elif unseen == "regress":
             if embedding is None:
                 raise ValueError("unseen='regress' needs the input embedding")
@@ -85,23 +91,32 @@ def regress_rows(embedding: torch.Tensor, rows: torch.Tensor, seen: torch.Tensor
 
 @torch.no_grad()
 def refine_through_down(rows: torch.Tensor, ids: torch.Tensor, gate: torch.Tensor, target_out: torch.Tensor,
-                        w_down: torch.Tensor, iters: int = 8) -> torch.Tensor:
+                        w_down: torch.Tensor, iters: int = 8, chunk: int = 8192) -> torch.Tensor:
     """Rows fitted through the down-projection: ``min_u Σ_n ||y_n − W_d (g_n ⊙ u_{t_n})||²``.
 
     ``rows (V, d_ff)`` is the start, ``ids (N,)`` the tokens of the contexts, ``gate (N, d_ff)``
     their ``g``, ``target_out (N, d)`` the output to match. Conjugate gradients on every token's
     own normal equations at once (step sizes per token); rows of ids absent from ``ids`` are kept.
+    The contexts are visited ``chunk`` at a time (products in fp32, sums in fp64), so the temporaries stay
+    ``chunk × d_ff``.
     """
     V = rows.shape[0]
     uniq, inv = torch.unique(ids, return_inverse=True)
     u = rows[uniq].double()  # (U, d_ff)
-    g, y, wd = gate.double(), target_out.double(), w_down.double()
+    wd = w_down.float()
+    parts = [slice(a, min(len(inv), a + chunk)) for a in range(0, len(inv), chunk)]  # bounded temporaries
 
-    def normal(p: torch.Tensor) -> torch.Tensor:  # A p = Σ_n g ⊙ W_dᵀ W_d (g ⊙ p_{t_n})
-        out = (g * p[inv]) @ wd.T @ wd * g  # (N, d_ff)
-        return torch.zeros_like(p).index_add_(0, inv, out)
+    def normal(p: torch.Tensor) -> torch.Tensor:  # A p = Σ_n g ⊙ W_dᵀ W_d (g ⊙ p_{t_n}); fp32 products, fp64 sums
+        out = torch.zeros_like(p)
+        pf = p.float()
+        for c in parts:
+            g = gate[c].float()
+            out.index_add_(0, inv[c], ((g * pf[inv[c]]) @ wd.T @ wd * g).double())  # (n, d_ff)
+        return out
 
-    rhs = torch.zeros_like(u).index_add_(0, inv, (y @ wd) * g)  # Σ g ⊙ W_dᵀ y
+    rhs = torch.zeros_like(u)
+    for c in parts:  # Σ g ⊙ W_dᵀ y
+        rhs.index_add_(0, inv[c], ((target_out[c].float() @ wd) * gate[c].float()).double())
     r = rhs - normal(u)
     p, rs = r.clone(), (r * r).sum(1)
     for _ in range(iters):

@@ -268,7 +268,7 @@ def midtrain_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
         a, b = _common({s: _final(r) for s, r in rs.items()}, {s: _final(r) for s, r in arms[dense].items()})
         d = difference(a, b)  # one seed: no noise estimate, inconclusive (its validation batches are not seeds)
         tags = [lab["ffn"]] if lab.get("ffn") else []
-        tags += [f"{k} {lab[k]}" for k in ("init", "anneal") if lab.get(k)]
+        tags += [f"{k} {lab[k]}" for k in ("init", "anneal", "distill") if lab.get(k)]
         label = f"{arm} ({', '.join(tags)})" if tags else arm
         s0 = next(iter(a))
         tokens = rs[s0]["metrics"].get("tokens_seen")

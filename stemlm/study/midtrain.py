@@ -1,10 +1,12 @@
 """Mid-training insertion on a real model: its arms, the converted checkpoints, a corpus in their tokenizer.
 
 The arms (``midtrain.arms``: name -> {ffn, init, stem_layers, dagger_rows, anneal, anneal_ratio,
-train}) all start from the same converted source and train on the same tokens, lr and schedule, for each
+distill, train}) all start from the same converted source and train on the same tokens, lr and schedule, for each
 of ``midtrain.seeds`` (default: ``[midtrain.seed]``, 0); the claim reads arms by their labels
 (``ffn``, ``init``, ``anneal``) and compares each STEM arm with the dense one. An arm's own ``train``
-overrides (e.g. ``[optim.table_lr=3e-2]``: a knob only STEM has) come after the shared ones.
+overrides (e.g. ``[optim.table_lr=3e-2]``: a knob only STEM has) come after the shared ones. An arm with
+``distill: {weight, temperature, top_k}`` trains against the dense conversion of the same source as a
+frozen teacher (``run.distill``; the dense arm's own starting checkpoint, converted once).
 
 A converted model keeps its own vocabulary (SmolLM2: 49,152 ids), so it cannot train on the
 default corpus as prepared for the 4,096-id BPE: the same documents are tokenized again with the
@@ -22,7 +24,8 @@ from typing import Callable
 from ..config import ConfigError
 from .runspec import RunSpec, slug
 
-MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio", "train"}
+MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio", "distill", "train"}
+DISTILL_KEYS = {"weight", "temperature", "top_k"}
 
 
 def midtrain_arms(m: dict) -> dict[str, dict]:
@@ -41,6 +44,10 @@ def midtrain_arms(m: dict) -> dict[str, dict]:
                               f"allowed: {sorted(MIDTRAIN_ARM_KEYS)}")
         if (arm or {}).get("anneal", "off") != "off" and arm.get("ffn") != "stem_dagger":
             raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs ffn: stem_dagger")
+        distill = (arm or {}).get("distill")
+        if distill is not None and (not isinstance(distill, dict) or set(distill) - DISTILL_KEYS):
+            raise ConfigError(f"study spec: midtrain arm {name!r}: distill must be a mapping with keys from "
+                              f"{sorted(DISTILL_KEYS)}, got {distill!r}")
         train = (arm or {}).get("train", [])
         if not isinstance(train, list) or not all(isinstance(o, str) and "=" in o for o in train):
             raise ConfigError(f"study spec: midtrain arm {name!r}: train must be a list of key=value overrides, "
@@ -68,17 +75,31 @@ def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
                                           **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
                 convert["calib_data"] = m.get("calib_data")
             anneal = arm.get("anneal", "off")
+            distill = arm.get("distill")
             ov = (budget(spec, m) + seeded(seed)  # the stage's own settings: the same runs whichever spec includes it
                   + ["run.stage=midtrain", f"optim.lr={m.get('lr', 3e-4)}"] + list(m.get("train") or [])
                   + ([f"run.anneal={anneal}", f"run.anneal_ratio={arm.get('anneal_ratio', 0.5)}"] if anneal != "off" else [])
+                  + [f"run.distill_{k}={v}" for k, v in sorted((distill or {}).items())]
                   + list(arm.get("train") or []))
             suffix = f"-seed{seed}" if len(seeds) > 1 else ""
             out.append(RunSpec(f"midtrain-{slug(Path(source).name)}-{slug(name)}{suffix}", "midtrain", ov,
                                {"source": source, "variant": name, "ffn": ffn, "init": init, "anneal": anneal,
-                                "seed": seed},
+                                "seed": seed, **({"distill": "dense"} if distill is not None else {})},
                                convert=convert, data=data, eval_tasks=_eval_tasks(spec), eval_init=anneal == "off",
-                               measures={"val_batches": True}))
+                               measures={"val_batches": True}, teacher=teacher_of(source) if distill is not None else None))
     return out
+
+
+def teacher_of(source: str) -> dict:
+    """The conversion of a distilled arm's teacher: the dense model of ``source`` (the dense arm's start)."""
+    return {"source": source, "ffn": "dense", "stem_layers": None, "init": "zero"}
+
+
+def distill_overrides(run: RunSpec, root: Path, log: Callable[[str], None] = print) -> list[str]:
+    """``["run.distill=<the teacher's converted checkpoint>"]`` for a distilled arm, else ``[]``."""
+    if not run.teacher:
+        return []
+    return [f"run.distill={converted_model(run.teacher, root, log)}"]
 
 
 def converted_model(convert: dict, root: Path, log: Callable[[str], None] = print) -> Path:

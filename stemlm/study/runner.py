@@ -261,6 +261,9 @@ class Study:
         extra = [f"run.out={out_dir or self.run_dir(run)}", "run.progress=false", "run.plots=false"]
         extra += [f"data.dir={data_dir}"] if data_dir else []
         extra += [f"run.init_from={init}"] if init else []
+        if run.teacher:
+            from .midtrain import distill_overrides
+            extra += distill_overrides(run, self.scratch / "convert", self.log)
         preset = next((o.split("=", 1)[1] for o in run.overrides if o.startswith("model.preset=")), None)
         return load_train_config(preset, None, run.overrides + extra)
 

@@ -18,6 +18,7 @@ class RunSpec:
     labels: dict[str, Any]                        # size, variant, seed, lr, ... (for the report)
     parent: str | None = None                     # run whose newest checkpoint starts this one (run.init_from)
     convert: dict | None = None                   # midtrain: convert_from_hf arguments for run.init_from
+    teacher: dict | None = None                   # midtrain: convert_from_hf arguments of run.distill's teacher
     data: dict = field(default_factory=dict)      # {"dir": path}, {"tokenizer_of_init": True}, {"control": kind}
     measures: dict = field(default_factory=dict)  # position_loss, geometry, probes: {knowledge: {...}, needle: {...}}
     eval_tasks: list[str] = field(default_factory=list)
@@ -27,7 +28,8 @@ class RunSpec:
 
     def hash_input(self, parent_hash: str | None) -> dict:
         return {"version": STUDY_VERSION, "stage": self.stage, "overrides": sorted(self.overrides),
-                "parent": parent_hash, "convert": self.convert, "data": self.data, "measures": self.measures}
+                "parent": parent_hash, "convert": self.convert, "data": self.data, "measures": self.measures,
+                **({"teacher": self.teacher} if self.teacher else {})}
 
 
 def slug(text: str) -> str:

@@ -122,8 +122,8 @@ class CapturedStep:
                 for i in range(accum):
                     batch = Batch(self.inputs[i], self.targets[i], self.doc_ids[i])
                     with evaluate_mod.autocast(self.device, cfg.run.dtype, cache=not self.graphs):
-                        loss = evaluate_mod.compute_loss(t.forward_model, batch, cfg.data.doc_masking)
-                    (loss / accum).backward()
+                        loss, objective = t.micro_loss(batch)  # they differ under run.distill
+                    (objective / accum).backward()
                     self.losses[i].copy_(loss.detach())
             table_grads = self.table_opt.collect() if self.table_opt is not None else []
             self.norm.copy_(t.clip_gradients(self.params, table_grads))
@@ -162,4 +162,6 @@ def step_graph_problem(trainer) -> str | None:
         return "Hash-MoE layers route by data"
     if not trainer.is_main or type(trainer).__name__ != "Trainer":
         return "distributed runs are not captured"
+    if cfg.run.distill is not None and cfg.run.step_graph == "graph":
+        return "run.distill's teacher (or its cached top-k files) is not captured; use run.step_graph=static"
     return None

@@ -180,6 +180,13 @@ class RunSection:
     anneal: str = _f("off", "gradual insertion of a stem_dagger model: off | dagger (tables start at zero) | blend "
                      "(tables start calibrated); the up-projection is annealed out (docs/insertion.md)")
     anneal_ratio: float = _f(0.5, "fraction of run.steps over which run.anneal takes the up-projection from 1 to 0")
+    distill: Optional[str] = _f(None, "teacher checkpoint (or run dir), e.g. the dense model a STEM model was converted "
+                                "from: the loss adds the KL to its next-token distribution (docs/insertion.md)")
+    distill_weight: float = _f(0.5, "run.distill: weight w of the KL; loss = (1 - w) CE + w T^2 KL")
+    distill_temperature: float = _f(1.0, "run.distill: temperature T of both distributions")
+    distill_top_k: int = _f(0, "run.distill: 0 = the teacher's full distribution, k = its k most likely tokens (renormalised)")
+    distill_cache: bool = _f(False, "run.distill: write the teacher's top-k of every micro-batch to <run.out>/distill_topk "
+                                    "before training (needs run.distill_top_k > 0), so training holds only the student")
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
                                  "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
                                  "both compute the same steps, so it may change on resume")
@@ -217,6 +224,14 @@ class RunSection:
             raise ConfigError(f"run.compile must be true, false or auto, got {self.compile!r}")
         if self.anneal != "off" and self.compile is True:
             raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
+        if self.distill is not None:
+            from .distill import DistillConfig
+            try:
+                DistillConfig(self.distill, self.distill_weight, self.distill_temperature, self.distill_top_k)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if self.distill_cache and not self.distill_top_k:
+                raise ConfigError("run.distill_cache stores the teacher's top-k: set run.distill_top_k > 0")
         _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _choice(self.table_kernels, "run.table_kernels", TABLE_KERNELS)

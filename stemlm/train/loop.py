@@ -44,6 +44,7 @@ from . import state as ckpt_io
 from .build import build_model, compile_blocks, resolve_data_dir
 from .captured import CapturedStep, step_graph_problem
 from .config import TrainConfig, config_from_yaml_text, resume_changes
+from .distill import teacher_for_run
 from .lock import RunLock
 from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
 from .optim import build_optimizers, clip_grad_norm, set_lr
@@ -106,6 +107,12 @@ class Trainer:
                  if cfg.run.table_cache_rows else None)
         self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
                                               cfg.run.table_kernels, cache)
+        try:
+            self.teacher = teacher_for_run(cfg.run, self.device, self.model, self.host_batch,  # None without run.distill
+                                           cfg.run.steps * cfg.optim.grad_accum, self.run_dir / "distill_topk",
+                                           cfg.run.progress and self.is_main)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
             self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
@@ -251,8 +258,8 @@ class Trainer:
             for b in host:
                 batch = b.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else b.to(self.device)
                 with evaluate_mod.autocast(self.device, cfg.run.dtype):
-                    loss = evaluate_mod.compute_loss(self.forward_model, batch, cfg.data.doc_masking)
-                (loss / accum).backward()
+                    loss, objective = self.micro_loss(batch)
+                (objective / accum).backward()
                 losses.append(loss.detach())
         self._table_ticket = None
         if self.step + 1 < cfg.run.steps:  # while backward runs (host-RAM tables move the next step's rows)
@@ -306,6 +313,13 @@ class Trainer:
                 "unique_tokens": int(torch.unique(ids).numel()),
                 "tokens_seen": self.tokens_seen, "flops_seen": self.flops_seen, "loss_spikes": self.spikes.count,
                 "spike": spike, "step_time": dt, **({"up_scale": up_scale} if cfg.run.anneal != "off" else {})}
+
+    def micro_loss(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cross-entropy, objective)`` of one micro-batch; they differ only under ``run.distill``."""
+        if self.teacher is None:
+            loss = evaluate_mod.compute_loss(self.forward_model, batch, self.cfg.data.doc_masking)
+            return loss, loss
+        return self.teacher.losses(self.forward_model, self.model, batch, self.cfg.data.doc_masking)
 
     def apply_anneal(self) -> float:
         """Set the gradual-insertion scales for the current step (``run.anneal``); returns ``s``."""

