@@ -114,14 +114,15 @@ class Teacher:
     """A frozen teacher model and the loss that distils it into a student (``DistillConfig``)."""
 
     def __init__(self, cfg: DistillConfig, device: torch.device | str = "cpu"):
-        from ..checkpoint.directory import CheckpointError, load_model, resolve_checkpoint
+        from ..checkpoint.directory import CheckpointError, resolve_checkpoint
+        from ..store import Placement, open_model
 
         self.cfg = cfg
         try:
             path = resolve_checkpoint(cfg.teacher)
         except CheckpointError as e:
             raise ValueError(f"run.distill: {e}") from None
-        self.model = load_model(path, device=device).eval().requires_grad_(False)
+        self.model = open_model(path, Placement(device=str(device))).eval().requires_grad_(False)
 
     def check_student(self, student) -> None:
         """A one-line ``ValueError`` unless the student predicts over the teacher's vocabulary."""
