@@ -102,6 +102,13 @@ def distill_overrides(run: RunSpec, root: Path, log: Callable[[str], None] = pri
     return [f"run.distill={converted_model(run.teacher, root, log)}"]
 
 
+# A study's conversion is what its spec names on these calibration settings, not on the CLI's defaults of
+# the day: its runs' hashes and cached conversions cover only what the spec names, so a new default of
+# `stemlm convert` (shrink 1024 since issue 37) must not change what an unchanged spec computes. A spec
+# that wants the new setting names it (calibration: {shrink: 1024}), which changes its hash.
+STUDY_CALIBRATION = {"shrink": 0.0}
+
+
 def converted_model(convert: dict, root: Path, log: Callable[[str], None] = print) -> Path:
     """``convert_from_hf`` of ``convert`` into ``root`` (once: a complete output dir is reused)."""
     from ..interop.convert import convert_from_hf
@@ -116,7 +123,7 @@ def converted_model(convert: dict, root: Path, log: Callable[[str], None] = prin
     calibration = None
     if convert["init"] == "calibrate":
         from ..insert.calibrate import CalibrationConfig
-        calibration = CalibrationConfig(**(convert.get("calibration") or {}))
+        calibration = CalibrationConfig(**{**STUDY_CALIBRATION, **(convert.get("calibration") or {})})
     convert_from_hf(convert["source"], out, ffn=convert["ffn"], stem_layers=convert.get("stem_layers") or "1/3",
                     init=convert["init"], calibration=calibration, calib_data=convert.get("calib_data"), log=log)
     return out
