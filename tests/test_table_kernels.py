@@ -183,3 +183,19 @@ def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
     if "model.ffn=dense" not in extra:
         with pytest.raises(ConfigError, match="host-RAM tables move rows between steps"):
             Trainer(debug_config(data, tmp_path / "host", *common, "run.step_graph=static", "run.tables=host"))
+
+
+def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch):
+    """``auto`` takes the Triton kernels only after ``kernels.self_test`` ran them against the torch
+    reference on the device; a kernel that fails there is a warning and the torch kernels, not a crash."""
+    from stemlm.train.fused import apply as apply_mod
+
+    assert kernels.self_test("cpu") is None
+    monkeypatch.setattr(gated, "gated_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
+    problem = kernels.self_test("cpu")
+    assert problem.startswith("the Triton table kernels failed on cpu: RuntimeError: no sm_90 here")
+    monkeypatch.setattr(apply_mod, "resolve_table_kernels", lambda setting, device: "triton")
+    model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2"))
+    with pytest.warns(UserWarning, match="training with run.table_kernels=torch"):
+        assert apply_mod.apply_table_path(model, "fused", "device", torch.device("cpu"), "auto") == "torch"
+    assert model.tables.kernels == "torch"

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn as nn
 
 from ...config import ConfigError
 from ...kernels import resolve_table_kernels
+from ...kernels import self_test as kernel_self_test
 from ...model.tables import StemTable
 from .host import install_host_tables
 from .stacked import install_fused_tables
@@ -50,6 +53,11 @@ def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device
         kernels = resolve_table_kernels(table_kernels, device)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    if kernels == "triton" and table_kernels == "auto":  # the default: only kernels that ran and agreed here
+        problem = kernel_self_test(device)
+        if problem:
+            warnings.warn(f"{problem}; training with run.table_kernels=torch", stacklevel=2)
+            kernels = "torch"
     if tables_tier == "host":
         install_host_tables(model, device, kernels, cache_ids=cache_ids)
     else:
