@@ -186,13 +186,13 @@ def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
 
 
 def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch):
-    """``auto`` takes the Triton kernels only after ``kernels.self_test`` ran them against the torch
+    """``auto`` takes the Triton kernels only after ``triton_self_test`` ran them against the torch
     reference on the device; a kernel that fails there is a warning and the torch kernels, not a crash."""
     from stemlm.train.fused import apply as apply_mod
 
-    assert kernels.self_test("cpu") is None
+    assert apply_mod.triton_self_test("cpu") is None
     monkeypatch.setattr(gated, "gated_rows", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no sm_90 here")))
-    problem = kernels.self_test("cpu")
+    problem = apply_mod.triton_self_test("cpu")
     assert problem.startswith("the Triton table kernels failed on cpu: RuntimeError: no sm_90 here")
     monkeypatch.setattr(apply_mod, "resolve_table_kernels", lambda setting, device: "triton")
     model = StemLM(model_config("debug", ffn="stem", stem_layers="1/2"))

@@ -56,36 +56,3 @@ def load(device: torch.device | str):
                            "run CPU tensors through run.table_kernels=torch")
     return importlib.import_module(".gated_rows", __name__), importlib.import_module(".row_adamw", __name__)
 
-
-def self_test(device: torch.device | str) -> str | None:
-    """Run every kernel once on a few rows on ``device`` against its torch reference; None when they
-    agree, else what failed (one line). ``auto`` uses the Triton kernels only after this passes, so a
-    Triton that cannot compile them falls back to the torch kernels instead of failing a run."""
-    try:
-        gated, adamw = load(device)
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        N, F, P = 40, 96, 6
-        inverse = torch.randint(0, P, (N,), generator=gen)
-        rows, g, dh = (torch.randn(*s, generator=gen) for s in ((P, F), (N, F), (N, F)))
-        rows, g, dh, inverse = (t.to(device) for t in (rows, g, dh, inverse))
-        g.requires_grad_(True)
-        row_grad = torch.zeros(P, F, device=device)
-        gated.gated_rows(g, rows, inverse, gated.Segments.of(inverse, P), row_grad).backward(dh)
-        g_ref, rows_ref = g.detach().clone().requires_grad_(True), rows.clone().requires_grad_(True)
-        gated.gated_rows_reference(g_ref, rows_ref, inverse).backward(dh)
-        w, m, v = (torch.randn(8, F, generator=gen).to(device) for _ in range(3))
-        v = v.abs()
-        flat = torch.arange(0, 8, 2, device=device)
-        fac = [torch.full((4, 1), x, device=device) for x in (0.99, -1e-3, 1e-8)]
-        want = [t.clone() for t in (w, m, v)]
-        from ..train.fused.kernels import indexed_update_
-        grad = torch.randn(4, F, generator=gen).to(device)
-        indexed_update_(*want, flat, want[0][flat].clone(), grad, *fac, None, 0.9, 0.95)
-        got = [t.clone() for t in (w, m, v)]
-        adamw.row_adamw_(*got, flat, got[0][flat].clone(), grad, *fac, None, 0.9, 0.95)
-        for a, b in ((g.grad, g_ref.grad), (row_grad, rows_ref.grad), *zip(got, want)):
-            if not torch.allclose(a, b, rtol=1e-4, atol=1e-5):
-                return f"the Triton table kernels disagree with their torch reference on {device}"
-    except Exception as e:  # a compile or launch failure: say it in one line
-        return f"the Triton table kernels failed on {device}: {type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
-    return None
