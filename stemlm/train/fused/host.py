@@ -232,14 +232,12 @@ class HostTables(FusedTables):
     def _land_evictions(self) -> None:
         """Scatter the evicted rows that were copied back into host RAM. Rows the device wrote into host
         RAM itself (UVA) need nothing here: the side stream runs every later gather after them."""
-        state = self.optim_state()
         for ids, host, event in self.pending:
             if ids is None:
                 continue
             Mover.wait(event)
             for part, rows in zip(PARTS, host):
-                dst = self.storage if part == "rows" else state[STATE_OF[part]]
-                dst.index_copy_(1, ids, rows)
+                self._host(part).index_copy_(1, ids, rows)
         self.pending = []
 
     # -- the optimizer, checkpoints, evaluation ---------------------------------------------

@@ -127,56 +127,49 @@ class FusedRowAdamW:
         """Update the rows ``flat`` of the stacked state (device tier) from the step's leaf."""
         st = self.stacked
         n, P, d = step.rows.shape
-        if valid is None and not self.triton and self.scalars is None and self._native(
-                self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d),
-                st["step"].view(-1), st["last_step"].view(-1), flat, step.rows.detach().view(-1, d),
-                step.grad.view(-1, d)):
+        weight, m, v = self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d)
+        counts, last = st["step"].view(-1), st["last_step"].view(-1)
+        w_rows, grad = step.rows.detach().reshape(-1, d), step.grad.reshape(-1, d)
+        if valid is None and self._plain and self._native(weight, m, v, counts, last, flat, w_rows, grad):
             return
-        counts = st["step"].view(-1).index_select(0, flat)  # (n·P,)
-        last = st["last_step"].view(-1).index_select(0, flat)
-        new_n, decay, neg_step, eps_r = self.factors(counts, last)
         mask = None if valid is None else valid.view(1, P).expand(n, P).reshape(-1, 1)  # (n·P, 1)
-        if mask is not None:
-            new_n = torch.where(mask[:, 0], new_n, counts)
-            stamp = torch.where(mask[:, 0], self.stamp(last), last)
-        else:
-            stamp = self.stamp(last)
-        st["step"].view(-1).index_copy_(0, flat, new_n)
-        st["last_step"].view(-1).index_copy_(0, flat, stamp)
-        update = self.container.kernel_modules()[1].row_adamw_ if self.triton else self.indexed
-        update(self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d), flat,
-               step.rows.detach().reshape(-1, d), step.grad.reshape(-1, d), decay, neg_step, eps_r, mask, *self.betas)
+        self._update_rows(weight, m, v, counts, last, flat, w_rows, grad, mask)
 
     def update_window(self, rows: torch.Tensor, grad: torch.Tensor, win, valid: torch.Tensor | None = None) -> None:
         """Update a compact window of rows (host tier) in place: ``rows``/``grad`` ``(n, U, d)``,
         ``win`` holding the window's moments ``m``/``v`` and counters ``step``/``last``; ``valid (U,)``
         marks the slots the step used (cached rows it did not use stay unchanged), None = all."""
-        d = rows.shape[-1]
-        if valid is not None:
-            n, U = win.step.shape
-            mask = valid.view(1, U).expand(n, U)
+        n, U, d = rows.shape
+        flat = torch.arange(n * U, device=rows.device)  # the window's rows are updated where they are
+        args = (rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1), win.last.view(-1), flat,
+                rows.view(-1, d), grad.reshape(-1, d))
+        if valid is None and self._plain:  # every row updated: no gather, no masked write-back
+            if self._native(*args):
+                return
             new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
-            win.step.copy_(torch.where(mask, new_n, win.step))
-            win.last.copy_(torch.where(mask, self.stamp(win.last), win.last))
-            update = self.container.kernel_modules()[1].row_adamw_ if self.triton else self.indexed
-            update(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), torch.arange(n * U, device=rows.device),
-                   rows.reshape(-1, d), grad.reshape(-1, d), decay.reshape(-1, 1), neg_step.reshape(-1, 1),
-                   eps_r.reshape(-1, 1), mask.reshape(-1, 1), *self.betas)
+            win.step.copy_(new_n)
+            win.last.copy_(self.stamp(win.last))
+            self.window(rows, win.m, win.v, grad, decay, neg_step, eps_r, *self.betas)
             return
-        if not self.triton and self.scalars is None and self._native(rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), win.step.view(-1),
-                                            win.last.view(-1), torch.arange(win.step.numel()), rows.view(-1, d),
-                                            grad.view(-1, d)):
-            return
-        new_n, decay, neg_step, eps_r = self.factors(win.step, win.last)
-        win.step.copy_(new_n)
-        win.last.copy_(self.stamp(win.last))
-        if self.triton:  # the window's rows are updated where they are: flat = 0 .. n·U - 1
-            flat = torch.arange(win.step.numel(), device=rows.device)
-            self.container.kernel_modules()[1].row_adamw_(
-                rows.view(-1, d), win.m.view(-1, d), win.v.view(-1, d), flat, rows.view(-1, d),
-                grad.reshape(-1, d), decay.reshape(-1, 1), neg_step.reshape(-1, 1), eps_r.reshape(-1, 1), None, *self.betas)
-            return
-        self.window(rows, win.m, win.v, grad, decay, neg_step, eps_r, *self.betas)
+        self._update_rows(*args, None if valid is None else valid.view(1, U).expand(n, U).reshape(-1, 1))
+
+    @property
+    def _plain(self) -> bool:
+        """Neither the Triton kernels nor device scalars: the CPU's C++ loop and the in-place window update apply."""
+        return not self.triton and self.scalars is None
+
+    def _update_rows(self, weight, m, v, counts, last, flat, w_rows, grad, mask) -> None:
+        """AdamW on rows ``flat`` of ``(R, d)`` rows and moments and ``(R,)`` counters, from the rows' current
+        values ``w_rows`` and gradients ``grad`` (``(K, d)``); ``mask (K, 1)`` leaves the other rows as they are."""
+        old_n, old_last = counts.index_select(0, flat), last.index_select(0, flat)  # (K,)
+        new_n, decay, neg_step, eps_r = self.factors(old_n, old_last)
+        stamp = self.stamp(old_last)
+        if mask is not None:
+            new_n, stamp = torch.where(mask[:, 0], new_n, old_n), torch.where(mask[:, 0], stamp, old_last)
+        counts.index_copy_(0, flat, new_n)
+        last.index_copy_(0, flat, stamp)
+        update = self.container.kernel_modules()[1].row_adamw_ if self.triton else self.indexed
+        update(weight, m, v, flat, w_rows, grad, decay, neg_step, eps_r, mask, *self.betas)
 
     # -- checkpointing --------------------------------------------------------------------
     def state_dict(self) -> tuple[dict[str, torch.Tensor], dict]:
