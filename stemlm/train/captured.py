@@ -145,7 +145,22 @@ def _make_capturable(opt: torch.optim.Optimizer, device: torch.device) -> None:
             state["step"] = state["step"].to(device=device, dtype=torch.float32)
 
 
-def step_graph_problem(trainer) -> str | None:
+def check_step_graph(trainer) -> None:
+    """A one-line ``ConfigError`` when ``trainer``'s step cannot run on fixed buffers (``run.step_graph``)."""
+    from ..config import ConfigError
+
+    mode = trainer.cfg.run.step_graph
+    if mode == "eager":
+        return
+    if mode == "graph" and trainer.device.type != "cuda":
+        raise ConfigError(f"run.step_graph=graph captures a CUDA graph; the run is on {trainer.device} "
+                          "(use run.step_graph=static to run the same step eagerly)")
+    problem = _step_graph_problem(trainer)
+    if problem:
+        raise ConfigError(f"run.step_graph={mode} cannot run this step on fixed buffers: {problem}")
+
+
+def _step_graph_problem(trainer) -> str | None:
     """Why ``trainer``'s step cannot run on fixed buffers (``run.step_graph``), or None."""
     from ..ffn import ffn_kind
     from .fused import FusedTables, HostTables

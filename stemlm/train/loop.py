@@ -42,7 +42,7 @@ from ..model.tables import check_ids, ids_checked
 from . import evaluate as evaluate_mod
 from . import state as ckpt_io
 from .build import build_model, compile_blocks, resolve_data_dir
-from .captured import CapturedStep, step_graph_problem
+from .captured import CapturedStep, check_step_graph
 from .config import TrainConfig, config_from_yaml_text, resume_changes
 from .distill import teacher_for_run
 from .lock import RunLock
@@ -122,7 +122,7 @@ class Trainer:
         if self.compiled:
             compile_blocks(self.model)
         self.forward_model = self.wrap_forward(self.model)
-        self._check_step_graph()
+        check_step_graph(self)
         self.captured = None  # the CapturedStep of run.step_graph, built at the first step (after a restore)
         self._table_ticket = None  # what model.tables.prefetch_step staged for the next step
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
@@ -282,18 +282,6 @@ class Trainer:
                 self._diverged(f"loss is {value}", done=done)
         if not is_finite(norm):
             self._diverged(f"gradient norm is {norm}", done=done)
-
-    def _check_step_graph(self) -> None:
-        """A one-line ``ConfigError`` when ``run.step_graph`` cannot run this step on fixed buffers."""
-        mode = self.cfg.run.step_graph
-        if mode == "eager":
-            return
-        if mode == "graph" and self.device.type != "cuda":
-            raise ConfigError(f"run.step_graph=graph captures a CUDA graph; the run is on {self.device} "
-                              "(use run.step_graph=static to run the same step eagerly)")
-        problem = step_graph_problem(self)
-        if problem:
-            raise ConfigError(f"run.step_graph={mode} cannot run this step on fixed buffers: {problem}")
 
     def _finish_step(self, t0: float, ids: torch.Tensor, values: list[float], norm: float, up_scale,
                      applied: bool = False) -> dict:
