@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 
 import torch
 
@@ -48,7 +49,7 @@ def load(device: torch.device | str):
     defined); a process that defined them for a GPU cannot also run them on the CPU.
     """
     cpu = torch.device(device).type == "cpu"
-    loaded = "stemlm.kernels.gated_rows" in importlib.sys.modules
+    loaded = "stemlm.kernels.gated_rows" in sys.modules
     if cpu and not loaded:
         os.environ["TRITON_INTERPRET"] = "1"
     if cpu and loaded and os.environ.get("TRITON_INTERPRET") != "1":

@@ -38,7 +38,6 @@ from ..data.tokens import Batch
 from ..model.tables import ids_checked
 from . import evaluate as evaluate_mod
 
-STEP_GRAPH_MODES = ("eager", "static", "graph")
 WARMUP = 2  # eager steps before the capture (side-stream warm-up, as torch.cuda.graphs recommends)
 
 

@@ -24,6 +24,7 @@ from ..layered_config import dataclass_to_dict, resolve_config, yaml_mapping
 from ..config import ConfigError, ModelConfig
 from ..fields import field_types
 from ..insert.anneal import ANNEAL_MODES
+from ..kernels import TABLE_KERNELS
 from ..runtime.matmul import BACKENDS as MATMUL_BACKENDS
 from ..presets import PRESETS, model_config
 
@@ -32,8 +33,7 @@ DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 TABLE_PATHS = ("auto", "fused", "reference")
 TRAIN_TABLE_TIERS = ("device", "host")
-TABLE_KERNELS = ("auto", "triton", "torch")
-STEP_GRAPH_MODES = ("eager", "static", "graph")  # stemlm.train.captured.STEP_GRAPH_MODES  # stemlm.kernels.TABLE_KERNELS (not imported: it would load torch paths early)
+STEP_GRAPH_MODES = ("eager", "static", "graph")  # run.step_graph (stemlm.train.captured)
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
 # (the backbone in every step); the scale was chosen on the default run (docs/training.md).
