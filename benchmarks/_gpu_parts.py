@@ -16,7 +16,7 @@ from _train_bench import make_trainer, paired_ratio, time_interleaved
 
 from stemlm.accounting import roofline_step_s, train_flops_per_token
 from stemlm.train.build import compile_blocks
-from stemlm.train.metrics import spec_bf16_peak
+from stemlm.train.metrics import matmul_flops, spec_bf16_peak
 
 ARMS = {"dense": ["model.ffn=dense"], "stem-1/3": ["model.ffn=stem", "model.stem_layers=1/3"],
         "stem-full": ["model.ffn=stem", "model.stem_layers=full"]}
@@ -153,17 +153,8 @@ def hf_section(s, preset: str) -> dict | None:
 
 
 def matmul_peak(device: str, dtype: torch.dtype, n: int) -> float:
-    """Measured FLOP/s of an ``n × n`` matmul (best of a few)."""
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(5):
-        sync(torch.device(device))
-        t0 = time.perf_counter()
-        for _ in range(4):
-            a @ b
-        sync(torch.device(device))
-        best = min(best, (time.perf_counter() - t0) / 4)
-    return 2 * n ** 3 / best
+    """Measured FLOP/s of an ``n × n`` matmul (best of a few; ``stemlm.train.metrics.matmul_flops``)."""
+    return matmul_flops(device, dtype, n)
 
 
 def spec_peak(device_name: str) -> float | None:

@@ -116,19 +116,25 @@ def spec_bf16_peak(name: str) -> float | None:
     return next((peak for key, peak in SPEC_BF16_PEAKS if key in name), None)
 
 
-def measure_bf16_peak(device: torch.device | str, n: int = 4096, reps: int = 20) -> float:
-    """Achieved bf16 matmul FLOP/s of ``n × n`` products on an accelerator (best of ``reps``)."""
-    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+def matmul_flops(device: torch.device | str, dtype: torch.dtype, n: int, rounds: int = 5, per_round: int = 4) -> float:
+    """Achieved FLOP/s of ``n × n`` matmuls in ``dtype`` on ``device``: the best of ``rounds`` timings of
+    ``per_round`` products each, after a warm-up product."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
     a @ b
-    best = 0.0
-    for _ in range(reps):
+    best = float("inf")
+    for _ in range(rounds):
         _sync(device)
         t0 = time.perf_counter()
-        a @ b
+        for _ in range(per_round):
+            a @ b
         _sync(device)
-        best = max(best, 2 * n**3 / max(time.perf_counter() - t0, 1e-9))
-    return best
+        best = min(best, (time.perf_counter() - t0) / per_round)
+    return 2 * n**3 / max(best, 1e-9)
+
+
+def measure_bf16_peak(device: torch.device | str, n: int = 4096) -> float:
+    """Achieved bf16 matmul FLOP/s of ``n × n`` products on an accelerator (``matmul_flops``)."""
+    return matmul_flops(device, torch.bfloat16, n)
 
 
 def peak_for(device: torch.device, dtype: str = "float32") -> tuple[float, str]:
