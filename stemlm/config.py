@@ -26,7 +26,8 @@ import math
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-from .ffn import KINDS, DenseFFN, ffn_kind
+from .ffn import KINDS, DenseFFN, EngramFFN, ffn_kind
+from .ffn.ngram import check_ngram_fields
 from .fields import ConfigError, coerce_fields
 
 TABLE_INITS = ("xavier_normal", "matched", "normal")
@@ -101,6 +102,13 @@ class ModelConfig:
     hash_seed: int = 0  # hash_moe: seed of the fixed token -> expert hash
     init_std: float = 0.02
     table_init: str = "xavier_normal"
+    # n-gram keyed rows (ffn = ngram / ngram_dagger / engram, or engram_layers; stemlm/ffn/ngram.py, docs/ngram.md)
+    ngram_orders: tuple[int, ...] = (2, 3)  # hashed orders; the current token is always a key
+    ngram_heads: int = 2  # hash heads per order
+    ngram_slots: int | None = None  # rows of an n-gram table (>= vocab_size); None -> vocab_size (STEM's table bytes)
+    ngram_seed: int = 0  # seed of the fixed hash factors
+    ngram_normalize: bool = False  # hash canonical tokens (case, leading space folded; stemlm.data.codec)
+    engram_layers: str | tuple[int, ...] = "none"  # layers given an Engram-style memory (kind engram), beside `ffn`
 
     # derived (not constructor arguments)
     head_dim: int = field(init=False)
@@ -136,23 +144,38 @@ class ModelConfig:
         if self.hash_seed < 0:
             raise ConfigError(f"hash_seed must be >= 0, got {self.hash_seed}")
         layers = () if self.ffn == DenseFFN.name else resolve_stem_layers(self.stem_layers, self.n_layers)
+        check_ngram_fields(self)
+        memory = resolve_stem_layers(self.engram_layers, self.n_layers)
+        if clash := sorted(set(memory) & set(layers)):
+            raise ConfigError(f"engram_layers: layer {clash[0]} is already a {self.ffn} layer (stem_layers)")
         set_("head_dim", self.d_model // self.n_heads)
         set_("stem_layer_ids", layers)
-        set_("layer_kinds", tuple(self.ffn if i in layers else DenseFFN.name for i in range(self.n_layers)))
+        set_("layer_kinds", tuple(self.ffn if i in layers else EngramFFN.name if i in memory else DenseFFN.name
+                                  for i in range(self.n_layers)))
         for name, value in ffn_kind(self.ffn).derived_fields(self).items():  # e.g. Hash-MoE's expert count
             set_(name, value)
 
     # -- helpers -------------------------------------------------------------------------
     @property
     def table_layers(self) -> tuple[int, ...]:
-        """Indices of layers that own a token-indexed table (STEM, STEM†, gate ablation)."""
+        """Indices of layers that own a table (STEM, STEM†, gate ablation, the n-gram kinds)."""
         return tuple(i for i, k in enumerate(self.layer_kinds) if ffn_kind(k).owns_table)
+
+    @property
+    def ngram_layers(self) -> tuple[int, ...]:
+        """Indices of table layers keyed by n-grams (``stemlm.ffn.ngram``)."""
+        return tuple(i for i in self.table_layers if ffn_kind(self.layer_kinds[i]).keyed_by == "ngram")
+
+    def table_rows(self, layer: int) -> int:
+        """Rows of layer ``layer``'s table (``V``, or ``ngram_slots`` for n-gram keys)."""
+        return ffn_kind(self.layer_kinds[layer]).table_rows(self)
 
     def to_dict(self) -> dict:
         """Constructor arguments only (derived fields are recomputed on load)."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        if isinstance(out["stem_layers"], tuple):
-            out["stem_layers"] = list(out["stem_layers"])
+        for name in ("stem_layers", "engram_layers", "ngram_orders"):
+            if isinstance(out[name], tuple):
+                out[name] = list(out[name])
         return out
 
     def check_seq_len(self, seq_len: int, name: str = "seq_len") -> int:

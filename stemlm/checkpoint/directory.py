@@ -201,7 +201,7 @@ def load_in_memory(path: str | os.PathLike, device: str | torch.device = "cpu", 
     if cfg.table_layers and not skip_tables and (ckpt / WEIGHTS_FILE).exists():
         codec = stored_codec(ckpt / WEIGHTS_FILE)
         if codec.quantized:  # tables stored quantized load as QuantizedTables (stemlm.model.quant)
-            model.tables = quantized_tables(cfg.vocab_size, cfg.d_ff, cfg.table_layers, codec)
+            model.tables = quantized_tables({i: cfg.table_rows(i) for i in cfg.table_layers}, cfg.d_ff, codec)
     load_state_into(model, ckpt / WEIGHTS_FILE, skip_tables=skip_tables)
     model.eval()
     return model.to(device=device, dtype=dtype) if dtype else model.to(device)

@@ -17,7 +17,10 @@ only) and the token ids. Its class attributes and class methods answer, without 
 * the fused table kernels: ``fuses_row_gather`` (its ``hidden`` takes ``IndexedRows`` and gathers the
   rows inside the kernel; other kinds get the rows expanded per position);
 * gradual insertion (``stemlm.insert.anneal``): ``anneals_to``, the kind it becomes once its
-  ``up_scale`` reaches 0 (None: it does not anneal).
+  ``up_scale`` reaches 0 (None: it does not anneal);
+* its keys (``keyed_by``): ``"token"``, one row ``U_l[t]`` per position (``rows (B, T, d_ff)``), or
+  ``"ngram"``, the K rows of the position's token and hashed n-grams (``rows (B, T, K, d_ff)``,
+  ``stemlm.ffn.ngram``); ``table_rows`` is the number of rows of its table.
 
 Sizes come from a ``ModelConfig`` (``d_model``, ``d_ff``, ``vocab_size``, ``n_experts``).
 """
@@ -48,6 +51,7 @@ class FFNKind(nn.Module):
     routes_by_data: ClassVar[bool] = False  # the computation depends on the ids' values
     fuses_row_gather: ClassVar[bool] = False  # takes ``IndexedRows`` (rows not expanded per position) in forward
     anneals_to: ClassVar[str | None] = None  # the kind gradual insertion turns it into (its up_scale/row_scale), if any
+    keyed_by: ClassVar[str] = "token"  # "token": U_l[t]; "ngram": the rows of t and its hashed n-grams
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -88,9 +92,16 @@ class FFNKind(nn.Module):
         return cls.weights(cfg)
 
     @classmethod
+    def table_rows(cls, cfg) -> int:
+        """Rows of the layer's table: ``V`` for token keys, ``ngram_slots`` for n-gram keys, 0 without one."""
+        if not cls.owns_table:
+            return 0
+        return cfg.vocab_size if cls.keyed_by == "token" else (cfg.ngram_slots or cfg.vocab_size)
+
+    @classmethod
     def table_params(cls, cfg) -> int:
-        """Parameters of the layer's table (``V × d_ff``), 0 without one."""
-        return cfg.vocab_size * cfg.d_ff if cls.owns_table else 0
+        """Parameters of the layer's table (``table_rows × d_ff``), 0 without one."""
+        return cls.table_rows(cfg) * cfg.d_ff
 
     # -- configuration ------------------------------------------------------------------------
     @classmethod

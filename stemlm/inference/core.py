@@ -90,8 +90,9 @@ class DecodeCore:
         self.model, self.device, self.pad_id = model, param.device, pad_id
         self.eos_ids = frozenset(eos_ids)
         self.store = model.tables if store == "auto" else store
-        # rows in the model's memory need no fetching
-        self._prefetch = self.store is not None and self.store.tier != "device"
+        # rows in the model's memory need no fetching; a model keyed two ways gathers in its forward
+        self._prefetch = self.store is not None and self.store.tier != "device" and not model.mixed_keys
+        self.reach = max(cfg.ngram_orders) - 1 if cfg.ngram_layers else 0  # tokens before the fed one its keys hash
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         self.mode = resolve_graphs(graphs, self.device, cfg)
         self.static = None
@@ -148,7 +149,7 @@ class DecodeCore:
         for j, s in enumerate(group):
             ids[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
         ids = ids.to(self.device)
-        rows = self.store.prefetch(ids) if self._prefetch else None
+        rows = self.store.prefetch(self.model.table_keys(ids)) if self._prefetch else None
         mask = None
         if min(lengths) != width:  # causal, the padding keys hidden
             real = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
@@ -172,24 +173,37 @@ class DecodeCore:
         tokens = [s.tokens[-1] for s in seqs]
         slots = [s.next_slot for s in seqs]
         rows, self._ticket = self._ticket, None  # prefetched by _retire for exactly these tokens
+        context = self._context(seqs)
         if self.static is not None:
-            logits = self.static(tokens, slots, rows)
+            logits = self.static(tokens, slots, rows, context)
         else:
-            logits = self._eager_step(tokens, slots, rows)
+            logits = self._eager_step(tokens, slots, rows, None if context is None else context.to(self.device))
         emitted = self._sample(seqs, logits)
         return Progress(emitted, self._retire(), None, [1] * len(seqs))
 
-    def _eager_step(self, tokens: list[int], slots: list[int], rows=None) -> torch.Tensor:
+    def _context(self, seqs: list[Generation]) -> torch.Tensor | None:
+        """``(n, reach)`` on the host: each sequence's tokens before the one it feeds next (``-1`` before
+        its start), which the n-gram keys of that token hash; None for a model without n-gram rows."""
+        if not self.reach:
+            return None
+        out = torch.full((len(seqs), self.reach), -1, dtype=torch.long)
+        for j, s in enumerate(seqs):
+            before = (s.prompt + s.tokens)[-1 - self.reach:-1]
+            if before:
+                out[j, self.reach - len(before):] = torch.tensor(before, dtype=torch.long)
+        return out
+
+    def _eager_step(self, tokens: list[int], slots: list[int], rows=None, context=None) -> torch.Tensor:
         span = max(slots) + 1
         self._reserve(len(tokens), span)
         ids = torch.tensor(tokens, dtype=torch.long, device=self.device)[:, None]  # (n, 1)
         if min(slots) == span - 1:  # every row at the same position: plain cached decode
             return self.model(ids, start_pos=span - 1, cache=self.cache.uniform(len(tokens), span),
-                              table_rows=rows)[:, -1]
+                              table_rows=rows, context=context)[:, -1]
         pos = torch.tensor(slots, device=self.device)  # (n,)
         mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None]  # (n, 1, 1, S)
         return self.model(ids, start_pos=0, cache=self.cache.ragged(pos, span), positions=pos[:, None],
-                          attn_mask=mask, table_rows=rows)[:, -1]
+                          attn_mask=mask, table_rows=rows, context=context)[:, -1]
 
     def _reserve(self, rows: int, length: int) -> None:
         if self.static is None:
@@ -228,5 +242,7 @@ class DecodeCore:
         self._ticket = None
         if self.running and self._prefetch:
             device = "cpu" if self.static is not None else self.device  # ids as the step will look them up
-            self._ticket = self.store.prefetch(torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None])
+            ids = torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None]
+            context = self._context(self.running)
+            self._ticket = self.store.prefetch(self.model.table_keys(ids, None if context is None else context.to(device)))
         return done

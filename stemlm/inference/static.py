@@ -32,6 +32,7 @@ import logging
 import torch
 
 from ..ffn import ffn_kind
+from ..ffn.ngram import keys_per_position
 from .kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -86,18 +87,23 @@ class StaticStep:
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.slots = torch.arange(max_len, device=self.device)
         self.logits = torch.zeros(self.rows, cfg.vocab_size, dtype=param.dtype, device=self.device)
-        self.table_rows = {k: torch.zeros(self.rows, 1, cfg.d_ff, dtype=param.dtype, device=self.device)
-                           for k in model.tables.keys()} if self.offloaded else {}
+        self.reach = max(cfg.ngram_orders) - 1 if cfg.ngram_layers else 0  # n-gram keys: the tokens before
+        self.context = torch.full((self.rows, self.reach), -1, dtype=torch.long, device=self.device)
+        ngram = {str(i) for i in cfg.ngram_layers}
+        per_position = lambda k: (keys_per_position(cfg),) if k in ngram else ()  # noqa: E731
+        self.table_rows = {k: torch.zeros(self.rows, 1, *per_position(k), cfg.d_ff, dtype=param.dtype,
+                                          device=self.device) for k in model.tables.keys()} if self.offloaded else {}
         self.graphs_on = graphs
         if graphs and self.device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, the model is on {self.device}")
         self.graphs: dict[int, object] = {}
         self._pool = None
-        self._pinned = torch.zeros(2, self.rows, dtype=torch.long, pin_memory=graphs)  # ids, positions
+        self._pinned = torch.zeros(2 + self.reach, self.rows, dtype=torch.long, pin_memory=graphs)  # ids, positions, context
 
-    def __call__(self, tokens: list[int], slots: list[int], rows=None) -> torch.Tensor:
+    def __call__(self, tokens: list[int], slots: list[int], rows=None, context: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(n, V)`` of the step feeding ``tokens`` at ``slots``; ``rows``: the tables' ticket for
-        ``tokens`` (``store.prefetch``), gathered here when None."""
+        ``tokens`` (``store.prefetch``), gathered here when None; ``context (n, reach)`` on the host: the
+        tokens before each fed one (n-gram keys only, ``DecodeCore._context``)."""
         n, b = len(tokens), bucket(len(tokens))
         if b > self.rows:
             raise ValueError(f"{n} rows do not fit the static step's {self.rows}")
@@ -105,11 +111,14 @@ class StaticStep:
         host.zero_()
         host[0, :n] = torch.tensor(tokens)
         host[1, :n] = torch.tensor(slots)
+        if self.reach:
+            host[2:, :n] = context.T
+            self.context[:b].copy_(host[2:, :b].T, non_blocking=True)
         self.ids[:b, 0].copy_(host[0, :b], non_blocking=True)
         self.pos[:b].copy_(host[1, :b], non_blocking=True)
         if self.offloaded:
-            if rows is None:
-                rows = self.store.rows(torch.tensor(tokens)[:, None])  # ids on the host: no sync
+            if rows is None:  # ids on the host: no sync
+                rows = self.model.table_rows(torch.tensor(tokens)[:, None], context, tables=self.store)
             for key, buf in self.table_rows.items():
                 buf[:n].copy_(rows[key])  # (n, 1, d_ff)
         if not self.graphs_on:
@@ -126,13 +135,14 @@ class StaticStep:
         mask = (self.slots[None, :] <= pos[:, None])[:, None, None]  # (b, 1, 1, L)
         if self.offloaded:
             rows = {k: buf[:b] for k, buf in self.table_rows.items()}
-        elif self.views:
-            flat = ids.reshape(-1)
+        else:  # gathered without torch.unique (no host sync): (b, 1, d_ff), or (b, 1, K, d_ff) for n-gram keys
+            keys = self.model.layer_keys(ids, self.context[:b] if self.reach else None)
             dtype = self.logits.dtype
-            rows = {k: v.index_select(0, flat).to(dtype).view(b, 1, -1) for k, v in self.views.items()}  # (b, 1, d_ff)
-        else:
-            flat = ids.reshape(-1)
-            rows = {k: t.gather(flat).view(b, 1, -1) for k, t in self.model.tables.items()}  # (b, 1, d_ff)
+            if self.views:
+                rows = {k: v.index_select(0, keys[k].reshape(-1)).to(dtype).view(*keys[k].shape, -1)
+                        for k, v in self.views.items()}
+            else:
+                rows = {k: t.gather(keys[k].reshape(-1)).view(*keys[k].shape, -1) for k, t in self.model.tables.items()}
         logits = self.model(ids, start_pos=0, cache=self.cache.ragged(pos, self.max_len), positions=pos[:, None],
                             attn_mask=mask, table_rows=rows, check=False)
         self.logits[:b].copy_(logits[:, -1])

@@ -26,8 +26,9 @@ from ..config import ModelConfig
 from ..ffn import FFNKind, ffn_kind
 from ..runtime.matmul import matmul_backend_of
 from .loss import linear_cross_entropy
+from ..ffn.ngram import NgramKeys, hash_factors
 from ..ffn.rows import as_rows
-from .tables import StemTable, Tables, check_ids, init_table_
+from .tables import MergedRows, StemTable, Tables, check_ids, init_table_
 
 
 class RMSNorm(nn.Module):
@@ -157,6 +158,10 @@ def init_module_(module: nn.Module, cfg: ModelConfig, init=_TorchInit) -> None:
         module.init_weights_(cfg, init)
     elif isinstance(module, StemTable):
         init_table_(module.weight, cfg.table_init, cfg.d_model, cfg.init_std)
+    elif isinstance(module, NgramKeys):  # fixed hash factors (a non-persistent buffer) and the identity canon
+        init.copy_(module.factors, hash_factors(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed))
+        if module.canon is not None:
+            init.copy_(module.canon, torch.arange(cfg.vocab_size))
 
 
 class StemLM(nn.Module):
@@ -167,7 +172,8 @@ class StemLM(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.tables = Tables({str(i): StemTable(cfg.vocab_size, cfg.d_ff) for i in cfg.table_layers})
+        self.tables = Tables({str(i): StemTable(cfg.table_rows(i), cfg.d_ff) for i in cfg.table_layers})
+        self.ngram_keys = NgramKeys(cfg) if cfg.ngram_layers else None  # keys of n-gram layers (stemlm.ffn.ngram)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -183,7 +189,8 @@ class StemLM(nn.Module):
     def forward(self, ids: torch.Tensor, *, start_pos: int = 0, cache=None, doc_ids=None,
                 return_hidden: bool = False, targets: torch.Tensor | None = None,
                 positions: torch.Tensor | None = None, attn_mask: torch.Tensor | None = None,
-                table_rows: Mapping[str, torch.Tensor] | None = None, check: bool = True) -> torch.Tensor:
+                table_rows: Mapping[str, torch.Tensor] | None = None, context: torch.Tensor | None = None,
+                check: bool = True) -> torch.Tensor:
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
         ``cache`` (optional) keeps keys/values across calls: any object with ``update(layer, k, v, start)``
@@ -198,7 +205,9 @@ class StemLM(nn.Module):
         (True = may attend) replaces the causal mask.
 
         ``table_rows`` maps each table layer (``"1"``, ...) to its rows ``(B, T, d_ff)`` for ``ids``;
-        by default ``self.tables.rows(ids)`` gathers them.
+        by default ``self.table_rows(ids, context)`` gathers them. ``context (B, c)``: the tokens just
+        before ``ids[:, 0]`` (``-1`` = none), which n-gram keys of the first positions hash (a cached
+        decode step passes its sequences' last tokens); None: ``ids`` start their sequences.
 
         ``check=False`` skips the id and length checks, which read values back to the host: a
         captured decode step (``stemlm.inference.static``) may not synchronise.
@@ -221,7 +230,7 @@ class StemLM(nn.Module):
             cos, sin = cos.view(B, 1, T, -1), sin.view(B, 1, T, -1)  # (B, 1, T, hd): broadcast over heads
         mask = attention_mask(doc_ids, start_pos, T, ids.device) if attn_mask is None else attn_mask
         if table_rows is None:
-            table_rows = self.tables.rows(ids)
+            table_rows = self.table_rows(ids, context)
         elif missing := [str(i) for i in cfg.table_layers if str(i) not in table_rows]:
             raise ValueError(f"table_rows has no rows for table layer(s) {', '.join(missing)}")
         for i, block in enumerate(self.layers):
@@ -234,6 +243,35 @@ class StemLM(nn.Module):
             backend = matmul_backend_of(self.lm_head)  # the head's own kernels (stemlm.runtime.matmul)
             return linear_cross_entropy(h, self.lm_head.weight, targets, backend=backend)
         return h if return_hidden else self.lm_head(h)
+
+    @property
+    def mixed_keys(self) -> bool:
+        """Some table layers are keyed by tokens and others by n-grams: one lookup per key kind."""
+        return self.ngram_keys is not None and len(self.cfg.ngram_layers) < len(self.cfg.table_layers)
+
+    def table_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """What the tables are indexed by for ``ids (B, T)``: the ids themselves, or for a model whose
+        tables are n-gram keyed, keys ``(B, T, K)`` (``stemlm.ffn.ngram.ngram_keys``; ``context`` as in
+        ``forward``). Prefetch, dedup and the step's row gathers take these."""
+        return ids if self.ngram_keys is None or self.mixed_keys else self.ngram_keys(ids, context)
+
+    def table_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None) -> Mapping[str, torch.Tensor]:
+        """Every table layer's rows for ``ids (B, T)`` (``tables.rows`` of ``table_keys``; ``tables``
+        defaults to ``self.tables``): the token rows ``(B, T, d_ff)`` of token-keyed layers and the
+        ``(B, T, K, d_ff)`` rows of n-gram layers."""
+        tables = self.tables if tables is None else tables
+        if not self.mixed_keys:
+            return tables.rows(self.table_keys(ids, context))
+        ngram = tuple(str(i) for i in self.cfg.ngram_layers)
+        token = tuple(k for k in tables.keys() if k not in ngram)
+        return MergedRows(tables.rows(ids, layers=token), tables.rows(self.ngram_keys(ids, context), layers=ngram))
+
+    def layer_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Each table layer's keys, not made unique: ``ids`` for token layers, ``(B, T, K)`` for n-gram
+        layers (what a step that gathers without ``torch.unique`` indexes, ``inference.static``)."""
+        keys = None if self.ngram_keys is None else self.ngram_keys(ids, context)
+        ngram = {str(i) for i in self.cfg.ngram_layers}
+        return {k: keys if k in ngram else ids for k in self.tables.keys()}
 
     def table_parameters(self) -> list[nn.Parameter]:
         """Parameters of the in-memory tables (empty when tables live elsewhere)."""

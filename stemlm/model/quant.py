@@ -235,9 +235,9 @@ class QuantizedTable(TableLookup, nn.Module):
         return f"{self.num_rows}, {self.dim}, {self.codec.name}"
 
 
-def quantized_tables(num_rows: int, dim: int, keys, codec: RowCodec) -> Tables:
-    """Empty (zero-code) ``QuantizedTable``s for the layers ``keys``, to load a checkpoint into."""
-    return Tables({str(k): QuantizedTable(num_rows, dim, codec) for k in keys})
+def quantized_tables(rows_of: dict, dim: int, codec: RowCodec) -> Tables:
+    """Empty (zero-code) ``QuantizedTable``s for the layers of ``rows_of`` (layer -> rows), to load a checkpoint into."""
+    return Tables({str(k): QuantizedTable(n, dim, codec) for k, n in rows_of.items()})
 
 
 def quantize_tables(model: nn.Module, table_dtype: str | RowCodec, group_size: int = DEFAULT_GROUP_SIZE) -> Tables:

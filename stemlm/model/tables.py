@@ -196,6 +196,28 @@ class LayerRows(Mapping):
         return len(self._gathers)
 
 
+class MergedRows(Mapping):
+    """Several ``LayerRows`` (of disjoint layers, each over its own keys) seen as one mapping."""
+
+    def __init__(self, *parts: Mapping):
+        self._parts = parts
+
+    def __getitem__(self, key: str):
+        for part in self._parts:
+            if key in part:
+                return part[key]
+        raise KeyError(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for part in self._parts for k in part)
+
+    def __contains__(self, key) -> bool:
+        return any(key in part for part in self._parts)
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self._parts)
+
+
 @dataclass
 class TableStats:
     """Traffic counters of one table (rows/bytes moved = read from the backing store)."""
@@ -229,12 +251,15 @@ class Tables(nn.ModuleDict):
         alike: the first one does it; a sharded table makes it the union over the ranks)."""
         return next(iter(self.values())).index(ids)
 
-    def rows(self, ids: torch.Tensor) -> LayerRows:
-        """Every layer's rows for ``ids (B, T)``: ids made unique once, rows gathered per layer."""
-        if len(self) == 0:  # a dense model: nothing to index
+    def rows(self, ids: torch.Tensor, layers: tuple[str, ...] | None = None) -> LayerRows:
+        """Every layer's rows for ``ids (B, T)`` (or n-gram keys ``(B, T, K)``): ids made unique once,
+        rows gathered per layer; ``layers`` keeps only those layer keys (a model whose layers are keyed
+        two ways asks once per key kind, ``StemLM.table_rows``)."""
+        tables = {k: t for k, t in self.items() if layers is None or k in layers}
+        if not tables:  # a dense model: nothing to index
             return LayerRows({}, ids, ids.shape)
-        uniq, inverse = self.index(ids)
-        return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in self.items()}, inverse, ids.shape)
+        uniq, inverse = next(iter(tables.values())).index(ids) if layers is not None else self.index(ids)
+        return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in tables.items()}, inverse, ids.shape)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start gathering the rows of ``ids`` ahead of the forward (nothing to do in memory)."""

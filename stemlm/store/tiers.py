@@ -105,9 +105,8 @@ def export_tables(model_or_ckpt, path: str | os.PathLike, table_dtype: str | Row
     ckpt = resolve_checkpoint(model_or_ckpt)
     cfg = read_config(ckpt)
     src_codec = stored_codec(ckpt / WEIGHTS_FILE)
-    shape = (cfg.vocab_size, cfg.d_ff)
-    disk = {str(i): disk_backend(ckpt / WEIGHTS_FILE, i, shape, src_codec) for i in cfg.table_layers}
-    sources = {k: (shape, (None, lambda a, b, d=d: d.gather(torch.arange(a, b)))) for k, d in disk.items()}
+    disk = {str(i): disk_backend(ckpt / WEIGHTS_FILE, i, (cfg.table_rows(i), cfg.d_ff), src_codec) for i in cfg.table_layers}
+    sources = {k: (d.shape, (None, lambda a, b, d=d: d.gather(torch.arange(a, b)))) for k, d in disk.items()}
     return _write_tables(sources, path, parse_codec(table_dtype) or src_codec, overwrite)
 
 
@@ -134,9 +133,8 @@ def _check_finite_rows(rows, key: str, src: Path, chunk_bytes: int = 64 << 20) -
 def _stored_layers(src: Path, cfg, stored: RowCodec):
     """``(layer, reader)`` of every table stored in ``src``, its rows checked finite first (read with
     ``pread``: checked rows never stay resident)."""
-    shape = (cfg.vocab_size, cfg.d_ff)
     for i in cfg.table_layers:
-        with disk_backend(src, i, shape, stored, mode="r") as reader:
+        with disk_backend(src, i, (cfg.table_rows(i), cfg.d_ff), stored, mode="r") as reader:
             _check_finite_rows(reader, table_key(i), src)
             yield i, reader
 
@@ -157,7 +155,7 @@ class Tier:
         backends = {}
         for i, reader in _stored_layers(src, cfg, stored):
             rows_fn = lambda a, b, d=reader: d.gather(torch.arange(a, b))  # noqa: E731  (decoded fp32 rows)
-            backends[str(i)] = self.from_rows(rows_fn, (cfg.vocab_size, cfg.d_ff), codec, device, dtype)
+            backends[str(i)] = self.from_rows(rows_fn, (cfg.table_rows(i), cfg.d_ff), codec, device, dtype)
         return backends
 
     def from_tables(self, tables, codec: RowCodec, placement, device, dtype, overwrite: bool = False) -> dict:
@@ -222,7 +220,8 @@ class DiskTier(Tier):
                              f"{src.parent if src.name == WEIGHTS_FILE else 'CKPT'} --table-dtype {codec.name} --out DIR`)")
         mode = ("r+" if placement.tables_file is not None else "c") if placement.writable else "r"
         list(_stored_layers(src, cfg, stored))  # every table checked finite before it is served
-        return {str(i): disk_backend(src, i, (cfg.vocab_size, cfg.d_ff), stored, mode=mode) for i in cfg.table_layers}
+        return {str(i): disk_backend(src, i, (cfg.table_rows(i), cfg.d_ff), stored, mode=mode)
+                for i in cfg.table_layers}
 
     def from_tables(self, tables, codec, placement, device, dtype, overwrite=False):
         if placement.tables_file is None:

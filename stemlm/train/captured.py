@@ -117,7 +117,7 @@ class CapturedStep:
         try:
             tables = t.model.tables
             with ids_checked():
-                tables.begin_step([self.inputs[i] for i in range(accum)])
+                tables.begin_step([t.model.table_keys(self.inputs[i]) for i in range(accum)])
                 for i in range(accum):
                     batch = Batch(self.inputs[i], self.targets[i], self.doc_ids[i])
                     with evaluate_mod.autocast(self.device, cfg.run.dtype, cache=not self.graphs):

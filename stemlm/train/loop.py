@@ -254,7 +254,7 @@ class Trainer:
                 self.captured = CapturedStep(self, graphs=cfg.run.step_graph == "graph")
             return self._finish_step(t0, ids, *self.captured(host), up_scale, applied=True)
         with ids_checked():
-            tables.begin_step([b.inputs for b in host], self._table_ticket)
+            tables.begin_step([self.model.table_keys(b.inputs) for b in host], self._table_ticket)
             for b in host:
                 batch = b.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else b.to(self.device)
                 with evaluate_mod.autocast(self.device, cfg.run.dtype):
@@ -263,7 +263,8 @@ class Trainer:
                 losses.append(loss.detach())
         self._table_ticket = None
         if self.step + 1 < cfg.run.steps:  # while backward runs (host-RAM tables move the next step's rows)
-            self._table_ticket = tables.prefetch_step([b.inputs for b in self.step_batches(self.step + 1)])
+            self._table_ticket = tables.prefetch_step([self.model.table_keys(b.inputs)
+                                                        for b in self.step_batches(self.step + 1)])
         table_grads = self.table_opt.collect() if self.table_opt is not None else []
         params = [p for g in self.opt.param_groups for p in g["params"]]
         values, norm = self.step_values(losses, self.clip_gradients(params, table_grads))

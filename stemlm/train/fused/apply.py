@@ -17,9 +17,11 @@ from .stacked import install_fused_tables
 
 
 def fusable(model: nn.Module) -> bool:
-    """Whether the fused path can take the model's tables: in-memory fp32 ``StemTable``s."""
+    """Whether the fused path can take the model's tables: in-memory fp32 ``StemTable``s of one shape, all
+    indexed by the same keys (not a model with token- and n-gram-keyed layers, ``StemLM.mixed_keys``)."""
     tables = list(getattr(model, "tables", {}).values())
-    return bool(tables) and all(type(t) is StemTable and t.weight.dtype == torch.float32 for t in tables)
+    return (bool(tables) and all(type(t) is StemTable and t.weight.dtype == torch.float32 for t in tables)
+            and len({t.weight.shape for t in tables}) == 1 and not getattr(model, "mixed_keys", False))
 
 
 def resolve_table_path(table_path: str, tables_tier: str, table_optimizer: str, device: torch.device,

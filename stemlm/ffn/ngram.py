@@ -1,0 +1,202 @@
+"""n-gram rows (Engram-style keys): rows keyed by the current token plus hashed bigrams and trigrams.
+
+STEM keys a layer's row by the current token ``t_i`` alone. An n-gram layer reads ``K = 1 + |orders| · heads``
+rows of its table ``U_l`` (``ngram_slots`` rows, ``d_ff`` wide) at every position ``i``:
+
+* ``k_0 = t_i``, the current token (rows ``0 .. V-1`` are the token rows, so ``ngram_slots >= V``);
+* for each order ``n`` in ``ngram_orders`` (default 2 and 3) and each hash head ``h < ngram_heads``:
+  ``k_{n,h} = hash_{n,h}(t_{i-n+1}, ..., t_i) mod ngram_slots``.
+
+The layer's memory is the sum of its K rows, ``m_i = Σ_k U_l[k]`` (K hash heads per order cut the
+damage of any one collision: two n-grams share all their rows only if every head collides). Three ways
+into the layer, one kind each:
+
+| kind | layer output |
+|---|---|
+| ``ngram`` (STEM-style, eq. 4) | ``W_d (SiLU(W_g x) ⊙ m)`` |
+| ``ngram_dagger`` (STEM†-style, eq. 5) | ``W_d (SiLU(W_g x) ⊙ (W_u x + m))`` |
+| ``engram`` (Engram-style) | ``W_d (SiLU(W_g x) ⊙ W_u x) + α ⊙ W_v m``, ``α = σ(⟨ρ(x), ρ(W_k m)⟩ / √d)`` |
+
+``ρ`` is an RMS norm without weights and ``x`` the layer's normed hidden state: the gate ``α`` (one
+scalar per position) lets the context switch off a retrieved memory that does not fit it.
+
+Hashing is deterministic and documented: tokens are first mapped through ``canon`` when the model has
+one (``ngram_normalize``: case and leading space folded, ``stemlm.data.codec.canonical_ids``), a
+position before the start of the sequence is the pad value ``V`` (so the first ``n-1`` positions of a
+document hash their own short n-grams: ``(pad, t_0)`` is a bigram of its own), and
+
+    h = 0;  for each token u of the n-gram, oldest first:  h = (h · a_{n,h} + u + 1) mod P
+    k_{n,h} = ((h · b_{n,h}) mod P) mod ngram_slots,       P = 2^31 - 1
+
+with ``a, b`` drawn once from ``torch.Generator().manual_seed(ngram_seed)`` (every product stays below
+2^62: exact in int64 on every device). Keys are a pure function of the ids, so everything that knows
+the ids before the forward knows the keys: prefetch, dedup and the row-sparse optimizers run on keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..fields import ConfigError
+from .base import FFNKind, linear
+
+HASH_PRIME = 2**31 - 1
+MAX_ORDER = 8
+MAX_HEADS = 16
+
+
+def check_ngram_fields(cfg) -> None:
+    """One-line ``ConfigError`` for bad ``ngram_orders``/``ngram_heads``/``ngram_slots``/``ngram_seed``."""
+    orders = cfg.ngram_orders
+    if not orders:
+        raise ConfigError("ngram_orders: empty; give orders such as [2, 3] (the current token is always a key)")
+    if any(n < 2 or n > MAX_ORDER for n in orders):
+        raise ConfigError(f"ngram_orders: {list(orders)} must each be in 2..{MAX_ORDER}")
+    if len(set(orders)) != len(orders):
+        raise ConfigError(f"ngram_orders: duplicate order in {list(orders)}")
+    if not 1 <= cfg.ngram_heads <= MAX_HEADS:
+        raise ConfigError(f"ngram_heads must be in 1..{MAX_HEADS}, got {cfg.ngram_heads}")
+    if cfg.ngram_slots is not None and cfg.ngram_slots < cfg.vocab_size:
+        raise ConfigError(f"ngram_slots={cfg.ngram_slots} must be >= vocab_size={cfg.vocab_size} "
+                          "(rows 0..V-1 are the current token's)")
+    if cfg.ngram_slots is not None and cfg.ngram_slots >= HASH_PRIME:
+        raise ConfigError(f"ngram_slots={cfg.ngram_slots} must be < 2^31 - 1")
+    if cfg.ngram_seed < 0:
+        raise ConfigError(f"ngram_seed must be >= 0, got {cfg.ngram_seed}")
+
+
+def keys_per_position(cfg) -> int:
+    """``K = 1 + |orders| · heads``: the rows an n-gram layer reads at every position."""
+    return 1 + len(cfg.ngram_orders) * cfg.ngram_heads
+
+
+def hash_factors(orders: tuple[int, ...], heads: int, seed: int) -> torch.Tensor:
+    """``(|orders|, heads, 2)`` int64 multipliers ``a, b`` in ``[1, P)`` of every order's hash heads."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(1, HASH_PRIME, (len(orders), heads, 2), generator=gen, dtype=torch.int64)
+
+
+def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, factors: torch.Tensor,
+               canon: torch.Tensor | None = None) -> torch.Tensor:
+    """Keys ``(B, T, K)`` of ``ids (B, T)``: the token, then every order's hash heads (module docstring).
+
+    ``context (B, c)`` holds the tokens just before ``ids[:, 0]`` (newest last; ``-1`` = before the
+    sequence start); None means ``ids`` start the sequence. ``factors`` is ``hash_factors(...)``,
+    ``canon (V,)`` an optional token -> canonical token map applied before hashing.
+    """
+    B, T = ids.shape
+    reach = max(cfg.ngram_orders) - 1  # the previous tokens the longest order needs
+    pad = cfg.vocab_size
+    if context is None or context.shape[1] == 0:
+        before = ids.new_full((B, reach), -1)
+    else:
+        before = context[:, -reach:].to(ids.device, ids.dtype)
+        if before.shape[1] < reach:
+            before = torch.cat([before.new_full((B, reach - before.shape[1]), -1), before], 1)
+    seq = torch.cat([before, ids], 1)  # (B, reach + T)
+    real = seq >= 0
+    if canon is not None:
+        seq = torch.where(real, canon[seq.clamp(min=0)], seq)
+    seq = torch.where(real, seq, torch.full_like(seq, pad)) + 1  # pad -> V + 1, token u -> u + 1
+    factors = factors.to(ids.device)
+    slots = cfg.ngram_slots or cfg.vocab_size
+    out = [ids[..., None]]
+    for o, n in enumerate(cfg.ngram_orders):
+        a, b = factors[o, :, 0], factors[o, :, 1]  # (heads,)
+        h = torch.zeros(B, T, len(a), dtype=torch.int64, device=ids.device)
+        for j in range(n):  # oldest token of the n-gram first
+            start = reach - n + 1 + j
+            u = seq[:, start:start + T, None]  # (B, T, 1)
+            h = (h * a + u) % HASH_PRIME
+        out.append((h * b) % HASH_PRIME % slots)
+    return torch.cat(out, -1)  # (B, T, K)
+
+
+def memory_of(rows: torch.Tensor) -> torch.Tensor:
+    """``m = Σ_k U[k]``: the K rows of every position ``(..., K, d_ff)`` summed to ``(..., d_ff)``."""
+    return rows.sum(-2)
+
+
+class NgramFFN(FFNKind):
+    """STEM with n-gram keys: ``W_d (SiLU(W_g x) ⊙ m)``, ``m`` the sum of the position's K rows."""
+
+    name = "ngram"
+    holds = ("w_gate", "w_down")
+    owns_table = True
+    table_from = "w_up"
+    from_dense = False  # insertion calibrates token rows; n-gram slots have no dense counterpart to fit
+    keyed_by = "ngram"
+
+    def forward(self, x, rows=None, ids=None):
+        return self.w_down(F.silu(self.w_gate(x)) * memory_of(rows))
+
+
+class NgramDaggerFFN(FFNKind):
+    """STEM† with n-gram keys: ``W_d (SiLU(W_g x) ⊙ (W_u x + m))``."""
+
+    name = "ngram_dagger"
+    owns_table = True
+    table_from = "w_up"
+    from_dense = False
+    zero_rows_are_dense = True
+    keyed_by = "ngram"
+
+    def forward(self, x, rows=None, ids=None):
+        return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + memory_of(rows)))
+
+
+class EngramFFN(FFNKind):
+    """A dense SwiGLU plus an Engram-style memory: ``+ α ⊙ W_v m``, ``α = σ(⟨ρ(x), ρ(W_k m)⟩ / √d)``."""
+
+    name = "engram"
+    holds = ("w_gate", "w_up", "w_down")
+    owns_table = True
+    from_dense = False
+    keyed_by = "ngram"
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.w_mem_key = linear(cfg.d_ff, cfg.d_model)  # (d_ff -> d)
+        self.w_mem_value = linear(cfg.d_ff, cfg.d_model)
+
+    def forward(self, x, rows=None, ids=None):
+        dense = self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        m = memory_of(rows)
+        key = self.w_mem_key(m)
+        d = x.shape[-1]
+        alpha = torch.sigmoid((F.rms_norm(x, (d,)) * F.rms_norm(key, (d,))).sum(-1, keepdim=True) / math.sqrt(d))
+        return dense + alpha * self.w_mem_value(m)
+
+    @classmethod
+    def weights(cls, cfg) -> int:
+        return (len(cls.holds) + 2) * cfg.d_model * cfg.d_ff  # the SwiGLU plus W_k, W_v
+
+
+NGRAM_KINDS = (NgramFFN, NgramDaggerFFN, EngramFFN)
+
+
+class NgramKeys(nn.Module):
+    """The model's n-gram key function (``ngram_keys``) with its fixed hash factors and, with
+    ``ngram_normalize``, its ``canon`` map (a buffer saved with the model: the keys of a checkpoint
+    do not depend on a tokenizer found at load time)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("factors", hash_factors(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed),
+                             persistent=False)
+        canon = torch.arange(cfg.vocab_size) if cfg.ngram_normalize else None
+        self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
+
+    def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)`` (see ``ngram_keys``)."""
+        return ngram_keys(ids, context, self.cfg, self.factors, self.canon)
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Rebuild the hash factors (a non-persistent buffer ``from_pretrained`` may leave empty)."""
+        self.factors.copy_(hash_factors(self.cfg.ngram_orders, self.cfg.ngram_heads, self.cfg.ngram_seed))
