@@ -3,7 +3,8 @@
 ``KIND`` or ``KIND-PLACEMENT`` (``dense``, ``stem-1/3``, ``stem_dagger-1/2``, ``stem_gate-1/3``,
 ``hash_moe-1/3``) sets ``model.ffn`` and ``model.stem_layers``; a ``+tablex10`` suffix
 (``stem-1/3+tablex10``) trains the same model with stemlm's own table optimizer setting instead of
-the study's (``optim_overrides``). Hash-MoE takes the expert count
+the study's (``optim_overrides``); a ``+engram`` suffix (``stem-1/3+engram``) gives layer 1 an Engram-style
+n-gram memory (``model.engram_layers``, ``stemlm.ffn.ngram``) beside the placement. Hash-MoE takes the expert count
 whose per-layer parameters match a STEM layer (``accounting.hash_moe_match``), so with the same
 placement its total matches STEM's. ``dense-wide`` is the "just add parameters" control: a dense
 model whose FFN width ``d_ff`` makes its total parameters closest to ``stem-1/3`` of the same size.
@@ -19,7 +20,9 @@ from ..presets import model_config
 WIDE = "dense-wide"
 WIDE_REFERENCE = "stem-1/3"
 # Variant options (``KIND-PLACEMENT+OPTION``) and what each changes.
-OPTIONS = {"tablex10": "stemlm's table setting: sparse row AdamW at 10 × the lr, no table weight decay"}
+OPTIONS = {"tablex10": "stemlm's table setting: sparse row AdamW at 10 × the lr, no table weight decay",
+           "engram": "an Engram-style n-gram memory in layer 1 (model.engram_layers), beside the placement"}
+ENGRAM_LAYER = 1  # early, as Engram places its memory; never a ratio placement's layer (those end blocks of >= 2)
 
 
 def size_config(spec: dict, size: str) -> ModelConfig:
@@ -53,11 +56,12 @@ def parse_variant(variant: str) -> tuple[str, str | None]:
 
 def variant_config(base: ModelConfig, variant: str) -> ModelConfig:
     """``base`` turned into ``variant`` (dense-wide: the matched FFN width)."""
-    variant = split_options(variant)[0]
+    variant, options = split_options(variant)
     if variant == WIDE:
         return base.replace(ffn="dense", d_ff=matched_dense_width(base)["d_ff"])
     kind, placement = parse_variant(variant)
-    return base.replace(ffn=kind, **({"stem_layers": placement} if placement else {}))
+    memory = {"engram_layers": str(ENGRAM_LAYER)} if "engram" in options else {}
+    return base.replace(ffn=kind, **({"stem_layers": placement} if placement else {}), **memory)
 
 
 def matched_dense_width(base: ModelConfig) -> dict:
@@ -100,6 +104,8 @@ def variant_overrides(spec: dict, size: str, variant: str) -> list[str]:
         out.append(f"model.d_ff={cfg.d_ff}")
     if cfg.ffn == "hash_moe":
         out.append(f"model.n_experts={cfg.n_experts}")
+    if "engram" in split_options(variant)[1]:
+        out.append(f"model.engram_layers={cfg.engram_layers}")
     return out
 
 
