@@ -15,8 +15,8 @@ claims table are both drawn from ``claim_rows``; the comparisons themselves live
 
 from __future__ import annotations
 
-from .evidence import (BLIND, ablation_parts, dynamics_parts, knowledge_parts, midtrain_parts, needle_parts, roi_parts,
-                       stability_parts)
+from .evidence import (BLIND, ablation_parts, dynamics_parts, knowledge_parts, midtrain_parts, needle_parts,
+                       ngram_parts, roi_parts, stability_parts)
 from .paper import CAVEATS, QUOTES
 from .scale import SETTLE, measured, reading
 from .stats import RULE, Difference, combine, holm, interval, seeds_needed
@@ -37,9 +37,11 @@ RULES = {
                 "inconclusive; its validation batches are not replicates); predicted < 0",
     "ablation": "final validation loss per seed: STEM-1/3 − gate < 0, gate − dense > 0 (§4.4.2), STEM† − STEM-1/3 > 0, "
                 "Hash-MoE − STEM-1/3 > 0",
+    "ngram": "final validation loss per seed: n-gram-1/3 − STEM-1/3 < 0 at equal table bytes (each at its own best lr); "
+             "STEM-1/3 with an Engram-style memory − STEM-1/3 < 0",
 }
 BUILDERS = {"roi": roi_parts, "dynamics": dynamics_parts, "knowledge": knowledge_parts, "stability": stability_parts,
-            "long_context": needle_parts, "midtrain": midtrain_parts, "ablation": ablation_parts}
+            "long_context": needle_parts, "midtrain": midtrain_parts, "ablation": ablation_parts, "ngram": ngram_parts}
 
 
 def correct(parts: list[dict]) -> list[dict]:

@@ -294,8 +294,30 @@ def ablation_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
         for a, b, sign, label in ABLATIONS:
             if a in variants and b in variants:
                 parts.append(_part(f"{size} {label}", difference(*_common(variants[a], variants[b])), sign, " nats"))
-        judged = {STEM, GATE, "dense", "stem_dagger-1/3", MOE, *PLACEMENTS}
+        judged = {STEM, GATE, "dense", "stem_dagger-1/3", MOE, *PLACEMENTS, *(a for a, *_ in NGRAM_ARMS)}
         for other in sorted(v for v in variants if v not in judged and STEM in variants):
             d = difference(*_common(variants[other], variants[STEM]))
             notes.append(f"{size} {other} − STEM-1/3 (described): {d.text(' nats')}")
+    return parts, notes
+
+
+NGRAM_ARMS = (  # (variant, reference, predicted sign of variant − reference in loss, label)
+    ("ngram-1/3", STEM, -1, "n-gram-1/3 − STEM-1/3 (equal table bytes)"),
+    ("stem-1/3+engram", STEM, -1, "STEM-1/3 + Engram memory − STEM-1/3 (memory added: 2× the table bytes)"),
+)
+
+
+def ngram_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
+    """n-gram keys against token keys (``studies/ngram.yaml``, docs/ngram.md): final validation loss per seed,
+    each arm against STEM-1/3 of the same seed; predicted < 0. Dense is described against both."""
+    parts, notes = [], []
+    for size, variants in by_seed(runs, "compare", _final).items():
+        for a, b, sign, label in NGRAM_ARMS:
+            if a in variants and b in variants:
+                parts.append(_part(f"{size} {label}", difference(*_common(variants[a], variants[b])), sign, " nats"))
+        if parts and "dense" in variants:
+            for a in [STEM, *(a for a, *_ in NGRAM_ARMS)]:
+                if a in variants:
+                    d = difference(*_common(variants[a], variants["dense"]))
+                    notes.append(f"{size} {a} − dense (described): {d.text(' nats')}")
     return parts, notes

@@ -83,6 +83,16 @@ def _placements(key: str) -> str:
     return " / ".join(f"{TABLE3[p][key]:.2f}" for p in ("stem-1/3", "stem-1/2", "stem-full"))
 
 
+# Engram (Cheng et al., "Conditional Memory via Scalable Lookup: A New Axis of Sparsity for Large Language Models",
+# DeepSeek-AI, January 2026, arXiv 2601.07372; github.com/deepseek-ai/Engram): the claim stemlm's n-gram kinds test.
+ENGRAM_TOKENS = 262e9  # §4.1: "All models are pre-trained on 262 billion tokens"
+ENGRAM_TEXT = {
+    "allocation": ("§3.1", "Reallocating roughly 20%–25% of the sparse parameter budget to Engram yields the best "
+                           "performance."),
+    "abstract": ("abstract", "we scale Engram to 27B parameters, achieving superior performance over a strictly "
+                             "iso-parameter and iso-FLOPs MoE baseline"),
+}
+
 QUOTES: dict[str, Quote] = {
     "roi": Quote(
         "(a) STEM beats dense at lower per-token FLOPs (ROI > 1 at 1/3, 1/2, full)",
@@ -123,4 +133,9 @@ QUOTES: dict[str, Quote] = {
         + f" vs STEM-1/3 {TABLE3['stem-1/3']['avg_acc']:.2f} ({TABLE3['stem-1/3']['roi']:.2f}×) and dense "
         f"{TABLE3['dense']['avg_acc']:.2f}; gate-proj \"{TEXT['gate'][1]}\"",
         f"Table 3; {TEXT['gate'][0]}"),
+    "ngram": Quote(
+        "n-gram keys beat token keys at equal table bytes (Engram's claim, carried to STEM's tables)",
+        f"\"{ENGRAM_TEXT['allocation'][1]}\" ({ENGRAM_TEXT['allocation'][0]}); \"{ENGRAM_TEXT['abstract'][1]}\" "
+        f"({ENGRAM_TEXT['abstract'][0]}) — against MoE experts, not STEM tables",
+        "Engram paper, arXiv 2601.07372"),
 }

@@ -10,7 +10,7 @@ paper is wrong. ``SETTLE`` says, per claim, what would settle it.
 
 from __future__ import annotations
 
-from .paper import TABLE3_TOKENS
+from .paper import ENGRAM_TOKENS, TABLE3_TOKENS
 
 FAR = 100  # a run this many times fewer tokens than the paper's is "far below" its scale
 
@@ -21,6 +21,7 @@ PAPER = {
     "knowledge": ("compare", TABLE3_TOKENS, "350M, 100B tokens (Table 3)"),
     "stability": ("compare", TABLE3_TOKENS, "350M, 100B tokens (Table 3; curves Fig. 3a)"),
     "ablation": ("compare", TABLE3_TOKENS, "350M, 100B tokens (Table 3)"),
+    "ngram": ("compare", ENGRAM_TOKENS, "Engram-27B, 262B tokens (Engram paper §4.1)"),
     "long_context": ("context", None, "the NIAH model's tokens are not quoted in the sources of paper.py"),
     "midtrain": ("midtrain", None, "a 1B model pretrained on 1T tokens (official README); Table 4's "
                                                "mid-training tokens are not quoted in the sources of paper.py"),
@@ -38,6 +39,8 @@ SETTLE = {
     "midtrain": "≥ 2 seeds at the study's budget (3 seeds on one GPU: docs/insertion.md), and the paper's mid-training "
                 "tokens, which no offline corpus here holds in SmolLM2's vocabulary",
     "ablation": "more seeds for the inconclusive differences (below)",
+    "ngram": "more seeds for an inconclusive difference, and ≥ 10× the text (the wide corpus), where more distinct "
+             "n-grams compete for the same slots",
 }
 
 
