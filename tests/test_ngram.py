@@ -6,7 +6,7 @@ from train_helpers import losses, make_token_data, one_thread  # noqa: F401
 
 from stemlm.cli import main
 from stemlm.config import ConfigError, ModelConfig
-from stemlm.ffn.ngram import HASH_PRIME, hash_factors, keys_per_position, ngram_keys
+from stemlm.ffn.ngram import HASH_PRIME, hash_factors, hash_plan, keys_per_position, ngram_keys
 from stemlm.inference.core import DecodeCore, Generation
 from stemlm.inference.sampling import SamplingParams
 from stemlm.model.decoder import StemLM
@@ -34,7 +34,7 @@ def test_keys_follow_the_documented_hash_and_pad_the_sequence_start():
     cfg = ModelConfig(ffn="ngram", ngram_orders=(2, 3), ngram_heads=2, ngram_slots=700)
     ids = torch.tensor([[5, 9, 9, 300]])
     f = hash_factors(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed)
-    keys = ngram_keys(ids, None, cfg, f)
+    keys = ngram_keys(ids, None, cfg, hash_plan(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed))
     assert keys.shape == (1, 4, keys_per_position(cfg)) == (1, 4, 5)
     assert keys[0, :, 0].tolist() == ids[0].tolist()  # key 0: the token itself
     pad = cfg.vocab_size  # a position before the start hashes as V
@@ -46,13 +46,13 @@ def test_keys_follow_the_documented_hash_and_pad_the_sequence_start():
                 a, b = f[o, h].tolist()
                 assert keys[0, i, 1 + o * cfg.ngram_heads + h] == _python_key(gram, a, b, 700)
     assert int(keys.max()) < 700 and int(keys.min()) >= 0
-    assert torch.equal(ngram_keys(ids, None, cfg, hash_factors((2, 3), 2, 0)), keys)  # deterministic
-    assert not torch.equal(ngram_keys(ids, None, cfg, hash_factors((2, 3), 2, 1)), keys)  # the seed matters
+    assert torch.equal(ngram_keys(ids, None, cfg, hash_plan((2, 3), 2, 0)), keys)  # deterministic
+    assert not torch.equal(ngram_keys(ids, None, cfg, hash_plan((2, 3), 2, 1)), keys)  # the seed matters
 
 
 def test_context_gives_the_keys_of_the_longer_sequence():
     cfg = ModelConfig(ffn="ngram", ngram_orders=(2, 3, 4))
-    f = hash_factors(cfg.ngram_orders, cfg.ngram_heads, 0)
+    f = hash_plan(cfg.ngram_orders, cfg.ngram_heads, 0)
     ids = torch.randint(0, cfg.vocab_size, (3, 12))
     full = ngram_keys(ids, None, cfg, f)
     for cut in (1, 2, 5):

@@ -80,40 +80,50 @@ def hash_factors(orders: tuple[int, ...], heads: int, seed: int) -> torch.Tensor
     return torch.randint(1, HASH_PRIME, (len(orders), heads, 2), generator=gen, dtype=torch.int64)
 
 
-def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, factors: torch.Tensor,
+def hash_plan(orders: tuple[int, ...], heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(powers (N, H), b (H,))``: the hash of every (order, head) column ``c`` as one weighted sum.
+
+    Horner's ``h = (h·a + u + 1) mod P`` over an n-gram equals ``Σ_j (u_j + 1)·a^(n-1-j) mod P``; with the
+    window of the last ``N = max(orders)`` tokens, ``powers[j, c] = a_c^(N-1-j) mod P`` for the ``n_c``
+    newest tokens and 0 for older ones, so all heads of all orders come from one product (``ngram_keys``).
+    Columns are ordered by order, then head."""
+    factors = hash_factors(orders, heads, seed)
+    N = max(orders)
+    powers = torch.zeros(N, len(orders) * heads, dtype=torch.int64)
+    for o, n in enumerate(orders):
+        for h in range(heads):
+            a, c = int(factors[o, h, 0]), o * heads + h
+            for j in range(N - n, N):
+                powers[j, c] = pow(a, N - 1 - j, HASH_PRIME)
+    return powers, factors[..., 1].reshape(-1)
+
+
+def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple[torch.Tensor, torch.Tensor],
                canon: torch.Tensor | None = None) -> torch.Tensor:
     """Keys ``(B, T, K)`` of ``ids (B, T)``: the token, then every order's hash heads (module docstring).
 
     ``context (B, c)`` holds the tokens just before ``ids[:, 0]`` (newest last; ``-1`` = before the
-    sequence start); None means ``ids`` start the sequence. ``factors`` is ``hash_factors(...)``,
-    ``canon (V,)`` an optional token -> canonical token map applied before hashing.
+    sequence start); None means ``ids`` start the sequence. ``plan`` is ``hash_plan(...)`` (on ``ids``'
+    device), ``canon (V,)`` an optional token -> canonical token map applied before hashing.
     """
     B, T = ids.shape
-    reach = max(cfg.ngram_orders) - 1  # the previous tokens the longest order needs
-    pad = cfg.vocab_size
+    powers, mult = plan
+    N = powers.shape[0]  # the longest order: the window of tokens each position hashes
     if context is None or context.shape[1] == 0:
-        before = ids.new_full((B, reach), -1)
+        before = ids.new_full((B, N - 1), -1)
     else:
-        before = context[:, -reach:].to(ids.device, ids.dtype)
-        if before.shape[1] < reach:
-            before = torch.cat([before.new_full((B, reach - before.shape[1]), -1), before], 1)
-    seq = torch.cat([before, ids], 1)  # (B, reach + T)
+        before = context[:, -(N - 1):].to(ids.device, ids.dtype)
+        if before.shape[1] < N - 1:
+            before = torch.cat([before.new_full((B, N - 1 - before.shape[1]), -1), before], 1)
+    seq = torch.cat([before, ids], 1)  # (B, N - 1 + T)
     real = seq >= 0
     if canon is not None:
         seq = torch.where(real, canon[seq.clamp(min=0)], seq)
-    seq = torch.where(real, seq, torch.full_like(seq, pad)) + 1  # pad -> V + 1, token u -> u + 1
-    factors = factors.to(ids.device)
-    slots = cfg.ngram_slots or cfg.vocab_size
-    out = [ids[..., None]]
-    for o, n in enumerate(cfg.ngram_orders):
-        a, b = factors[o, :, 0], factors[o, :, 1]  # (heads,)
-        h = torch.zeros(B, T, len(a), dtype=torch.int64, device=ids.device)
-        for j in range(n):  # oldest token of the n-gram first
-            start = reach - n + 1 + j
-            u = seq[:, start:start + T, None]  # (B, T, 1)
-            h = (h * a + u) % HASH_PRIME
-        out.append((h * b) % HASH_PRIME % slots)
-    return torch.cat(out, -1)  # (B, T, K)
+    seq = torch.where(real, seq, cfg.vocab_size) + 1  # before the start -> V + 1, token u -> u + 1
+    window = seq.unfold(1, N, 1)  # (B, T, N): the N tokens ending at each position, oldest first
+    h = ((window[..., None] * powers) % HASH_PRIME).sum(-2) % HASH_PRIME  # (B, T, H): each term < 2^62, sum < 2^34
+    keys = (h * mult) % HASH_PRIME % (cfg.ngram_slots or cfg.vocab_size)
+    return torch.cat([ids[..., None], keys], -1)  # (B, T, K)
 
 
 def memory_of(rows: torch.Tensor) -> torch.Tensor:
@@ -180,23 +190,19 @@ NGRAM_KINDS = (NgramFFN, NgramDaggerFFN, EngramFFN)
 
 
 class NgramKeys(nn.Module):
-    """The model's n-gram key function (``ngram_keys``) with its fixed hash factors and, with
+    """The model's n-gram key function (``ngram_keys``) with its fixed hash plan and, with
     ``ngram_normalize``, its ``canon`` map (a buffer saved with the model: the keys of a checkpoint
     do not depend on a tokenizer found at load time)."""
 
     def __init__(self, cfg):
         super().__init__()
         self.cfg = cfg
-        self.register_buffer("factors", hash_factors(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed),
-                             persistent=False)
+        powers, mult = hash_plan(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed)
+        self.register_buffer("powers", powers, persistent=False)  # fixed by the config: rebuilt, never saved
+        self.register_buffer("mult", mult, persistent=False)
         canon = torch.arange(cfg.vocab_size) if cfg.ngram_normalize else None
         self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
 
     def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
         """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)`` (see ``ngram_keys``)."""
-        return ngram_keys(ids, context, self.cfg, self.factors, self.canon)
-
-    @torch.no_grad()
-    def reset(self) -> None:
-        """Rebuild the hash factors (a non-persistent buffer ``from_pretrained`` may leave empty)."""
-        self.factors.copy_(hash_factors(self.cfg.ngram_orders, self.cfg.ngram_heads, self.cfg.ngram_seed))
+        return ngram_keys(ids, context, self.cfg, (self.powers, self.mult), self.canon)

@@ -26,7 +26,7 @@ from ..config import ModelConfig
 from ..ffn import FFNKind, ffn_kind
 from ..runtime.matmul import matmul_backend_of
 from .loss import linear_cross_entropy
-from ..ffn.ngram import NgramKeys, hash_factors
+from ..ffn.ngram import NgramKeys, hash_plan
 from ..ffn.rows import as_rows
 from .tables import MergedRows, StemTable, Tables, check_ids, init_table_
 
@@ -158,8 +158,9 @@ def init_module_(module: nn.Module, cfg: ModelConfig, init=_TorchInit) -> None:
         module.init_weights_(cfg, init)
     elif isinstance(module, StemTable):
         init_table_(module.weight, cfg.table_init, cfg.d_model, cfg.init_std)
-    elif isinstance(module, NgramKeys):  # fixed hash factors (a non-persistent buffer) and the identity canon
-        init.copy_(module.factors, hash_factors(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed))
+    elif isinstance(module, NgramKeys):  # the fixed hash plan (non-persistent buffers) and the identity canon
+        for buf, value in zip((module.powers, module.mult), hash_plan(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed)):
+            init.copy_(buf, value)
         if module.canon is not None:
             init.copy_(module.canon, torch.arange(cfg.vocab_size))
 
