@@ -178,3 +178,19 @@ def test_a_mixed_model_refuses_the_fused_path_in_one_line(data_dir, tmp_path, ca
                  "model.engram_layers=1", "run.table_path=fused", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err and "run.table_path=fused needs" in err[-1]
+
+
+def test_a_checkpoint_opens_on_every_tier_and_generates_the_same_tokens(data_dir, tmp_path):
+    from stemlm.store import open_model
+
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "debug", "--data", str(data_dir), *QUIET, "--steps", "3", "--ffn", "ngram",
+                 "model.ngram_slots=600", "--out", str(out)]) == 0
+    prompt = [5, 6, 7, 8]
+    want = {}
+    for tier, dtype in (("device", None), ("host", None), ("disk", None), ("device", "int8"), ("host", "int8")):
+        model = open_model(out, Placement(tier, table_dtype=dtype))
+        assert tuple(model.tables["2"].read_rows(torch.arange(600)).shape) == (600, model.cfg.d_ff)
+        tokens = _greedy(model, prompt, n=6)
+        assert want.setdefault(dtype, tokens) == tokens, (tier, dtype)
+        model.tables.close()

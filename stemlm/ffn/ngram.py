@@ -76,8 +76,8 @@ def keys_per_position(cfg) -> int:
 
 def hash_factors(orders: tuple[int, ...], heads: int, seed: int) -> torch.Tensor:
     """``(|orders|, heads, 2)`` int64 multipliers ``a, b`` in ``[1, P)`` of every order's hash heads."""
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(1, HASH_PRIME, (len(orders), heads, 2), generator=gen, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)  # on the CPU, also under a meta-device context (a model skeleton)
+    return torch.randint(1, HASH_PRIME, (len(orders), heads, 2), generator=gen, dtype=torch.int64, device="cpu")
 
 
 def hash_plan(orders: tuple[int, ...], heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +89,7 @@ def hash_plan(orders: tuple[int, ...], heads: int, seed: int) -> tuple[torch.Ten
     Columns are ordered by order, then head."""
     factors = hash_factors(orders, heads, seed)
     N = max(orders)
-    powers = torch.zeros(N, len(orders) * heads, dtype=torch.int64)
+    powers = torch.zeros(N, len(orders) * heads, dtype=torch.int64, device="cpu")
     for o, n in enumerate(orders):
         for h in range(heads):
             a, c = int(factors[o, h, 0]), o * heads + h
@@ -200,7 +200,7 @@ class NgramKeys(nn.Module):
         powers, mult = hash_plan(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed)
         self.register_buffer("powers", powers, persistent=False)  # fixed by the config: rebuilt, never saved
         self.register_buffer("mult", mult, persistent=False)
-        canon = torch.arange(cfg.vocab_size) if cfg.ngram_normalize else None
+        canon = torch.arange(cfg.vocab_size, device="cpu") if cfg.ngram_normalize else None
         self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
 
     def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
