@@ -14,7 +14,7 @@ from stemlm.store import Placement, offload_tables
 TEXTS = ["The capital of France is Paris.", "A dog ran in the park and sat on the mat.",
          "Tables hold one row per token; the cat saw them.", "Question: what is two plus two? Answer: four."] * 20
 MAX_LENGTH = 40
-KINDS = ["dense", "stem", "stem_dagger", "hash_moe"]
+KINDS = ["dense", "stem", "stem_dagger", "hash_moe", "ngram", "engram"]
 
 
 @pytest.fixture(scope="module")

@@ -83,7 +83,9 @@ class EvalEngine:
 
     def _rows(self, pairs: Sequence[Pair]) -> list[tuple[tuple[int, ...], list[tuple[int, ...]]]]:
         """``(context, continuations)`` rows: each context once, its continuations packed behind it
-        while the row fits ``max_length`` tokens; longest rows first."""
+        while the row fits ``max_length`` tokens; longest rows first. A model with n-gram keys gets one
+        continuation per row: a packed continuation's n-grams would hash the one before it."""
+        pack = getattr(self.model, "ngram_keys", None) is None
         by_ctx: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         for ctx, cont in dict.fromkeys(pairs):
             by_ctx.setdefault(ctx, []).append(cont)
@@ -92,7 +94,7 @@ class EvalEngine:
             row: list[tuple[int, ...]] = []
             length = len(ctx)
             for cont in sorted(conts, key=len, reverse=True):
-                if row and length + len(cont) - 1 > self.max_length:
+                if row and (not pack or length + len(cont) - 1 > self.max_length):
                     rows.append((ctx, row))
                     row, length = [], len(ctx)
                 row.append(cont)
@@ -135,7 +137,7 @@ class EvalEngine:
                 owners += [(ctx, cont)] * len(cont)
                 at += n
         ids = ids.to(device)
-        table_rows = self.model.tables.prefetch(ids)  # the rows are gathered while the mask is built
+        table_rows = self.model.prefetch_rows(ids)  # the rows are gathered while the mask is built
         if all(len(conts) == 1 for _, conts in rows):  # nothing packed: plain causal (right padding is never seen)
             hidden = self.model(ids, return_hidden=True, table_rows=table_rows)
         else:

@@ -90,8 +90,8 @@ class DecodeCore:
         self.model, self.device, self.pad_id = model, param.device, pad_id
         self.eos_ids = frozenset(eos_ids)
         self.store = model.tables if store == "auto" else store
-        # rows in the model's memory need no fetching; a model keyed two ways gathers in its forward
-        self._prefetch = self.store is not None and self.store.tier != "device" and not model.mixed_keys
+        # rows in the model's memory need no fetching
+        self._prefetch = self.store is not None and self.store.tier != "device"
         self.reach = max(cfg.ngram_orders) - 1 if cfg.ngram_layers else 0  # tokens before the fed one its keys hash
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         self.mode = resolve_graphs(graphs, self.device, cfg)
@@ -149,7 +149,7 @@ class DecodeCore:
         for j, s in enumerate(group):
             ids[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
         ids = ids.to(self.device)
-        rows = self.store.prefetch(self.model.table_keys(ids)) if self._prefetch else None
+        rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
         mask = None
         if min(lengths) != width:  # causal, the padding keys hidden
             real = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
@@ -244,5 +244,5 @@ class DecodeCore:
             device = "cpu" if self.static is not None else self.device  # ids as the step will look them up
             ids = torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None]
             context = self._context(self.running)
-            self._ticket = self.store.prefetch(self.model.table_keys(ids, None if context is None else context.to(device)))
+            self._ticket = self.model.prefetch_rows(ids, None if context is None else context.to(device), self.store)
         return done

@@ -267,6 +267,13 @@ class StemLM(nn.Module):
         token = tuple(k for k in tables.keys() if k not in ngram)
         return MergedRows(tables.rows(ids, layers=token), tables.rows(self.ngram_keys(ids, context), layers=ngram))
 
+    def prefetch_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None):
+        """Start gathering the rows of ``ids`` on ``tables`` (default ``self.tables``; host and disk tiers
+        gather in the background): the ticket to pass to the forward of ``ids`` as ``table_rows``, or None
+        (nothing to prefetch, or a model keyed two ways, whose forward gathers each key kind itself)."""
+        tables = self.tables if tables is None else tables
+        return None if self.mixed_keys else tables.prefetch(self.table_keys(ids, context))
+
     def layer_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Each table layer's keys, not made unique: ``ids`` for token layers, ``(B, T, K)`` for n-gram
         layers (what a step that gathers without ``torch.unique`` indexes, ``inference.static``)."""
