@@ -231,6 +231,21 @@ def test_shared_slots_are_detected(ngram_model):
     assert not plan_ngram_edit(small, [1, 2], other).clean  # a copy is allowed, and said not to be clean
 
 
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_ngram_edit_on_offloaded_tiers_equals_in_memory(ngram_model, tmp_path, tier):
+    from stemlm.store import open_model, placement_of
+
+    save_model(ngram_model, tmp_path / "ckpt")
+    off = open_model(tmp_path / "ckpt", placement_of(tier).replace(writable=True))
+    ids = torch.tensor([X + Y + X])
+    with torch.no_grad():
+        base = off(ids)
+        with ngram_edit(ngram_model, SRC, TGT), ngram_edit(off, SRC, TGT):
+            torch.testing.assert_close(off(ids), ngram_model(ids), rtol=0, atol=0)
+            assert not torch.equal(off(ids), base)
+        assert torch.equal(off(ids), base)
+
+
 def test_ngram_edit_errors_are_one_line(ngram_model):
     stem = StemLM(model_config("debug", ffn="stem")).eval()
     cases = [(lambda: ngram_edit(stem, SRC, TGT), "no n-gram layers"),
