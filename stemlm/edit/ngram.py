@@ -206,7 +206,7 @@ def ngram_edit(model, source: str | Sequence[int], target: str | Sequence[int], 
     desc = (f"n-gram {describe(tokenizer, src)} {arrow} {describe(tokenizer, tgt)} "
             f"[orders {','.join(map(str, plan.orders))}, {len(plan.slots)} slots]")
     record = apply_writes(model, plan.writes, desc)
-    record.info = plan.summary()  # no row has been written when a bad input raised above
+    record.info = plan.summary()
     return record
 
 
