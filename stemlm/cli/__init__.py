@@ -24,7 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("stemlm.cli.plan", "memory and transfer plan for offloaded tables"),
     "edit": ("stemlm.cli.edit", "edit knowledge by swapping/copying STEM rows and report the effect"),
     "edit-eval": ("stemlm.cli.edit_eval", "evaluate knowledge edits over a set of facts"),
-    "analyze": ("stemlm.cli.analyze", "geometry of STEM tables and test-time capacity"),
+    "analyze": ("stemlm.cli.analyze", "geometry of STEM tables, test-time capacity, n-gram slot occupancy"),
     "study": ("stemlm.cli.study", "run the STEM study (comparison, stability, context, mid-training) and its report"),
     "demo": ("stemlm.cli.demo", "train a small STEM model that knows country facts and edit one by swapping rows"),
 }

@@ -3,7 +3,10 @@
 geometry: pairwise cosine similarity of STEM rows, dense up-projection outputs W_u x and gated
           addresses SiLU(W_g x) * U[t] per layer on a real text sample -> geometry.json/.png
 capacity: unique tokens and activated STEM parameters vs context length with a Heaps'-law fit
-          U = K n^beta -> capacity.json/.png
+          U = K n^beta -> capacity.json/.png (a model with n-gram layers: also distinct n-gram keys,
+          whose rows its n-gram layers activate)
+ngram:    n-gram tables (ffn ngram/ngram_dagger/engram): slot occupancy and hash-collision rates per
+          order against uniform hashing -> ngram.json/.png (stemlm/analyze/ngram.py)
 
 Text comes from the validation split of --data (default: the default corpus if prepared),
 else from the pinned Wikipedia passages tokenized with the checkpoint's tokenizer.
@@ -11,6 +14,7 @@ else from the pinned Wikipedia passages tokenized with the checkpoint's tokenize
 Examples:
   stemlm analyze geometry --ckpt runs/stem --dense-ckpt runs/dense --out runs/analysis
   stemlm analyze capacity --ckpt runs/stem --out runs/analysis --max-len 8192
+  stemlm analyze ngram --ckpt runs/ngram --out runs/analysis --tokens 200000
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from .options import add_checkpoint_argument, add_placement_arguments, non_negat
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=("geometry", "capacity"), help="which analysis to run")
+    parser.add_argument("what", choices=("geometry", "capacity", "ngram"),
+                        help="which analysis to run (ngram: slot occupancy and hash collisions of n-gram tables)")
     add_checkpoint_argument(parser)
     parser.add_argument("--data", default=None, help="prepared data dir for the text sample (default: the default corpus)")
     parser.add_argument("--out", default="runs/analysis", help="directory for the JSON and PNG outputs")
@@ -37,7 +42,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-points", type=positive_int, default=1500, help="geometry: vectors per kind and layer (subsampled)")
     parser.add_argument("--max-len", type=positive_int, default=8192, help="capacity: longest context length measured")
     parser.add_argument("--windows", type=positive_int, default=32, help="capacity: windows averaged per context length")
-    parser.add_argument("--tokens", type=positive_int, default=200_000, help="tokens of text to read at most")
+    parser.add_argument("--tokens", type=positive_int, default=200_000,
+                        help="tokens of text to read at most (ngram: the whole sample is counted)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of the window and point samples")
     add_placement_arguments(parser)
 
@@ -64,16 +70,40 @@ def run(args) -> int:
     stream, source = _stream(args, ckpt)
     if args.what == "capacity":
         from ..analyze.capacity import capacity, plot_capacity
+        from ..analyze.ngram import ngram_key_function
 
         cfg = read_config(ckpt)
-        res = capacity(stream, len(cfg.table_layers), cfg.d_ff, cfg.d_model, args.max_len, args.windows, args.seed)
+        keys = dict(keys=ngram_key_function(cfg, ckpt), n_key_layers=len(cfg.ngram_layers)) if cfg.ngram_layers else {}
+        res = capacity(stream, len(cfg.table_layers), cfg.d_ff, cfg.d_model, args.max_len, args.windows, args.seed,
+                       **keys)
         res["text"] = source
         fit = res["heaps"]
         print(f"Heaps fit on {source}: U = {fit['K']:.3f} n^{fit['beta']:.3f} (R² {fit['r2']:.4f})")
-        for n, u, p in zip(res["context_length"], res["unique_tokens"], res["stem_params_activated"]):
-            print(f"  n={n:>6}  unique={u:>8.1f}  STEM params activated={p:>14,.0f}")
+        if keys:
+            kfit = res["heaps_keys"]
+            print(f"distinct n-gram keys ({res['n_key_layers']} n-gram layer(s)): "
+                  f"D = {kfit['K']:.3f} n^{kfit['beta']:.3f} (R² {kfit['r2']:.4f})")
+        distinct = res.get("distinct_keys", [None] * len(res["context_length"]))
+        for n, u, d, p in zip(res["context_length"], res["unique_tokens"], distinct, res["stem_params_activated"]):
+            dk = "" if d is None else f"  keys={d:>9.1f}"
+            print(f"  n={n:>6}  unique={u:>8.1f}{dk}  table params activated={p:>14,.0f}")
         print(f"  dense up-projections replaced: {res['dense_up_params']:,} parameters")
         png = plot_capacity(res, out / "capacity.png")
+    elif args.what == "ngram":
+        from ..analyze.ngram import ngram_key_function, ngram_stats, plot_ngram
+
+        cfg = read_config(ckpt)
+        res = ngram_stats(ngram_key_function(cfg, ckpt), stream)
+        res["text"] = source
+        print(f"n-gram layers {', '.join(map(str, res['ngram_layers']))}: {res['slots']:,} slots, "
+              f"{res['keys_per_position']} keys per position, {res['positions']:,} positions of {source}")
+        occ = "  ".join(f"{k} {v:.3f}" for k, v in res["occupancy_by_key"].items())
+        print(f"  occupancy {res['occupancy']:.4f} ({res['slots_hit']:,} slots hit; by key: {occ})")
+        for name, c in res["collisions"].items():
+            print(f"  {name:<8} {c['ngrams']:>9,} n-grams  keys colliding {c['collision_rate']:.4f} "
+                  f"(uniform hashing {c['expected_uniform']:.4f})  every head {c['all_heads_rate']:.4f}  "
+                  f"heads sharing a slot {c['heads_shared_rate']:.4f}")
+        png = plot_ngram(res, out / "ngram.png")
     else:
         from ..analyze.geometry import geometry, plot_geometry
         from ..analyze.text import windows

@@ -39,6 +39,7 @@ class EditReport:
     layers: list[int]
     panels: list[TopK] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    details: dict = field(default_factory=dict)  # the edit's own report (``EditRecord.info``: n-gram edits)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,7 +87,7 @@ def edit_report(model, tokenizer, prompt: str, apply: Callable[[], EditRecord], 
         panels.append(topk(model, tokenizer, target_prompt, k, "original model, target prompt"))
     with apply() as record:
         panels.append(topk(model, tokenizer, prompt, k, "edited model, original prompt"))
-    return EditReport(record.description, record.layers, panels, warnings)
+    return EditReport(record.description, record.layers, panels, warnings, dict(record.info))
 
 
 def swap_report(model, tokenizer, prompt: str, source: str, target: str, *, k: int = 5, **edit_kwargs) -> EditReport:
@@ -96,10 +97,21 @@ def swap_report(model, tokenizer, prompt: str, source: str, target: str, *, k: i
                        k=k, target_prompt=replace_entity(prompt, source, target), source=source)
 
 
+def ngram_report(model, tokenizer, prompt: str, source: str, target: str, *, k: int = 5, **edit_kwargs) -> EditReport:
+    """Fig. 5 for an n-gram edit (``edit.ngram.ngram_edit``; ``edit_kwargs``: mode, layers, orders,
+    leading_space): the target n-gram's prompt as the middle panel, the plan in ``details``."""
+    from .ngram import ngram_edit
+
+    return edit_report(model, tokenizer, prompt,
+                       lambda: ngram_edit(model, source, target, tokenizer=tokenizer, **edit_kwargs),
+                       k=k, target_prompt=replace_entity(prompt, source, target), source=source)
+
+
 def format_report(report: EditReport) -> str:
     """Markdown tables, one per panel."""
     lines = [f"edit: {report.edit}  (layers {', '.join(map(str, report.layers))})"]
     lines += [f"warning: {w}" for w in report.warnings]
+    lines += [f"note: {n}" for n in report.details.get("notes", [])]
     for panel in report.panels:
         lines += ["", f"{panel.label}: {panel.prompt!r}", "| rank | token | prob |", "|---:|---|---:|"]
         lines += [f"| {r + 1} | {t!r} | {p:.4f} |" for r, (t, p) in enumerate(zip(panel.tokens, panel.probs))]

@@ -111,6 +111,7 @@ class EditRecord:
     old: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     description: str = ""
     undone: bool = False
+    info: dict = field(default_factory=dict)  # what the edit's planner reports beside the rows (n-gram edits)
 
     @property
     def layers(self) -> list[int | str]:

@@ -64,18 +64,33 @@ def _sig(x, digits: int = 5):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
-def capacity_summary(stream: np.ndarray, cfg: ModelConfig, seq_len: int) -> dict | None:
+def capacity_summary(stream: np.ndarray, cfg: ModelConfig, seq_len: int, keys=None) -> dict | None:
     """Heaps'-law fit of distinct tokens vs context length and the table parameters one sequence of
-    ``seq_len`` activates (``stemlm.analyze.capacity``); None for a model without tables."""
+    ``seq_len`` activates (``stemlm.analyze.capacity``); None for a model without tables.
+
+    A model with n-gram layers activates rows by keys: the summary adds the distinct keys at
+    ``seq_len`` and their Heaps fit (``heaps_keys``), and counts its n-gram layers' activated
+    parameters from keys. ``keys`` is the model's key function (``model.ngram_keys``, which holds a
+    trained ``canon`` map); by default it is rebuilt from ``cfg``.
+    """
     from ..analyze import capacity
 
     n_tables = len(cfg.table_layers)
     if n_tables == 0 or len(stream) < 4 * seq_len:
         return None
-    c = capacity(stream, n_tables, cfg.d_ff, cfg.d_model, max_len=seq_len, n_windows=16)
-    return {"heaps": c["heaps"], "unique_tokens_at_seq_len": c["unique_tokens"][-1],
-            "table_params_activated_at_seq_len": c["stem_params_activated"][-1],
-            "dense_up_params": c["dense_up_params"], "first_length_exceeding_dense": c["first_length_exceeding_dense"]}
+    extra = {}
+    if cfg.ngram_layers:
+        from ..analyze.ngram import ngram_key_function
+
+        extra = {"keys": keys if keys is not None else ngram_key_function(cfg), "n_key_layers": len(cfg.ngram_layers)}
+    c = capacity(stream, n_tables, cfg.d_ff, cfg.d_model, max_len=seq_len, n_windows=16, **extra)
+    out = {"heaps": c["heaps"], "unique_tokens_at_seq_len": c["unique_tokens"][-1],
+           "table_params_activated_at_seq_len": c["stem_params_activated"][-1],
+           "dense_up_params": c["dense_up_params"], "first_length_exceeding_dense": c["first_length_exceeding_dense"]}
+    if extra:
+        out.update({"heaps_keys": c["heaps_keys"], "distinct_keys_at_seq_len": c["distinct_keys"][-1],
+                    "n_key_layers": c["n_key_layers"], "table_params_from": "keys"})
+    return out
 
 
 def geometry_summary(model, ids: torch.Tensor, max_points: int = 300) -> dict | None:

@@ -343,7 +343,8 @@ class Study:
             ids = next(iter(iter_eval_batches(trainer.val_ds, 2, cfg.data.seq_len, 1))).inputs.to(trainer.device)
             out["geometry"] = geometry_summary(trainer.model, ids)
             stream = np.asarray(trainer.val_ds.tokens[:50_000], dtype=np.int64)
-            out["capacity"] = capacity_summary(stream, trainer.model.cfg, cfg.data.seq_len)
+            out["capacity"] = capacity_summary(stream, trainer.model.cfg, cfg.data.seq_len,
+                                               getattr(trainer.model, "ngram_keys", None))
         if m.get("probes"):
             t0 = time.perf_counter()
             out["probes"] = run_probes(trainer.model, trainer.data_dir, m["probes"], self.log)
