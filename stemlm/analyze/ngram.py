@@ -65,8 +65,8 @@ def ngram_key_function(cfg, ckpt_dir: str | Path | None = None):
 
 
 def _device_of(keys) -> torch.device:
-    factors = getattr(keys, "factors", None)
-    return factors.device if isinstance(factors, torch.Tensor) else torch.device("cpu")
+    powers = getattr(keys, "powers", None)
+    return powers.device if isinstance(powers, torch.Tensor) else torch.device("cpu")
 
 
 @torch.no_grad()

@@ -53,7 +53,7 @@ def ngram_layers(model, layers: Sequence[int] | None = None) -> list[int]:
 @torch.no_grad()
 def last_keys(model, ids: Sequence[int]) -> torch.Tensor:
     """Keys ``(K,)`` of the n-gram's last position, its preceding tokens as context (the model's keys)."""
-    device = model.ngram_keys.factors.device
+    device = model.ngram_keys.powers.device
     ids = torch.as_tensor(list(ids), dtype=torch.long, device=device)
     return model.ngram_keys(ids[None, -1:], ids[None, :-1])[0, 0].cpu()
 

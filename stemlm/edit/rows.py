@@ -59,8 +59,9 @@ def as_ids(ids: Sequence[int] | torch.Tensor, num_rows: int, what: str = "token 
 
 
 def num_rows(model) -> int:
-    """Rows per table (the vocabulary size of the tables)."""
-    return int(model.tables[str(table_layers(model)[0])].num_rows)
+    """The token ids a token edit may name: the vocabulary (an n-gram table's rows past it are hashed slots,
+    ``stemlm.edit.ngram`` edits those)."""
+    return min(int(model.cfg.vocab_size), int(model.tables[str(table_layers(model)[0])].num_rows))
 
 
 EMBEDDING = "embedding"  # the input embedding, editable as a diagnostic next to the tables
