@@ -33,6 +33,7 @@ Conventions (see docs/accounting.md for the derivations and the paper's numbers)
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -254,6 +255,41 @@ def unique_rows_estimate(n_tokens: float, vocab: int, zipf_s: float = 1.0, skip_
     p = zipf_probabilities(vocab, zipf_s)[skip_top:]
     # 1 - (1 - p)^n computed as -expm1(n·log1p(-p)) to stay exact for tiny p and large n
     return float(-np.expm1(n_tokens * np.log1p(-p)).sum())
+
+
+def _binned(logp: np.ndarray, weight: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(p, count)``: outcomes of log-probabilities ``logp`` (``weight`` of each) pooled into ``bins``
+    equal-width bins of ``log p``; a bin's ``p`` is its outcomes' mean probability (total mass kept)."""
+    lo, hi = float(logp.min()), float(logp.max())
+    idx = np.zeros(logp.shape, dtype=np.int64) if hi - lo < 1e-12 else \
+        np.minimum(((logp - lo) / (hi - lo) * bins).astype(np.int64), bins - 1)
+    count = np.bincount(idx, weight, bins)
+    mass = np.bincount(idx, weight * np.exp(logp), bins)
+    keep = count > 0
+    return mass[keep] / count[keep], count[keep]
+
+
+@functools.lru_cache(maxsize=256)  # a plan asks the same question for every table layer
+def distinct_ngrams_estimate(n_tokens: float, vocab: int, order: int, zipf_s: float = 1.0, bins: int = 1024) -> float:
+    """Expected distinct n-grams of order ``order`` among the ``n_tokens`` n-grams of ``n_tokens`` tokens,
+    the tokens i.i.d. Zipf(``zipf_s``) over ``vocab`` ranks (``unique_rows_estimate``'s law).
+
+    Under independence an n-gram is ``order`` independent draws, ``p(u_1..u_n) = Π p(u_j)``; its
+    ``vocab^order`` outcomes are pooled by ``log p`` into ``bins`` bins (mass kept per bin), so the
+    estimate ``Σ 1 - (1 - p)^n`` costs ``O(order · bins²)`` for any vocabulary. Real text repeats
+    common n-grams far more often than independent tokens do, so it reads fewer distinct n-grams:
+    this is an over-estimate (at most ``n_tokens``; exact for order 1).
+    """
+    if order < 1 or n_tokens < 0:
+        raise ValueError(f"need order >= 1 and n_tokens >= 0, got order={order}, n_tokens={n_tokens}")
+    if order == 1:
+        return unique_rows_estimate(n_tokens, vocab, zipf_s)
+    p1 = zipf_probabilities(vocab, zipf_s)
+    unit_p, unit_c = _binned(np.log(p1), np.ones(vocab), bins)
+    p, c = unit_p, unit_c
+    for _ in range(order - 1):
+        p, c = _binned(np.log((p[:, None] * unit_p[None, :]).ravel()), (c[:, None] * unit_c[None, :]).ravel(), bins)
+    return float((c * -np.expm1(n_tokens * np.log1p(-p))).sum())
 
 
 def stored_param_count(ckpt_dir) -> int:
