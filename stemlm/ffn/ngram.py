@@ -81,12 +81,15 @@ def hash_factors(orders: tuple[int, ...], heads: int, seed: int) -> torch.Tensor
 
 
 def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, factors: torch.Tensor,
-               canon: torch.Tensor | None = None) -> torch.Tensor:
+               canon: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
     """Keys ``(B, T, K)`` of ``ids (B, T)``: the token, then every order's hash heads (module docstring).
 
     ``context (B, c)`` holds the tokens just before ``ids[:, 0]`` (newest last; ``-1`` = before the
     sequence start); None means ``ids`` start the sequence. ``factors`` is ``hash_factors(...)``,
-    ``canon (V,)`` an optional token -> canonical token map applied before hashing.
+    ``canon (V,)`` an optional token -> canonical token map applied before hashing. ``real (B, T)``
+    (optional, bool) marks the positions of ``ids`` that hold text: the others (left padding of a
+    batch) hash as before the sequence start, so a padded prompt's keys are those it has alone (the
+    token key of a padding position is still its id).
     """
     B, T = ids.shape
     reach = max(cfg.ngram_orders) - 1  # the previous tokens the longest order needs
@@ -98,7 +101,10 @@ def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, factors: to
         if before.shape[1] < reach:
             before = torch.cat([before.new_full((B, reach - before.shape[1]), -1), before], 1)
     seq = torch.cat([before, ids], 1)  # (B, reach + T)
-    real = seq >= 0
+    text = seq >= 0
+    if real is not None:
+        text[:, reach:] &= real.to(text.device, torch.bool)
+    real = text
     if canon is not None:
         seq = torch.where(real, canon[seq.clamp(min=0)], seq)
     seq = torch.where(real, seq, torch.full_like(seq, pad)) + 1  # pad -> V + 1, token u -> u + 1
@@ -192,9 +198,10 @@ class NgramKeys(nn.Module):
         canon = torch.arange(cfg.vocab_size) if cfg.ngram_normalize else None
         self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
 
-    def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)`` (see ``ngram_keys``)."""
-        return ngram_keys(ids, context, self.cfg, self.factors, self.canon)
+    def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)``, ``real`` marking text (see ``ngram_keys``)."""
+        return ngram_keys(ids, context, self.cfg, self.factors, self.canon, real)
 
     @torch.no_grad()
     def reset(self) -> None:
