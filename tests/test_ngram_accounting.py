@@ -340,3 +340,19 @@ def test_training_fills_the_canonical_map_once_and_checkpoints_carry_it(tmp_path
     bare = make_token_data(tmp_path / "bare")  # no tokenizer to read: one clear error
     with pytest.raises(Exception, match="ngram_normalize needs the data's tokenizer"):
         Trainer(debug_config(bare, tmp_path / "run2", "model.ffn=ngram", "model.ngram_normalize=true"))
+
+
+def test_token_counts_warm_the_token_rows_of_an_ngram_table(tmp_path):
+    """Warm-start counts are per token (V entries): they warm rows 0..V-1 of an n-gram table of more rows."""
+    from stemlm.store import Placement, open_model
+
+    model = StemLM(_cfg("ngram")).eval()
+    save_model(model, tmp_path / "c")
+    counts = np.zeros(512, dtype=np.int64)
+    counts[[5, 9, 11]] = [30, 20, 10]
+    host = open_model(tmp_path / "c", Placement(tier="host", cache_rows=4, warm_counts=counts))
+    table = next(iter(host.tables.values()))
+    assert table.num_rows == 1000 and table.cache.resident_ids().tolist() == [5, 9, 11]
+    ids = torch.randint(0, 512, (1, 6))
+    with torch.no_grad():
+        torch.testing.assert_close(host(ids), model(ids), rtol=0, atol=0)
