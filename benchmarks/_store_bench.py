@@ -65,13 +65,14 @@ def bench_checkpoint(cfg, root: Path, seed: int = 0) -> tuple[Path, Path]:
     with atomic_directory(out) as tmp:
         (tmp / "ckpt").mkdir()
         write_model_files(model, tmp / "ckpt")
-        std = math.sqrt(2.0 / (cfg.vocab_size + cfg.d_ff))  # xavier_normal, the default table init
         gen = torch.Generator().manual_seed(seed + 1)
-        shape = (cfg.vocab_size, cfg.d_ff)
-        total = len(cfg.table_layers) * cfg.vocab_size * cfg.d_ff * 4
+        rows = {i: cfg.table_rows(i) for i in cfg.table_layers}  # V, or ngram_slots for an n-gram table
+        total = sum(rows.values()) * cfg.d_ff * 4
         with tqdm(total=total, unit="B", unit_scale=True, desc="random tables") as bar:
-            specs = [(table_key(i), torch.float32, shape, lambda a, b: torch.randn(b - a, cfg.d_ff, generator=gen) * std)
-                     for i in cfg.table_layers]
+            # xavier_normal, the default table init: std = sqrt(2 / (rows + d_ff))
+            specs = [(table_key(i), torch.float32, (n, cfg.d_ff),
+                      lambda a, b, std=math.sqrt(2.0 / (n + cfg.d_ff)): torch.randn(b - a, cfg.d_ff, generator=gen) * std)
+                     for i, n in rows.items()]
             write_safetensors(tmp / "tables.safetensors", specs, progress=bar.update)
         (tmp / "COMPLETE").write_text("ok")
     return out / "ckpt", out / "tables.safetensors"

@@ -109,7 +109,7 @@ def main() -> None:
         return
     cfg = model_config(args.preset, ffn="stem", stem_layers=args.stem_layers)
     ckpt, tables = bench_checkpoint(cfg, cache_dir() / "bench" / "offload")
-    table_bytes = len(cfg.table_layers) * cfg.vocab_size * cfg.d_ff * 4
+    table_bytes = sum(cfg.table_rows(i) for i in cfg.table_layers) * cfg.d_ff * 4  # fp32 rows of every table
     rounds: dict[str, list[dict]] = {run: [] for run in args.runs.split(",")}
     for i in range(1 if args.quick else args.repeats):  # interleaved: slow phases of the machine hit every tier
         order = list(rounds)[i % len(rounds):] + list(rounds)[:i % len(rounds)]  # rotate: no run always goes first

@@ -69,7 +69,7 @@ def smollm2_stem(ckpt: str | None) -> tuple[Path, Path]:
 
 def table_bytes(cfg, name: str) -> int:
     """Bytes of a model's tables stored as ``name`` (``tests/test_quant.py`` checks it against written files)."""
-    return len(cfg.table_layers) * cfg.vocab_size * RowCodec(name).row_bytes(cfg.d_ff)
+    return sum(cfg.table_rows(i) for i in cfg.table_layers) * RowCodec(name).row_bytes(cfg.d_ff)
 
 
 def val_losses(ckpt: Path, data_dir: Path, batches: int, batch_size: int, seq_len: int) -> dict:

@@ -28,6 +28,19 @@ from ..model.quant import TABLE_DTYPES
 from .options import add_checkpoint_argument, non_empty, non_negative_int, positive_int
 
 
+def _convertible_kind(name: str) -> str:
+    """``--ffn``: a kind a dense Llama converts into; a known kind that does not is refused with its reason
+    (other names fall through to argparse's list of choices)."""
+    from ..interop.convert import _check_from_dense
+
+    if name in KINDS and not KINDS[name].from_dense:
+        try:
+            _check_from_dense(name)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``stemlm convert``."""
     way = parser.add_mutually_exclusive_group()
@@ -38,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_checkpoint_argument(parser, required=False, help="stemlm checkpoint or training run directory: with --to-hf, "
                             "the model to export; alone (with --table-dtype), the model whose tables to re-encode")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
-    parser.add_argument("--ffn", choices=[name for name, kind in KINDS.items() if kind.from_dense], default="dense",
-                        help="FFN kind of the converted layers (default: dense, an exact copy)")
+    parser.add_argument("--ffn", type=_convertible_kind, choices=[name for name, kind in KINDS.items() if kind.from_dense],
+                        default="dense", help="FFN kind of the converted layers (default: dense, an exact copy; the "
+                        "n-gram kinds ngram, ngram_dagger and engram do not convert: train them)")
     parser.add_argument("--stem-layers", type=non_empty, metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
                         "(default with a STEM --ffn: 1/3)")
     parser.add_argument("--init", choices=list(INITS), default="project",

@@ -1,12 +1,17 @@
 """Parameters, FLOPs, decode bytes and STEM layer placement of a model shape or a checkpoint.
 
 Counts follow stemlm/accounting.py (docs/accounting.md): matmul FLOPs only (2 per MAC), attention
-at the full-L convention, training = 3 x forward, tables counted in total parameters and one row
-per token in active parameters (input embedding counted whole, as in the paper's Table 3).
+at the full-L convention, training = 3 x forward, tables counted in total parameters (table rows x
+d_ff each) and the rows a token reads in active parameters: one per token-keyed table, K per n-gram
+table (input embedding counted whole, as in the paper's Table 3). A model with n-gram layers (ffn
+ngram / ngram_dagger / engram, or model.engram_layers) also shows its n-gram keys: orders, hash
+heads, slots, K = 1 + orders x heads rows per position, seed and normalisation.
 
 Examples:
   stemlm info --preset llama3.2-1b --seq-len 4096
   stemlm info --preset debug --ffn hash_moe --stem-layers 1/2 model.vocab_size=1024 --json
+  stemlm info --preset debug --ffn ngram model.ngram_slots=2048 model.ngram_heads=4
+  stemlm info --preset debug --ffn stem model.engram_layers=1
   stemlm info --ckpt runs/debug
 """
 
@@ -62,16 +67,34 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _ngram_lines(r: dict) -> list[str]:
+    """The n-gram key settings and each table's rows (nothing for a model without n-gram layers)."""
+    ng = r.get("ngram")
+    if not ng:
+        return []
+    kinds = r["layer_kinds"]
+    per_layer = ", ".join(f"{i} {kinds[int(i)]} {n} rows" for i, n in r["table_rows"].items())
+    return [f"n-gram keys: orders {','.join(map(str, ng['orders']))}, {ng['heads']} hash heads/order, "
+            f"K = {ng['keys_per_position']} rows/position (token + {ng['keys_per_position'] - 1} hashed), "
+            f"{ng['slots']} slots/table, seed {ng['seed']}, normalize {'on' if ng['normalize'] else 'off'}; "
+            f"n-gram layers {','.join(map(str, ng['layers']))}",
+            f"tables: {per_layer}"]
+
+
 def format_report(r: dict) -> str:
     """Readable tables for a ``summarize`` report."""
     c = r["config"]
     source = f"checkpoint {r['checkpoint']['path']}" if "checkpoint" in r else f"preset {r['preset']}"
     stem = ",".join(map(str, r["stem_layers"])) or "none"
+    ng = r.get("ngram")
+    engram = ng["engram_layers"] if ng else []
     lines = [
-        f"{source}: ffn {c['ffn']}, layers {stem} ({len(r['stem_layers'])} of {c['n_layers']}), "
-        f"L={r['seq_len']}, {r['dtype_bytes']} bytes/value",
+        f"{source}: ffn {c['ffn']}, layers {stem} ({len(r['stem_layers'])} of {c['n_layers']})"
+        + (f", engram layers {','.join(map(str, engram))}" if engram else "")
+        + f", L={r['seq_len']}, {r['dtype_bytes']} bytes/value",
         f"d_model {c['d_model']}  n_layers {c['n_layers']}  heads {c['n_heads']} ({r['config']['n_kv_heads']} kv)  "
         f"d_ff {c['d_ff']}  vocab {c['vocab_size']}  tied {'yes' if c['tie_embeddings'] else 'no'}",
+        *_ngram_lines(r),
         "",
         f"{'layer':>5}  {'kind':<12}{'attn proj':>11}{'attn QK,AV':>12}{'ffn':>11}{'total':>11}   forward FLOPs/token",
     ]
@@ -91,6 +114,10 @@ def format_report(r: dict) -> str:
         f"{'training FLOPs/token (3x fwd)':<38}{human(r['flops_per_token_train'], 'FLOP'):>12}",
         f"{'decode parameter bytes (batch 1)':<38}{human(r['decode_param_bytes'], 'B'):>12}{vs['decode_param_bytes']:>9.3f}x",
         f"{'KV cache bytes per sequence':<38}{human(r['kv_cache_bytes_per_sequence'], 'B'):>12}",
+        *([f"{'table rows read per token':<38}{r['table_rows_per_token']:>12}",
+           f"{'table bytes read per token':<38}{human(r['table_bytes_per_token'], 'B'):>12}"] if r["table_layers"] else []),
+        *([f"{'row-sum adds/token (not in FLOPs)':<38}{human(r['table_sum_adds_per_token']):>12}"]
+          if r["table_sum_adds_per_token"] else []),
         "",
         "parameters: " + ", ".join(f"{k} {human(v)}" for k, v in r["param_breakdown"].items()),
         f"saving per STEM layer, paper formula d_ff/(4d+2L+3d_ff): {_pct(r['saving_fraction_per_stem_layer'])}; "

@@ -4,11 +4,15 @@ Prints accelerator memory (backbone, hot-row cache, KV cache), host/disk memory 
 optimizer state with --train), the table rows and bytes moved per step under a Zipf token law
 (the cache holds the most frequent rows), and whether the transfer hides under the step's compute,
 for decode (batch tokens per step) and for prefill or training (batch x seq tokens per step).
-Model and assumptions: stemlm/planner.py and docs/accounting.md.
+Model and assumptions: stemlm/planner.py and docs/accounting.md. A model with n-gram tables (ffn
+ngram / ngram_dagger / engram, or model.engram_layers) reads K rows per position from tables of
+model.ngram_slots rows: rows moved are the distinct keys of a step (its tokens plus the hashed slots
+of its n-grams, estimated as n-grams of independent Zipf tokens: an over-estimate for real text).
 
 Examples:
   stemlm plan --preset 7b-class --tables host --cache-frac 0.05 --batch 8 --seq 4096
   stemlm plan --preset llama3.2-1b --tables disk --train --batch 16 --seq 2048 --json
+  stemlm plan --preset 7b-class --ffn ngram model.ngram_slots=512000 --cache-frac 0.05 --batch 8 --seq 4096
 """
 
 from __future__ import annotations
@@ -62,16 +66,34 @@ def _ms(seconds: float) -> str:
     return f"{1e3 * seconds:.3f} ms"
 
 
+def _grouped(values: dict) -> dict:
+    """``{layer: value}`` -> ``{value: [layers]}`` (first appearance order)."""
+    out: dict = {}
+    for layer, value in values.items():
+        out.setdefault(value, []).append(layer)
+    return out
+
+
+def _layers(layers: list) -> str:
+    return f"layer{'s' if len(layers) > 1 else ''} {','.join(map(str, layers))}"
+
+
 def format_plan(p: dict) -> str:
     """Readable summary of a ``planner.plan`` result."""
     c = p["config"]
+    per_layer = p.get("cache_rows_per_layer") or {}
+    cache = f"{p['cache_rows']} rows/table" if p["cache_rows"] is not None else \
+        "rows/table " + ", ".join(f"layer {i} {n}" for i, n in per_layer.items())
     where = "tables on device (every row resident)" if p["tables"] == "device" else \
-        f"tables on {p['tables']}, cache {100 * p['cache_frac']:.1f}% ({p['cache_rows']} rows/table)"
+        f"tables on {p['tables']}, cache {100 * p['cache_frac']:.1f}% ({cache})"
+    rows = p.get("table_rows") or {}
     lines = [
         f"preset {p['preset']}: ffn {c['ffn']}, {len(p['table_layers'])} table layers {p['table_layers']}, {where}, "
         f"batch {p['batch']} x {p['seq_len']}, {'training' if p['train'] else 'inference'}",
         f"row = {c['d_ff']} values = {human(p['row_bytes'], 'B')}"
         + (f" stored as {p['table_dtype']}" if p.get("table_dtype") else "") + f"; tokens ~ Zipf(s={p['zipf_s']}) over {c['vocab_size']} ids",
+        *([f"table rows: " + ", ".join(f"{_layers(ls)} {n}" for n, ls in _grouped(rows).items())
+           + f"; {p['table_rows_per_token']} rows read per token", p["ngram_model"]] if p.get("ngram_model") else []),
         "",
         "accelerator memory: " + ", ".join(f"{k} {human(v, 'B')}" for k, v in p["accelerator_bytes"].items()),
         f"host memory: tables{' + optimizer state' if p['train'] else ''} {human(p['host_bytes']['tables_and_state'], 'B')}",
@@ -96,4 +118,9 @@ def format_plan(p: dict) -> str:
             f"memory {_ms(s['memory_s'])}): {'hidden' if s['transfer_hidden'] else 'NOT hidden'} "
             f"(transfer/step = {s['transfer_over_step']:.3f})",
         ]
+        if p.get("ngram_model"):  # n-gram tables: each kind of table layer's own rows
+            same = _grouped({i: (r["kind"], r["keys_per_token"], r["table_rows"], round(r["unique_rows"], 6),
+                                 round(r["rows_to_move"], 6)) for i, r in s.get("layers", {}).items()})
+            lines += [f"  {_layers(ls)} ({kind}, {keys} keys/token, {rows} rows): {unique:.1f} distinct rows, "
+                      f"{move:.1f} to move{' each' if len(ls) > 1 else ''}" for (kind, keys, rows, unique, move), ls in same.items()]
     return "\n".join(lines)

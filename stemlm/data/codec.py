@@ -9,6 +9,9 @@ kinds of tokenizer is decided here, once:
 * Hugging Face tokenizers (a converted checkpoint, a Llama directory, a GGUF file): the
   tokenizer's own leading special tokens, as lm-evaluation-harness's ``hf`` backend uses them; an
   empty context becomes the BOS token (EOS if there is none), and EOS ends generation.
+
+``canonical_ids`` maps every token to its canonical form (lower case, no leading space), the token
+map of n-gram keys with ``ngram_normalize`` (``stemlm.ffn.ngram``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 from functools import cached_property
 from pathlib import Path
 
+import torch
 from tokenizers import Tokenizer
 
 from .tokenizer import SPECIAL_TOKENS, eos_id_of, find_tokenizer, run_places
@@ -121,3 +125,77 @@ def load_codec(ckpt: str | os.PathLike | None = None, tokenizer: str | os.PathLi
     places = [tokenizer] if tokenizer is not None else [*(run_places(ckpt) if ckpt is not None else ()), data_dir]
     found = find_tokenizer(*places, prefer=prefer, gguf_file=gguf_file, hint=hint)
     return TextCodec(found.tokenizer, found.hf, found.files)
+
+
+# -- canonical tokens (n-gram normalisation) ------------------------------------------------------
+SPACE_MARKERS = ("\u0120", "\u2581")  # 'Ġ' (byte-level BPE) and '▁' (SentencePiece): a leading space
+
+
+def _byte_alphabet() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in of every byte (GPT-2's ``bytes_to_unicode``, as the
+    ``tokenizers`` ByteLevel pre-tokenizer uses it): byte ``b`` -> one character."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    out, extra = {b: chr(b) for b in keep}, 0
+    for b in range(256):
+        if b not in out:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def _vocab_and_specials(tokenizer) -> tuple[dict[str, int], set[int]]:
+    """``(token string -> id, special ids)`` of a ``TextCodec``, a ``tokenizers.Tokenizer`` or a transformers tokenizer."""
+    tok = tokenizer.tokenizer if isinstance(tokenizer, TextCodec) else tokenizer
+    if isinstance(tok, Tokenizer):
+        specials = {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+        return tok.get_vocab(with_added_tokens=True), specials
+    return dict(tok.get_vocab()), set(getattr(tok, "all_special_ids", ()))
+
+
+def canonical_ids(tokenizer, vocab_size: int | None = None) -> torch.Tensor:
+    """``(V,)`` int64: every token id -> the id of its canonical form when that form is itself a token,
+    else the id itself (``ngram_normalize``: the n-gram keys of ``stemlm.ffn.ngram`` hash canonical tokens).
+
+    The canonical form of a token is its text with one leading space removed (a space, or the marker
+    that stands for it in the vocabulary: ``Ġ`` of byte-level BPE, ``▁`` of SentencePiece), then lower-cased:
+    ``"Spain"``, ``" Spain"`` (``"ĠSpain"``) and ``" spain"`` all map to the token ``"spain"`` if the
+    vocabulary has it, and each stays itself otherwise. Byte-level tokens are read as their UTF-8 bytes
+    (a token that is part of a character has no text and stays itself), so case folds correctly beyond
+    ASCII; special tokens stay themselves. The map is idempotent: a canonical token maps to itself.
+
+    ``tokenizer``: a ``TextCodec``, a ``tokenizers.Tokenizer`` or a transformers tokenizer. ``V`` is
+    ``vocab_size`` when given (a model's vocabulary may be larger than its tokenizer's: the ids beyond map
+    to themselves, and a canonical form at or beyond ``vocab_size`` is not used), else the tokenizer's.
+    """
+    vocab, specials = _vocab_and_specials(tokenizer)
+    size = vocab_size if vocab_size is not None else max(vocab.values(), default=-1) + 1
+    if size < 0:
+        raise ValueError(f"vocab_size must be >= 0, got {vocab_size}")
+    alphabet = _byte_alphabet()
+    byte_of = {c: b for b, c in alphabet.items()}
+    byte_level = all(c in vocab for c in alphabet.values())  # a byte-level BPE holds every byte's character
+
+    def text_of(token: str) -> str | None:
+        if byte_level and all(c in byte_of for c in token):
+            try:
+                return bytes(byte_of[c] for c in token).decode("utf-8")
+            except UnicodeDecodeError:  # a piece of a multi-byte character
+                return None
+        return token.replace(SPACE_MARKERS[1], " ")
+
+    def spellings(text: str) -> list[str]:  # how a text is written in the vocabulary, most likely first
+        out = ["".join(alphabet[b] for b in text.encode("utf-8"))] if byte_level else [text.replace(" ", SPACE_MARKERS[1])]
+        return out + [text]  # an added token holds its raw text
+
+    out = torch.arange(size, dtype=torch.long)
+    for token, tid in vocab.items():
+        if tid >= size or tid in specials:
+            continue
+        text = text_of(token)
+        if not text:
+            continue
+        canon = (text[1:] if text[0] == " " else text).lower()
+        target = next((vocab[s] for s in spellings(canon) if s in vocab), None) if canon else None
+        if target is not None and target < size and target not in specials:
+            out[tid] = target
+    return out

@@ -20,7 +20,8 @@ only) and the token ids. Its class attributes and class methods answer, without 
   ``up_scale`` reaches 0 (None: it does not anneal);
 * its keys (``keyed_by``): ``"token"``, one row ``U_l[t]`` per position (``rows (B, T, d_ff)``), or
   ``"ngram"``, the K rows of the position's token and hashed n-grams (``rows (B, T, K, d_ff)``,
-  ``stemlm.ffn.ngram``); ``table_rows`` is the number of rows of its table.
+  ``stemlm.ffn.ngram``); ``table_rows`` is the number of rows of its table, ``rows_per_token`` the rows
+  a position reads (1 or K) and ``row_sum_adds_per_token`` the additions that sum them.
 
 Sizes come from a ``ModelConfig`` (``d_model``, ``d_ff``, ``vocab_size``, ``n_experts``).
 """
@@ -97,6 +98,20 @@ class FFNKind(nn.Module):
         if not cls.owns_table:
             return 0
         return cfg.vocab_size if cls.keyed_by == "token" else (cfg.ngram_slots or cfg.vocab_size)
+
+    @classmethod
+    def rows_per_token(cls, cfg) -> int:
+        """Table rows one position reads: 1 for token keys, ``K = 1 + |orders| · heads`` for n-gram keys
+        (``stemlm.ffn.ngram.keys_per_position``), 0 without a table."""
+        if not cls.owns_table:
+            return 0
+        return 1 if cls.keyed_by == "token" else 1 + len(cfg.ngram_orders) * cfg.ngram_heads
+
+    @classmethod
+    def row_sum_adds_per_token(cls, cfg) -> int:
+        """Additions that sum a position's rows to one (``(K - 1) · d_ff``; 0 for token keys). Not FLOPs
+        in ``stemlm.accounting`` (matmuls only), reported beside them."""
+        return max(cls.rows_per_token(cfg) - 1, 0) * cfg.d_ff
 
     @classmethod
     def table_params(cls, cfg) -> int:

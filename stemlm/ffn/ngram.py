@@ -99,12 +99,15 @@ def hash_plan(orders: tuple[int, ...], heads: int, seed: int) -> tuple[torch.Ten
 
 
 def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple[torch.Tensor, torch.Tensor],
-               canon: torch.Tensor | None = None) -> torch.Tensor:
+               canon: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
     """Keys ``(B, T, K)`` of ``ids (B, T)``: the token, then every order's hash heads (module docstring).
 
     ``context (B, c)`` holds the tokens just before ``ids[:, 0]`` (newest last; ``-1`` = before the
     sequence start); None means ``ids`` start the sequence. ``plan`` is ``hash_plan(...)`` (on ``ids``'
-    device), ``canon (V,)`` an optional token -> canonical token map applied before hashing.
+    device), ``canon (V,)`` an optional token -> canonical token map applied before hashing. ``real (B, T)``
+    (optional, bool) marks the positions of ``ids`` that hold text: the others (left padding of a
+    batch) hash as before the sequence start, so a padded prompt's keys are those it has alone (the
+    token key of a padding position is still its id).
     """
     B, T = ids.shape
     powers, mult = plan
@@ -116,7 +119,10 @@ def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple
         if before.shape[1] < N - 1:
             before = torch.cat([before.new_full((B, N - 1 - before.shape[1]), -1), before], 1)
     seq = torch.cat([before, ids], 1)  # (B, N - 1 + T)
-    real = seq >= 0
+    text = seq >= 0
+    if real is not None:
+        text[:, N - 1:] &= real.to(text.device, torch.bool)
+    real = text
     if canon is not None:
         seq = torch.where(real, canon[seq.clamp(min=0)], seq)
     seq = torch.where(real, seq, cfg.vocab_size) + 1  # before the start -> V + 1, token u -> u + 1
@@ -203,6 +209,7 @@ class NgramKeys(nn.Module):
         canon = torch.arange(cfg.vocab_size, device="cpu") if cfg.ngram_normalize else None
         self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
 
-    def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
-        """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)`` (see ``ngram_keys``)."""
-        return ngram_keys(ids, context, self.cfg, (self.powers, self.mult), self.canon)
+    def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+        """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)``, ``real`` marking text (see ``ngram_keys``)."""
+        return ngram_keys(ids, context, self.cfg, (self.powers, self.mult), self.canon, real)

@@ -69,7 +69,12 @@ def _table_source(kind: str) -> str:
 
 
 def _check_from_dense(ffn: str) -> None:
-    if not ffn_kind(ffn).from_dense:
+    """A one-line ``ValueError`` for a kind a dense Llama does not convert into (``from_dense`` False)."""
+    kind = ffn_kind(ffn)
+    if kind.keyed_by == "ngram":
+        raise ValueError(f"ffn {ffn!r} does not convert from a dense Llama: its n-gram slots have no dense "
+                         f"counterpart to start from; train it instead (stemlm train --ffn {ffn})")
+    if not kind.from_dense:
         raise ValueError(f"ffn {ffn!r} is not supported for conversion (its layers have no Llama counterpart)")
 
 
@@ -188,10 +193,20 @@ def llama_to_stem(source, llama_config=None, *, ffn: str = "dense", stem_layers:
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """Only an all-dense model has a Llama counterpart; refuse STEM / Hash-MoE layers in one line."""
-    layers = [i for i, k in enumerate(cfg.layer_kinds) if k != "dense"]
-    if layers:
-        raise ValueError(f"model has {cfg.ffn} layers {layers}; only an all-dense stemlm model exports to Llama")
+    """Only an all-dense model has a Llama counterpart; refuse STEM / Hash-MoE / n-gram layers in one line
+    naming each kind and its layers (n-gram keyed layers also say why: transformers' Llama has no place for
+    rows keyed by hashed n-grams; ``stemlm.interop.hf.StemForCausalLM`` runs such a model under transformers)."""
+    by_kind: dict[str, list[int]] = {}
+    for i, k in enumerate(cfg.layer_kinds):
+        if k != "dense":
+            by_kind.setdefault(k, []).append(i)
+    if not by_kind:
+        return
+    what = " and ".join(f"{k} layers {layers}" for k, layers in by_kind.items())
+    ngram = [k for k in by_kind if ffn_kind(k).keyed_by == "ngram"]
+    why = (f" ({'/'.join(ngram)} layers read table rows keyed by hashed token n-grams, which transformers' Llama "
+           "cannot hold; load the checkpoint with stemlm.interop.hf.StemForCausalLM instead)") if ngram else ""
+    raise ValueError(f"model has {what}; only an all-dense stemlm model exports to Llama{why}")
 
 
 def stem_to_llama(model: StemLM, **generation):

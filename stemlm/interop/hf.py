@@ -11,6 +11,14 @@ the state dict of ``StemForCausalLM`` (whose ``model`` attribute is a ``StemLM``
 positions and a mask (``positions_and_mask``), so ``generate()`` on left-padded prompts gives each
 prompt what it gives alone. ``inputs_embeds`` are refused: STEM layers look their table rows up by
 token id.
+
+A model with n-gram layers (``ngram``, ``ngram_dagger``, ``engram``: ``stemlm.ffn.ngram``) hashes the
+tokens before each position, which a cached step does not feed again: ``forward`` then takes
+``ngram_context (B, c)``, the tokens just before ``input_ids[:, 0]`` (``-1`` for padding or before the
+start), and ``prepare_inputs_for_generation`` passes it, so ``generate()`` (greedy, sampling, beam
+search) decodes such a model exactly as ``stemlm generate`` does. A cached call without it is refused
+in one line. Padding inside ``attention_mask`` hashes as before the start (``ngram_keys``'s ``real``).
+Such a model has no transformers Llama counterpart (``stemlm.interop.convert.check_exportable``).
 """
 
 from __future__ import annotations
@@ -218,11 +226,22 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
     def get_output_embeddings(self) -> nn.Module:
         return self.model.lm_head
 
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, *args, **kwargs) -> dict:
+        """transformers' inputs of the next step, plus ``ngram_context`` for a model with n-gram layers:
+        the tokens of ``input_ids`` before the ones fed (``ngram_context_of``)."""
+        inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+        fed = inputs.get("input_ids")
+        if self.model.ngram_keys is not None and fed is not None and fed.shape[1] < input_ids.shape[1]:
+            inputs["ngram_context"] = ngram_context_of(self.model.cfg, input_ids, fed.shape[1],
+                                                       kwargs.get("attention_mask"))
+        return inputs
+
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, cache: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0,
-                past_key_values: Cache | None = None, **kwargs) -> CausalLMOutputWithPast:
+                past_key_values: Cache | None = None, ngram_context: torch.LongTensor | None = None,
+                **kwargs) -> CausalLMOutputWithPast:
         """Logits (and ``loss`` when ``labels`` are given) for ``input_ids (B, T)``.
 
         The KV cache comes as ``cache`` (transformers >= 5.24) or ``past_key_values`` (older 5.x);
@@ -230,6 +249,8 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         the cache: ``start_pos`` is the number of slots it holds (``cache_position``, when passed,
         must agree). ``attention_mask (B, start_pos + T)`` and ``position_ids (B, T)`` give padded
         rows their own positions and hide the padding (left padding in batched ``generate()``).
+        ``ngram_context (B, c)``: for a model with n-gram layers, the tokens just before ``input_ids``
+        (``-1`` = none; required once the cache holds positions, ``generate()`` passes it).
         """
         if cache is not None and past_key_values is not None:
             raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
@@ -246,9 +267,10 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
         T = input_ids.shape[1]
         _check_cache_position(kwargs.get("cache_position"), start_pos, T)
         positions, mask = positions_and_mask(attention_mask, position_ids, start_pos, T, input_ids.device)
+        rows = self._ngram_rows(input_ids, attention_mask, start_pos, ngram_context)
         cache = HFCacheAdapter(past_key_values) if past_key_values is not None else None
         hidden = self.model(input_ids, start_pos=start_pos, cache=cache, return_hidden=True, positions=positions,
-                            attn_mask=mask)  # (B, T, d)
+                            attn_mask=mask, table_rows=rows)  # (B, T, d)
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.model.lm_head(hidden[:, keep])  # (B, T_keep, V)
         loss = None
@@ -256,6 +278,41 @@ class StemForCausalLM(PreTrainedModel, GenerationMixin):
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size)
         out_cache = {_OUTPUT_CACHE_FIELD: past_key_values if use_cache else None}
         return CausalLMOutputWithPast(loss=loss, logits=logits, **out_cache)
+
+
+    def _ngram_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, start_pos: int,
+                    context: torch.Tensor | None):
+        """The table rows of a model with n-gram layers (keys after ``context``, padding hashed as before
+        the start); None for other models (``StemLM.forward`` gathers them itself)."""
+        if self.model.ngram_keys is None:
+            if context is not None:
+                raise ValueError("ngram_context applies to a model with n-gram layers (ffn ngram, ngram_dagger, engram)")
+            return None
+        kinds = sorted({self.model.cfg.layer_kinds[i] for i in self.model.cfg.ngram_layers})
+        if start_pos > 0 and context is None:
+            raise ValueError(f"this model has {'/'.join(kinds)} layers, whose keys hash the tokens before input_ids: "
+                             "pass ngram_context (B, c), the tokens just before input_ids, when continuing from a cache "
+                             "(generate() does)")
+        if context is not None and (context.dim() != 2 or context.shape[0] != input_ids.shape[0]):
+            raise ValueError(f"ngram_context must have shape (batch={input_ids.shape[0]}, c), got {tuple(context.shape)}")
+        real = None
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            real = attention_mask[:, start_pos:start_pos + input_ids.shape[1]].bool()
+        return self.model.table_rows(input_ids, context, real=real)
+
+
+def ngram_context_of(cfg: ModelConfig, input_ids: torch.Tensor, fed: int,
+                     attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, reach)`` tokens of ``input_ids (B, S)`` just before its last ``fed`` (those fed to the model),
+    ``reach = max(ngram_orders) - 1``: padding (``attention_mask`` 0) and positions before the start are ``-1``."""
+    reach = max(cfg.ngram_orders) - 1
+    end = input_ids.shape[1] - fed
+    before = input_ids[:, max(end - reach, 0):end].clone()
+    if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= end:
+        before[~attention_mask[:, max(end - reach, 0):end].bool()] = -1
+    if before.shape[1] < reach:
+        before = torch.cat([before.new_full((before.shape[0], reach - before.shape[1]), -1), before], 1)
+    return before
 
 
 # what the Auto classes pass along to from_pretrained about finding files (a local checkpoint needs none)

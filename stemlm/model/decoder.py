@@ -250,22 +250,25 @@ class StemLM(nn.Module):
         """Some table layers are keyed by tokens and others by n-grams: one lookup per key kind."""
         return self.ngram_keys is not None and len(self.cfg.ngram_layers) < len(self.cfg.table_layers)
 
-    def table_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+    def table_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None,
+                   real: torch.Tensor | None = None) -> torch.Tensor:
         """What the tables are indexed by for ``ids (B, T)``: the ids themselves, or for a model whose
         tables are n-gram keyed, keys ``(B, T, K)`` (``stemlm.ffn.ngram.ngram_keys``; ``context`` as in
-        ``forward``). Prefetch, dedup and the step's row gathers take these."""
-        return ids if self.ngram_keys is None or self.mixed_keys else self.ngram_keys(ids, context)
+        ``forward``, ``real (B, T)`` marks text among left padding). Prefetch, dedup and the step's row
+        gathers take these."""
+        return ids if self.ngram_keys is None or self.mixed_keys else self.ngram_keys(ids, context, real)
 
-    def table_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None) -> Mapping[str, torch.Tensor]:
+    def table_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None,
+                   real: torch.Tensor | None = None) -> Mapping[str, torch.Tensor]:
         """Every table layer's rows for ``ids (B, T)`` (``tables.rows`` of ``table_keys``; ``tables``
         defaults to ``self.tables``): the token rows ``(B, T, d_ff)`` of token-keyed layers and the
-        ``(B, T, K, d_ff)`` rows of n-gram layers."""
+        ``(B, T, K, d_ff)`` rows of n-gram layers (``context``, ``real`` as in ``table_keys``)."""
         tables = self.tables if tables is None else tables
         if not self.mixed_keys:
-            return tables.rows(self.table_keys(ids, context))
+            return tables.rows(self.table_keys(ids, context, real))
         ngram = tuple(str(i) for i in self.cfg.ngram_layers)
         token = tuple(k for k in tables.keys() if k not in ngram)
-        return MergedRows(tables.rows(ids, layers=token), tables.rows(self.ngram_keys(ids, context), layers=ngram))
+        return MergedRows(tables.rows(ids, layers=token), tables.rows(self.ngram_keys(ids, context, real), layers=ngram))
 
     def prefetch_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None):
         """Start gathering the rows of ``ids`` on ``tables`` (default ``self.tables``; host and disk tiers

@@ -72,9 +72,9 @@ def check_ids(ids: torch.Tensor, num_rows: int) -> None:
 
 
 def init_table_(weight: torch.Tensor, method: str, d_model: int, init_std: float) -> None:
-    """Initialise a ``V × d_ff`` table in place.
+    """Initialise a ``rows × d_ff`` table in place (``rows``: ``V``, or ``ngram_slots`` for n-gram keys).
 
-    * ``xavier_normal`` (default, as the official STEM code): std = sqrt(2 / (V + d_ff)).
+    * ``xavier_normal`` (default, as the official STEM code): std = sqrt(2 / (rows + d_ff)).
     * ``matched``: std = init_std · sqrt(d_model), the std of ``W_u x`` at initialisation for a
       unit-RMS input, so a STEM layer starts at the scale of the dense layer it replaces.
     * ``normal``: std = init_std, like every other weight.

@@ -61,6 +61,14 @@ def _load_counts(warm_counts):
     return np.load(Path(warm_counts))
 
 
+def _counts_for(counts, num_rows: int, vocab_size: int):
+    """Warm-start ``counts`` for a table of ``num_rows`` rows: token counts (``vocab_size`` entries) warm
+    the token rows ``0..V-1`` of an n-gram table (``stemlm.ffn.ngram``), its hashed slots start cold."""
+    if len(counts) == vocab_size < num_rows:
+        counts = np.concatenate([np.asarray(counts), np.zeros(num_rows - vocab_size, dtype=np.int64)])
+    return counts
+
+
 def _install(model: nn.Module, p: Placement, backends: dict, device, dtype, path=None) -> Tables:
     """Install a new ``model.tables`` over ``backends`` (``StemTable``s for ``device``), closing the old one."""
     old = model.tables
@@ -78,7 +86,7 @@ def _install(model: nn.Module, p: Placement, backends: dict, device, dtype, path
         counts = _load_counts(p.warm_counts)
         for table in tables.values():
             if table.cache is not None and counts is not None:
-                table.warm(counts)
+                table.warm(_counts_for(counts, table.num_rows, model.cfg.vocab_size))
     for name, table in tables.items():
         table.sparse_grad = sparse.get(name, False)
     model.tables = tables

@@ -334,7 +334,7 @@ class Study:
             args = (trainer.val_ds, cfg.data.batch_size, pos["seq_len"], pos["batches"], cfg.run.dtype)
             out["position_loss"] = {"seq_len": pos["seq_len"], "final": loss_by_position(trainer.model, *args)}
             if m.get("position_loss_parent"):
-                start = build_model(cfg, trainer.train_ds.vocab_size).to(trainer.device)
+                start = build_model(cfg, trainer.train_ds.vocab_size, trainer.data_dir).to(trainer.device)
                 out["position_loss"]["init"] = loss_by_position(start, *args)
         if m.get("val_batches"):
             out["val_batches"] = val_batch_losses(trainer.model, trainer.val_ds, cfg.data.batch_size, cfg.data.seq_len,

@@ -26,12 +26,17 @@ def resolve_data_dir(cfg: TrainConfig) -> Path:
     return Path(prepare_default_corpus())
 
 
-def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
+def build_model(cfg: TrainConfig, vocab_size: int, data_dir: Path | None = None) -> StemLM:
     """A fresh model from ``cfg.model`` (vocab from the data unless set), or ``run.init_from``
-    with the explicitly set ``model.*`` fields applied (e.g. ``max_seq_len`` for context extension)."""
+    with the explicitly set ``model.*`` fields applied (e.g. ``max_seq_len`` for context extension).
+
+    A model built with ``ngram_normalize`` gets its token -> canonical token map from the tokenizer of
+    ``data_dir`` (``fill_canonical``), once: the map is a buffer saved with every checkpoint, so a
+    resumed run or a loaded model needs no tokenizer (``run.init_from`` keeps the map it has)."""
     if not cfg.run.init_from:
         torch.manual_seed(cfg.run.seed)
-        return StemLM(cfg.model.build(vocab_size=vocab_size))
+        model = StemLM(cfg.model.build(vocab_size=vocab_size))
+        return fill_canonical(model, data_dir) if model.cfg.ngram_normalize else model
     base = open_model(cfg.run.init_from)
     if (codec := codec_of(base.tables)).quantized:
         raise ConfigError(f"run.init_from: {cfg.run.init_from} stores its tables as {codec.name}, which cannot be trained; "
@@ -40,10 +45,33 @@ def build_model(cfg: TrainConfig, vocab_size: int) -> StemLM:
     if not overrides:
         return base
     model = StemLM(base.cfg.replace(**overrides))
+    newly_normalized = model.ngram_keys is not None and model.cfg.ngram_normalize and not (
+        base.ngram_keys is not None and base.cfg.ngram_normalize)
     try:
-        model.load_state_dict(base.state_dict())
+        result = model.load_state_dict(base.state_dict(), strict=False)
+        if result.unexpected_keys or set(result.missing_keys) - ({"ngram_keys.canon"} if newly_normalized else set()):
+            model.load_state_dict(base.state_dict())  # raises, naming the keys (a new canon map is filled below)
     except RuntimeError as e:
         raise ConfigError(f"model overrides {sorted(overrides)} change tensor shapes of run.init_from: {str(e).splitlines()[0]}") from None
+    return fill_canonical(model, data_dir) if newly_normalized else model
+
+
+def fill_canonical(model: StemLM, data_dir: Path | None) -> StemLM:
+    """``model`` with ``ngram_keys.canon`` filled from ``stemlm.data.codec.canonical_ids`` of the tokenizer
+    of the prepared ``data_dir`` (``model.ngram_normalize``: n-gram keys hash canonical tokens); a one-line
+    ``ConfigError`` when there is no tokenizer to read. A model without n-gram layers is returned as is."""
+    if model.ngram_keys is None or model.ngram_keys.canon is None:
+        return model
+    from ..data.codec import canonical_ids
+    from ..data.tokenizer import find_tokenizer
+
+    try:
+        found = find_tokenizer(data_dir, hint="model.ngram_normalize needs the data's tokenizer to map tokens to "
+                                              "their canonical forms")
+    except (FileNotFoundError, ValueError) as e:
+        raise ConfigError(str(e)) from None
+    with torch.no_grad():
+        model.ngram_keys.canon.copy_(canonical_ids(found.tokenizer, model.cfg.vocab_size))
     return model
 
 

@@ -94,7 +94,7 @@ class Trainer:
         self.data_dir = resolve_data_dir(cfg)
         self.train_ds = TokenDataset.open(self.data_dir, "train")
         self.val_ds = TokenDataset.open(self.data_dir, "val")
-        self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size).to(self.device).train())
+        self.model = self.prepare_model(build_model(cfg, self.train_ds.vocab_size, self.data_dir).to(self.device).train())
         self._check_shapes()
         if cfg.run.anneal != "off":
             try:

@@ -53,7 +53,7 @@ def init_distributed(device: str) -> tuple[int, int, torch.device]:
 def shard_tables(model: StemLM, rank: int, world: int) -> None:
     """Replace every in-memory table of ``model`` by this rank's ``ShardedTable``."""
     for name, table in list(model.tables.items()):
-        if not hasattr(table, "weight") or table.weight.shape[0] != model.cfg.vocab_size:
+        if not hasattr(table, "weight") or table.weight.shape[0] != model.cfg.table_rows(int(name)):
             raise ValueError(f"table {name} is not in memory ({type(table).__name__}); shard before offloading")
         model.tables[name] = ShardedTable.from_full(table.weight.detach(), rank, world).to(table.weight.device)
 
