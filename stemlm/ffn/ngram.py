@@ -127,14 +127,12 @@ def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple
         seq = torch.where(real, canon[seq.clamp(min=0)], seq)
     seq = torch.where(real, seq, cfg.vocab_size) + 1  # before the start -> V + 1, token u -> u + 1
     window = seq.unfold(1, N, 1)  # (B, T, N): the N tokens ending at each position, oldest first
-    h = ((window[..., None] * powers) % HASH_PRIME).sum(-2) % HASH_PRIME  # (B, T, H): each term < 2^62, sum < 2^34
+    terms = window[..., None] * powers  # (B, T, N, H): each < (V + 2) · 2^31
+    if cfg.vocab_size >= 1 << 28:  # the sum of N <= 8 terms could pass 2^63: reduce each term first
+        terms = terms % HASH_PRIME
+    h = terms.sum(-2) % HASH_PRIME  # (B, T, H)
     keys = (h * mult) % HASH_PRIME % (cfg.ngram_slots or cfg.vocab_size)
     return torch.cat([ids[..., None], keys], -1)  # (B, T, K)
-
-
-def memory_of(rows: torch.Tensor) -> torch.Tensor:
-    """``m = Σ_k U[k]``: the K rows of every position ``(..., K, d_ff)`` summed to ``(..., d_ff)``."""
-    return rows.sum(-2)
 
 
 class NgramFFN(FFNKind):
@@ -147,8 +145,8 @@ class NgramFFN(FFNKind):
     from_dense = False  # insertion calibrates token rows; n-gram slots have no dense counterpart to fit
     keyed_by = "ngram"
 
-    def forward(self, x, rows=None, ids=None):
-        return self.w_down(F.silu(self.w_gate(x)) * memory_of(rows))
+    def forward(self, x, rows=None, ids=None):  # rows: the memory m (B, T, d_ff), the K rows summed
+        return self.w_down(F.silu(self.w_gate(x)) * rows)
 
 
 class NgramDaggerFFN(FFNKind):
@@ -162,7 +160,7 @@ class NgramDaggerFFN(FFNKind):
     keyed_by = "ngram"
 
     def forward(self, x, rows=None, ids=None):
-        return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + memory_of(rows)))
+        return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + rows))
 
 
 class EngramFFN(FFNKind):
@@ -181,7 +179,7 @@ class EngramFFN(FFNKind):
 
     def forward(self, x, rows=None, ids=None):
         dense = self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-        m = memory_of(rows)
+        m = rows  # the memory (B, T, d_ff): the position's K rows summed by the model
         key = self.w_mem_key(m)
         d = x.shape[-1]
         alpha = torch.sigmoid((F.rms_norm(x, (d,)) * F.rms_norm(key, (d,))).sum(-1, keepdim=True) / math.sqrt(d))

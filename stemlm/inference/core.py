@@ -186,12 +186,15 @@ class DecodeCore:
         its start), which the n-gram keys of that token hash; None for a model without n-gram rows."""
         if not self.reach:
             return None
-        out = torch.full((len(seqs), self.reach), -1, dtype=torch.long)
-        for j, s in enumerate(seqs):
-            before = (s.prompt + s.tokens)[-1 - self.reach:-1]
-            if before:
-                out[j, self.reach - len(before):] = torch.tensor(before, dtype=torch.long)
-        return out
+        r = self.reach
+        rows = []
+        for s in seqs:  # the r tokens before the last one, from the tails of tokens and prompt (no full copy)
+            if len(s.tokens) > r:
+                tail = s.tokens[-1 - r:-1]
+            else:
+                tail = s.prompt[max(0, len(s.prompt) - (r + 1 - len(s.tokens))):] + s.tokens[:-1]
+            rows.append([-1] * (r - len(tail)) + tail)
+        return torch.tensor(rows, dtype=torch.long)
 
     def _eager_step(self, tokens: list[int], slots: list[int], rows=None, context=None) -> torch.Tensor:
         span = max(slots) + 1

@@ -28,7 +28,7 @@ from ..runtime.matmul import matmul_backend_of
 from .loss import linear_cross_entropy
 from ..ffn.ngram import NgramKeys, hash_plan
 from ..ffn.rows import as_rows
-from .tables import MergedRows, StemTable, Tables, check_ids, init_table_
+from .tables import MergedRows, StemTable, Tables, check_ids, init_table_, summed_rows
 
 
 class RMSNorm(nn.Module):
@@ -235,7 +235,12 @@ class StemLM(nn.Module):
         elif missing := [str(i) for i in cfg.table_layers if str(i) not in table_rows]:
             raise ValueError(f"table_rows has no rows for table layer(s) {', '.join(missing)}")
         for i, block in enumerate(self.layers):
-            rows = table_rows[str(i)] if block.ffn.owns_table else None  # (B, T, d_ff), or IndexedRows
+            if not block.ffn.owns_table:
+                rows = None
+            elif block.ffn.keyed_by == "ngram":  # the memory Σ_k U[k] (B, T, d_ff), one gather-and-sum
+                rows = summed_rows(table_rows, str(i))
+            else:
+                rows = table_rows[str(i)]  # (B, T, d_ff), or IndexedRows
             if not block.ffn.fuses_row_gather:
                 rows = as_rows(rows)
             x = block(x, cos, sin, start_pos, ids, rows=rows, cache=cache, mask=mask)

@@ -31,6 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..ffn.rows import as_rows
+
 
 
 def unique_ids(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,6 +188,13 @@ class LayerRows(Mapping):
         rows = self._gathers[key]()  # (U, dim)
         return expand_rows(rows, self.inverse.to(rows.device), self.shape)
 
+    def summed(self, key: str) -> torch.Tensor:
+        """Layer ``key``'s rows summed over the keys' last axis, ``shape[:-1] + (dim,)``: an n-gram layer's
+        memory ``Σ_k U[k]`` in one gather-and-sum (``F.embedding_bag``), never ``shape + (dim,)`` rows."""
+        rows = self._gathers[key]()  # (U, dim)
+        bags = self.inverse.to(rows.device).reshape(-1, self.shape[-1])  # (B·T, K)
+        return F.embedding_bag(bags, rows, mode="sum").view(*self.shape[:-1], rows.shape[-1])
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._gathers)
 
@@ -214,8 +223,20 @@ class MergedRows(Mapping):
     def __contains__(self, key) -> bool:
         return any(key in part for part in self._parts)
 
+    def summed(self, key: str) -> torch.Tensor:
+        """``summed_rows`` of the part holding ``key``."""
+        return summed_rows(next(part for part in self._parts if key in part), key)
+
     def __len__(self) -> int:
         return sum(len(part) for part in self._parts)
+
+
+def summed_rows(table_rows: Mapping, key: str) -> torch.Tensor:
+    """Layer ``key``'s n-gram rows summed over their K keys, ``(..., dim)``: one gather-and-sum where the
+    mapping can (``LayerRows.summed``), else its rows ``(..., K, dim)`` summed."""
+    if isinstance(table_rows, (LayerRows, MergedRows)):
+        return table_rows.summed(key)
+    return as_rows(table_rows[key]).sum(-2)
 
 
 @dataclass

@@ -80,6 +80,9 @@ class PassedRows(LayerRows):
     def __getitem__(self, key: str):
         return self._gathers[key]
 
+    def summed(self, key: str) -> torch.Tensor:
+        return self[key].expand().sum(-2)
+
 
 class ExpandedRows(LayerRows):
     """``LayerRows`` whose rows are already one per position (``(N, d)`` each)."""
@@ -87,6 +90,9 @@ class ExpandedRows(LayerRows):
     def __getitem__(self, key: str) -> torch.Tensor:
         rows = self._gathers[key]()
         return rows.view(*self.shape, rows.shape[-1])
+
+    def summed(self, key: str) -> torch.Tensor:
+        return self[key].sum(-2)
 
 
 def assert_on_device(cond: torch.Tensor, message: str) -> None:
