@@ -194,3 +194,18 @@ def test_a_checkpoint_opens_on_every_tier_and_generates_the_same_tokens(data_dir
         tokens = _greedy(model, prompt, n=6)
         assert want.setdefault(dtype, tokens) == tokens, (tier, dtype)
         model.tables.close()
+
+
+def test_the_small_python_path_gives_the_tensor_path_keys(monkeypatch):
+    import stemlm.ffn.ngram as ng
+
+    cfg = ModelConfig(ffn="ngram", ngram_orders=(2, 4), ngram_heads=3, ngram_slots=5000)
+    plan = hash_plan(cfg.ngram_orders, cfg.ngram_heads, 7)
+    gen = torch.Generator().manual_seed(0)
+    for B, T, c in ((4, 1, 3), (2, 3, 1), (1, 5, 0), (3, 2, None)):
+        ids = torch.randint(0, cfg.vocab_size, (B, T), generator=gen)
+        ctx = None if c is None else torch.randint(-1, cfg.vocab_size, (B, c), generator=gen)
+        small = ngram_keys(ids, ctx, cfg, plan)
+        monkeypatch.setattr(ng, "SMALL", 0)
+        assert torch.equal(small, ngram_keys(ids, ctx, cfg, plan)), (B, T, c)
+        monkeypatch.setattr(ng, "SMALL", 16)

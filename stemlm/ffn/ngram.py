@@ -80,6 +80,9 @@ def hash_factors(orders: tuple[int, ...], heads: int, seed: int) -> torch.Tensor
     return torch.randint(1, HASH_PRIME, (len(orders), heads, 2), generator=gen, dtype=torch.int64, device="cpu")
 
 
+SMALL = 16  # positions up to which ngram_keys hashes in Python integers (the same keys, fewer dispatches)
+
+
 def hash_plan(orders: tuple[int, ...], heads: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(powers (N, H), b (H,))``: the hash of every (order, head) column ``c`` as one weighted sum.
 
@@ -112,6 +115,8 @@ def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple
     B, T = ids.shape
     powers, mult = plan
     N = powers.shape[0]  # the longest order: the window of tokens each position hashes
+    if ids.device.type == "cpu" and B * T <= SMALL and canon is None and real is None:
+        return _small_keys(ids, context, cfg, hash_columns(plan))  # a decode step: Python integers, fewer dispatches
     if context is None or context.shape[1] == 0:
         before = ids.new_full((B, N - 1), -1)
     else:
@@ -133,6 +138,34 @@ def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple
     h = terms.sum(-2) % HASH_PRIME  # (B, T, H)
     keys = (h * mult) % HASH_PRIME % (cfg.ngram_slots or cfg.vocab_size)
     return torch.cat([ids[..., None], keys], -1)  # (B, T, K)
+
+
+def hash_columns(plan: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, list]:
+    """``(N, [(b_c, [(j, a_c^(N-1-j)) ...]) per column])``: ``hash_plan`` as Python integers, its zero terms dropped."""
+    powers, mult = (t.tolist() for t in plan)
+    return len(powers), [(m, [(j, powers[j][c]) for j in range(len(powers)) if powers[j][c]]) for c, m in enumerate(mult)]
+
+
+def _small_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, columns: tuple[int, list]) -> torch.Tensor:
+    """``ngram_keys`` of a few positions on the CPU, in Python integers: the same weighted sum mod ``P``
+    (``columns``: ``hash_columns`` of the plan)."""
+    N, columns = columns
+    slots, pad = cfg.ngram_slots or cfg.vocab_size, cfg.vocab_size + 1
+    before = [[] for _ in range(ids.shape[0])] if context is None else context.tolist()
+    out = []
+    for row, ctx in zip(ids.tolist(), before):
+        ctx = ctx[len(ctx) - (N - 1):] if len(ctx) > N - 1 else ctx
+        seq = [pad] * (N - 1 - len(ctx)) + [u + 1 if u >= 0 else pad for u in ctx] + [u + 1 for u in row]
+        keys = []
+        for i, t in enumerate(row):  # the window of position i is seq[i:i + N], oldest first
+            keys.append([t])
+            for m, terms in columns:
+                h = 0
+                for j, p in terms:
+                    h += seq[i + j] * p
+                keys[-1].append(h % HASH_PRIME * m % HASH_PRIME % slots)
+        out.append(keys)
+    return torch.tensor(out, dtype=torch.long)
 
 
 class NgramFFN(FFNKind):
@@ -204,10 +237,13 @@ class NgramKeys(nn.Module):
         powers, mult = hash_plan(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed)
         self.register_buffer("powers", powers, persistent=False)  # fixed by the config: rebuilt, never saved
         self.register_buffer("mult", mult, persistent=False)
+        self._columns = hash_columns((powers, mult))  # the same plan for the small path (fixed by the config)
         canon = torch.arange(cfg.vocab_size, device="cpu") if cfg.ngram_normalize else None
         self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
 
     def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None,
                 real: torch.Tensor | None = None) -> torch.Tensor:
         """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)``, ``real`` marking text (see ``ngram_keys``)."""
+        if ids.device.type == "cpu" and ids.numel() <= SMALL and not self.cfg.ngram_normalize and real is None:
+            return _small_keys(ids, context, self.cfg, self._columns)  # the plan as Python integers, kept
         return ngram_keys(ids, context, self.cfg, (self.powers, self.mult), self.canon, real)

@@ -175,6 +175,7 @@ class StemLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.tables = Tables({str(i): StemTable(cfg.table_rows(i), cfg.d_ff) for i in cfg.table_layers})
         self.ngram_keys = NgramKeys(cfg) if cfg.ngram_layers else None  # keys of n-gram layers (stemlm.ffn.ngram)
+        self._mixed_keys = bool(cfg.ngram_layers) and len(cfg.ngram_layers) < len(cfg.table_layers)  # fixed by cfg
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -253,7 +254,7 @@ class StemLM(nn.Module):
     @property
     def mixed_keys(self) -> bool:
         """Some table layers are keyed by tokens and others by n-grams: one lookup per key kind."""
-        return self.ngram_keys is not None and len(self.cfg.ngram_layers) < len(self.cfg.table_layers)
+        return self._mixed_keys
 
     def table_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None,
                    real: torch.Tensor | None = None) -> torch.Tensor:
