@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..ffn.ngram import NgramKeys, context_reach, keys_per_position
 from ..runtime.plotting import pyplot, save
 
 PAD = -1  # a position before the start of the stream, in n-gram tuples
@@ -50,8 +51,6 @@ def ngram_key_function(cfg, ckpt_dir: str | Path | None = None):
     """The model's n-gram key function (``stemlm.ffn.ngram.NgramKeys``) built from its config alone,
     with the ``canon`` map of ``ckpt_dir``'s weights when the model hashes canonical tokens
     (``ngram_normalize``); no table is read."""
-    from ..ffn.ngram import NgramKeys
-
     require_ngram_layers(cfg)
     keys = NgramKeys(cfg)
     if cfg.ngram_normalize and ckpt_dir is not None:
@@ -80,13 +79,13 @@ def window_keys(keys, ids: np.ndarray) -> np.ndarray:
 def stream_keys(keys, stream: np.ndarray, chunk: int = CHUNK) -> np.ndarray:
     """Keys ``(N, K)`` of a stream read as one sequence (each chunk gets the previous tokens as context)."""
     device, out, context = _device_of(keys), [], None
-    reach = max(keys.cfg.ngram_orders) - 1
+    reach = context_reach(keys.cfg)
     for start in range(0, len(stream), chunk):
         ids = torch.from_numpy(np.ascontiguousarray(stream[start:start + chunk], dtype=np.int64))[None].to(device)
         out.append(keys(ids, context)[0].cpu().numpy())
         context = ids if context is None else torch.cat([context, ids], 1)
         context = context[:, -reach:]
-    return np.concatenate(out) if out else np.zeros((0, 1 + len(keys.cfg.ngram_orders) * keys.cfg.ngram_heads), np.int64)
+    return np.concatenate(out) if out else np.zeros((0, keys_per_position(keys.cfg)), np.int64)
 
 
 def canonical(keys, ids: np.ndarray) -> np.ndarray:
@@ -115,7 +114,7 @@ def distinct_ngrams(keys, stream: np.ndarray, key_array: np.ndarray | None = Non
     if key_array is None:
         key_array = stream_keys(keys, stream)
     heads, n_pos = cfg.ngram_heads, len(stream)
-    reach = max(cfg.ngram_orders) - 1
+    reach = context_reach(cfg)
     padded = np.concatenate([np.full(reach, PAD, np.int64), canonical(keys, stream)])
     out = []
     for o, n in enumerate(cfg.ngram_orders):

@@ -94,18 +94,15 @@ class FFNKind(nn.Module):
 
     @classmethod
     def table_rows(cls, cfg) -> int:
-        """Rows of the layer's table: ``V`` for token keys, ``ngram_slots`` for n-gram keys, 0 without one."""
-        if not cls.owns_table:
-            return 0
-        return cfg.vocab_size if cls.keyed_by == "token" else (cfg.ngram_slots or cfg.vocab_size)
+        """Rows of the layer's table: ``V`` for token keys (``ngram_slots`` for n-gram keys,
+        ``stemlm.ffn.ngram.NgramKeyed``), 0 without one."""
+        return cfg.vocab_size if cls.owns_table else 0
 
     @classmethod
     def rows_per_token(cls, cfg) -> int:
-        """Table rows one position reads: 1 for token keys, ``K = 1 + |orders| · heads`` for n-gram keys
-        (``stemlm.ffn.ngram.keys_per_position``), 0 without a table."""
-        if not cls.owns_table:
-            return 0
-        return 1 if cls.keyed_by == "token" else 1 + len(cfg.ngram_orders) * cfg.ngram_heads
+        """Table rows one position reads: 1 for token keys (``K = 1 + |orders| · heads`` for n-gram keys,
+        ``stemlm.ffn.ngram.NgramKeyed``), 0 without a table."""
+        return int(cls.owns_table)
 
     @classmethod
     def row_sum_adds_per_token(cls, cfg) -> int:

@@ -74,6 +74,12 @@ def keys_per_position(cfg) -> int:
     return 1 + len(cfg.ngram_orders) * cfg.ngram_heads
 
 
+def context_reach(cfg) -> int:
+    """The tokens before a position that its n-gram keys hash, ``max(ngram_orders) - 1`` (what a decode step
+    keeps per sequence as its ``context``)."""
+    return max(cfg.ngram_orders) - 1
+
+
 def hash_factors(orders: tuple[int, ...], heads: int, seed: int) -> torch.Tensor:
     """``(|orders|, heads, 2)`` int64 multipliers ``a, b`` in ``[1, P)`` of every order's hash heads."""
     gen = torch.Generator().manual_seed(seed)  # on the CPU, also under a meta-device context (a model skeleton)
@@ -102,7 +108,8 @@ def hash_plan(orders: tuple[int, ...], heads: int, seed: int) -> tuple[torch.Ten
 
 
 def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple[torch.Tensor, torch.Tensor],
-               canon: torch.Tensor | None = None, real: torch.Tensor | None = None) -> torch.Tensor:
+               canon: torch.Tensor | None = None, real: torch.Tensor | None = None,
+               columns: tuple[int, list] | None = None) -> torch.Tensor:
     """Keys ``(B, T, K)`` of ``ids (B, T)``: the token, then every order's hash heads (module docstring).
 
     ``context (B, c)`` holds the tokens just before ``ids[:, 0]`` (newest last; ``-1`` = before the
@@ -110,13 +117,14 @@ def ngram_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, plan: tuple
     device), ``canon (V,)`` an optional token -> canonical token map applied before hashing. ``real (B, T)``
     (optional, bool) marks the positions of ``ids`` that hold text: the others (left padding of a
     batch) hash as before the sequence start, so a padded prompt's keys are those it has alone (the
-    token key of a padding position is still its id).
+    token key of a padding position is still its id). ``columns``: ``hash_columns(plan)`` when the caller
+    keeps it (few CPU positions are hashed in Python integers from it: the same keys, fewer dispatches).
     """
     B, T = ids.shape
     powers, mult = plan
     N = powers.shape[0]  # the longest order: the window of tokens each position hashes
     if ids.device.type == "cpu" and B * T <= SMALL and canon is None and real is None:
-        return _small_keys(ids, context, cfg, hash_columns(plan))  # a decode step: Python integers, fewer dispatches
+        return _small_keys(ids, context, cfg, columns or hash_columns(plan))  # a decode step
     if context is None or context.shape[1] == 0:
         before = ids.new_full((B, N - 1), -1)
     else:
@@ -168,42 +176,51 @@ def _small_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, columns: t
     return torch.tensor(out, dtype=torch.long)
 
 
-class NgramFFN(FFNKind):
+class NgramKeyed(FFNKind):
+    """What the n-gram kinds share: a table of ``ngram_slots`` rows read at K keys per position, whose rows
+    reach ``forward`` summed to the memory ``m (B, T, d_ff)``; not converted from a dense Llama (insertion
+    calibrates token rows; n-gram slots have no dense counterpart to fit)."""
+
+    owns_table = True
+    from_dense = False
+    keyed_by = "ngram"
+
+    @classmethod
+    def table_rows(cls, cfg) -> int:
+        return cfg.ngram_slots or cfg.vocab_size
+
+    @classmethod
+    def rows_per_token(cls, cfg) -> int:
+        return keys_per_position(cfg)
+
+
+class NgramFFN(NgramKeyed):
     """STEM with n-gram keys: ``W_d (SiLU(W_g x) ⊙ m)``, ``m`` the sum of the position's K rows."""
 
     name = "ngram"
     holds = ("w_gate", "w_down")
-    owns_table = True
     table_from = "w_up"
-    from_dense = False  # insertion calibrates token rows; n-gram slots have no dense counterpart to fit
-    keyed_by = "ngram"
 
     def forward(self, x, rows=None, ids=None):  # rows: the memory m (B, T, d_ff), the K rows summed
         return self.w_down(F.silu(self.w_gate(x)) * rows)
 
 
-class NgramDaggerFFN(FFNKind):
+class NgramDaggerFFN(NgramKeyed):
     """STEM† with n-gram keys: ``W_d (SiLU(W_g x) ⊙ (W_u x + m))``."""
 
     name = "ngram_dagger"
-    owns_table = True
     table_from = "w_up"
-    from_dense = False
     zero_rows_are_dense = True
-    keyed_by = "ngram"
 
     def forward(self, x, rows=None, ids=None):
         return self.w_down(F.silu(self.w_gate(x)) * (self.w_up(x) + rows))
 
 
-class EngramFFN(FFNKind):
+class EngramFFN(NgramKeyed):
     """A dense SwiGLU plus an Engram-style memory: ``+ α ⊙ W_v m``, ``α = σ(⟨ρ(x), ρ(W_k m)⟩ / √d)``."""
 
     name = "engram"
     holds = ("w_gate", "w_up", "w_down")
-    owns_table = True
-    from_dense = False
-    keyed_by = "ngram"
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -244,6 +261,4 @@ class NgramKeys(nn.Module):
     def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None,
                 real: torch.Tensor | None = None) -> torch.Tensor:
         """Keys ``(B, T, K)`` of ``ids (B, T)`` after ``context (B, c)``, ``real`` marking text (see ``ngram_keys``)."""
-        if ids.device.type == "cpu" and ids.numel() <= SMALL and not self.cfg.ngram_normalize and real is None:
-            return _small_keys(ids, context, self.cfg, self._columns)  # the plan as Python integers, kept
-        return ngram_keys(ids, context, self.cfg, (self.powers, self.mult), self.canon, real)
+        return ngram_keys(ids, context, self.cfg, (self.powers, self.mult), self.canon, real, self._columns)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..ffn.ngram import context_reach
 from .kv_cache import SlotCache
 from ..model.decoder import padding_mask
 from .sampling import SamplingParams, new_generator, sample_rows, token_logprobs
@@ -92,7 +93,7 @@ class DecodeCore:
         self.store = model.tables if store == "auto" else store
         # rows in the model's memory need no fetching
         self._prefetch = self.store is not None and self.store.tier != "device"
-        self.reach = max(cfg.ngram_orders) - 1 if cfg.ngram_layers else 0  # tokens before the fed one its keys hash
+        self.reach = context_reach(cfg) if cfg.ngram_layers else 0  # tokens before the fed one its keys hash
         self.max_len = min(max_len or cfg.max_seq_len, cfg.max_seq_len)
         self.mode = resolve_graphs(graphs, self.device, cfg)
         self.static = None

@@ -32,7 +32,7 @@ import logging
 import torch
 
 from ..ffn import ffn_kind
-from ..ffn.ngram import keys_per_position
+from ..ffn.ngram import context_reach, keys_per_position
 from .kv_cache import SlotCache
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class StaticStep:
         self.pos = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.slots = torch.arange(max_len, device=self.device)
         self.logits = torch.zeros(self.rows, cfg.vocab_size, dtype=param.dtype, device=self.device)
-        self.reach = max(cfg.ngram_orders) - 1 if cfg.ngram_layers else 0  # n-gram keys: the tokens before
+        self.reach = context_reach(cfg) if cfg.ngram_layers else 0  # n-gram keys: the tokens before each fed one
         self.context = torch.full((self.rows, self.reach), -1, dtype=torch.long, device=self.device)
         ngram = {str(i) for i in cfg.ngram_layers}
         per_position = lambda k: (keys_per_position(cfg),) if k in ngram else ()  # noqa: E731

@@ -36,6 +36,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..checkpoint.directory import WEIGHTS_FILE, resolve_checkpoint, stored_codec
 from ..config import ModelConfig
+from ..ffn.ngram import context_reach
 from ..runtime.matmul import apply_matmul
 from ..model.decoder import StemLM, init_module_, padding_mask
 from ..store import Placement, open_model, placement_of
@@ -305,7 +306,7 @@ def ngram_context_of(cfg: ModelConfig, input_ids: torch.Tensor, fed: int,
                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """``(B, reach)`` tokens of ``input_ids (B, S)`` just before its last ``fed`` (those fed to the model),
     ``reach = max(ngram_orders) - 1``: padding (``attention_mask`` 0) and positions before the start are ``-1``."""
-    reach = max(cfg.ngram_orders) - 1
+    reach = context_reach(cfg)
     end = input_ids.shape[1] - fed
     before = input_ids[:, max(end - reach, 0):end].clone()
     if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] >= end:

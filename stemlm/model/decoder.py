@@ -175,7 +175,8 @@ class StemLM(nn.Module):
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.tables = Tables({str(i): StemTable(cfg.table_rows(i), cfg.d_ff) for i in cfg.table_layers})
         self.ngram_keys = NgramKeys(cfg) if cfg.ngram_layers else None  # keys of n-gram layers (stemlm.ffn.ngram)
-        self._mixed_keys = bool(cfg.ngram_layers) and len(cfg.ngram_layers) < len(cfg.table_layers)  # fixed by cfg
+        self._ngram_layers = tuple(str(i) for i in cfg.ngram_layers)  # table keys of n-gram layers (fixed by cfg)
+        self._token_layers = tuple(str(i) for i in cfg.table_layers if str(i) not in self._ngram_layers)
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -254,7 +255,7 @@ class StemLM(nn.Module):
     @property
     def mixed_keys(self) -> bool:
         """Some table layers are keyed by tokens and others by n-grams: one lookup per key kind."""
-        return self._mixed_keys
+        return bool(self._ngram_layers and self._token_layers)
 
     def table_keys(self, ids: torch.Tensor, context: torch.Tensor | None = None,
                    real: torch.Tensor | None = None) -> torch.Tensor:
@@ -272,9 +273,8 @@ class StemLM(nn.Module):
         tables = self.tables if tables is None else tables
         if not self.mixed_keys:
             return tables.rows(self.table_keys(ids, context, real))
-        ngram = tuple(str(i) for i in self.cfg.ngram_layers)
-        token = tuple(k for k in tables.keys() if k not in ngram)
-        return MergedRows(tables.rows(ids, layers=token), tables.rows(self.ngram_keys(ids, context, real), layers=ngram))
+        return MergedRows(tables.rows(ids, layers=self._token_layers),
+                          tables.rows(self.ngram_keys(ids, context, real), layers=self._ngram_layers))
 
     def prefetch_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None):
         """Start gathering the rows of ``ids`` on ``tables`` (default ``self.tables``; host and disk tiers
@@ -287,8 +287,7 @@ class StemLM(nn.Module):
         """Each table layer's keys, not made unique: ``ids`` for token layers, ``(B, T, K)`` for n-gram
         layers (what a step that gathers without ``torch.unique`` indexes, ``inference.static``)."""
         keys = None if self.ngram_keys is None else self.ngram_keys(ids, context)
-        ngram = {str(i) for i in self.cfg.ngram_layers}
-        return {k: keys if k in ngram else ids for k in self.tables.keys()}
+        return {k: keys if k in self._ngram_layers else ids for k in self.tables.keys()}
 
     def table_parameters(self) -> list[nn.Parameter]:
         """Parameters of the in-memory tables (empty when tables live elsewhere)."""

@@ -279,7 +279,7 @@ class Tables(nn.ModuleDict):
         tables = {k: t for k, t in self.items() if layers is None or k in layers}
         if not tables:  # a dense model: nothing to index
             return LayerRows({}, ids, ids.shape)
-        uniq, inverse = next(iter(tables.values())).index(ids) if layers is not None else self.index(ids)
+        uniq, inverse = next(iter(tables.values())).index(ids)  # as ``index``: the first table indexes for all
         return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in tables.items()}, inverse, ids.shape)
 
     def prefetch(self, ids: torch.Tensor) -> None:
