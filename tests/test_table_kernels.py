@@ -23,7 +23,7 @@ from test_fused_tables import train  # noqa: E402
 gated, row_adamw = kernels.load("cpu")
 
 
-@pytest.mark.parametrize("N, F, P", [(70, 200, 9), (5, 33, 5), (40, 128, 40)])
+@pytest.mark.parametrize("N, F, P", [(70, 200, 9), (5, 33, 5), (40, 128, 40), (300, 130, 37)])
 def test_gated_rows_forward_and_backward_equal_reference(N, F, P):
     gen = torch.Generator().manual_seed(N)
     inverse = torch.randint(0, P, (N,), generator=gen)

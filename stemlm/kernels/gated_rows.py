@@ -14,12 +14,13 @@ Backward, from ``dh (N, F)``:
     dR[s]  += Σ_{i : inverse[i] = s} dh[i] ⊙ SiLU(g[i])
 
 The positions are sorted by slot once per micro-batch (``Segments``, shared by every layer), so
-each slot's positions are one contiguous segment. Pass 1 walks fixed chunks of ``CHUNK`` sorted
-positions: it writes ``dg`` and sums each segment's part inside the chunk in registers, storing the
-partial sum at the segment's first position in that chunk (a scratch row). Pass 2 gives each slot
-one program that adds its partials (one per chunk its segment touches) into the row gradient. A
-hot row (`` the`` may own hundreds of positions) is thus split across chunks instead of serialising
-one program, and no fp32 atomics are used: the result is deterministic.
+each slot's positions are one contiguous segment. Pass 1 takes tiles of ``CHUNK`` sorted positions ×
+``BLOCK_F`` columns: it writes ``dg`` and sums each segment's part inside the tile with a segmented
+scan in registers, storing the partial sum at the segment's last position in that tile (a scratch
+row). Pass 2 gives each block of ``BLOCK_S`` slots one program that adds their partials (one per
+tile a segment touches) into the row gradients, leaving slots the micro-batch does not use
+untouched. A hot row (`` the`` may own hundreds of positions) is thus split across tiles instead of
+serialising one program, and no fp32 atomics are used: the result is deterministic.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-CHUNK = 16  # sorted positions per program of the backward's first pass
+CHUNK = 32  # sorted positions per tile of the backward's first pass
+BLOCK_S = 16  # slots per program of the backward's second pass
 BLOCK_F = 128  # columns per program
 BLOCK_N = 16  # positions per program of the forward
 
@@ -78,49 +80,58 @@ def _forward_kernel(g_ptr, rows_ptr, inv_ptr, h_ptr, N, F, BLOCK_N: tl.constexpr
 
 
 @triton.jit
-def _backward_chunks_kernel(dh_ptr, g_ptr, rows_ptr, order_ptr, slot_ptr, dg_ptr, part_ptr, N, F,
-                            CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
-    start = tl.program_id(0) * CHUNK
-    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    cmask = cols < F
-    acc = tl.zeros((BLOCK_F,), dtype=tl.float32)
-    prev = tl.load(slot_ptr + start)
-    first = start
-    for j in range(CHUNK):
-        i = start + j
-        live = i < N
-        slot = tl.load(slot_ptr + i, mask=live, other=-1)
-        new = slot != prev  # a segment ends: keep its partial sum at its first position here
-        tl.store(part_ptr + first.to(tl.int64) * F + cols, acc, mask=cmask & new)
-        acc = tl.where(new, 0.0, acc)
-        first = tl.where(new, i, first)
-        prev = slot
-        pos = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
-        m = cmask & live
-        g = tl.load(g_ptr + pos * F + cols, mask=m, other=0.0).to(tl.float32)
-        dh = tl.load(dh_ptr + pos * F + cols, mask=m, other=0.0).to(tl.float32)
-        r = tl.load(rows_ptr + tl.maximum(slot, 0).to(tl.int64) * F + cols, mask=m, other=0.0).to(tl.float32)
-        sig = _sigmoid(g)
-        acc += dh * (g * sig)
-        dg = dh * r * (sig * (1.0 + g * (1.0 - sig)))
-        tl.store(dg_ptr + pos * F + cols, dg.to(dg_ptr.dtype.element_ty), mask=m)
-    tl.store(part_ptr + first.to(tl.int64) * F + cols, acc, mask=cmask & (first < N))
+def _segment_add(v1, f1, v2, f2):
+    # combine of a segmented inclusive scan: a position that starts a segment drops what came before
+    return tl.where(f2 != 0, v2, v1 + v2), f1 | f2
 
 
 @triton.jit
-def _backward_rows_kernel(part_ptr, starts_ptr, grad_ptr, F, CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
-    s = tl.program_id(0)
+def _backward_tiles_kernel(dh_ptr, g_ptr, rows_ptr, order_ptr, slot_ptr, dg_ptr, part_ptr, N, F,
+                           CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
+    start = tl.program_id(0) * CHUNK
+    i = start + tl.arange(0, CHUNK)  # (CHUNK,) sorted positions of this tile
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
-    cmask = cols < F
-    a = tl.load(starts_ptr + s)
-    b = tl.load(starts_ptr + s + 1)
-    acc = tl.load(part_ptr + a.to(tl.int64) * F + cols, mask=cmask & (a < b), other=0.0)
-    k = a // CHUNK + 1  # the chunks after the first that the segment runs into: k .. (b - 1) // CHUNK
-    while k * CHUNK < b:  # (a while loop: the interpreter cannot take tensor bounds in range())
-        acc += tl.load(part_ptr + (k * CHUNK).to(tl.int64) * F + cols, mask=cmask, other=0.0)
-        k += 1
-    at = s.to(tl.int64) * F + cols
-    tl.store(grad_ptr + at, tl.load(grad_ptr + at, mask=cmask, other=0.0) + acc, mask=cmask)
+    live, cmask = i < N, cols < F
+    slot = tl.load(slot_ptr + i, mask=live, other=-1)
+    prev = tl.load(slot_ptr + i - 1, mask=live & (i > start), other=-2)  # the tile's first row starts a segment
+    nxt = tl.load(slot_ptr + i + 1, mask=(i + 1 < N) & (i + 1 < start + CHUNK), other=-3)
+    seg_start = slot != prev
+    seg_end = live & (slot != nxt)  # the last position of a segment inside this tile
+    pos = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
+    m = live[:, None] & cmask[None, :]
+    at = pos[:, None] * F + cols[None, :]  # (CHUNK, BLOCK_F)
+    g = tl.load(g_ptr + at, mask=m, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + at, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(rows_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * F + cols[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    sig = _sigmoid(g)
+    tl.store(dg_ptr + at, (dh * r * (sig * (1.0 + g * (1.0 - sig)))).to(dg_ptr.dtype.element_ty), mask=m)
+    flags = tl.broadcast_to(seg_start.to(tl.int32)[:, None], (CHUNK, BLOCK_F))
+    run, _ = tl.associative_scan((dh * (g * sig), flags), 0, _segment_add)  # sums from each segment's start
+    tl.store(part_ptr + i.to(tl.int64)[:, None] * F + cols[None, :], run, mask=seg_end[:, None] & cmask[None, :])
+
+
+@triton.jit
+def _backward_rows_kernel(part_ptr, starts_ptr, grad_ptr, P, F, CHUNK: tl.constexpr, BLOCK_S: tl.constexpr,
+                          BLOCK_F: tl.constexpr):
+    s = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)  # (BLOCK_S,) slots
+    cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
+    smask, cmask = s < P, cols < F
+    a = tl.load(starts_ptr + s, mask=smask, other=0)
+    b = tl.load(starts_ptr + s + 1, mask=smask, other=0)
+    first = a // CHUNK  # the tiles a segment touches: first .. (b - 1) // CHUNK, its partial at the last
+    n_tiles = tl.where(a < b, (b - 1) // CHUNK - first + 1, 0)  # position it has in each
+    acc = tl.zeros((BLOCK_S, BLOCK_F), dtype=tl.float32)
+    most = tl.max(n_tiles, 0)
+    j = 0
+    while j < most:  # (a while loop: the interpreter cannot take tensor bounds in range())
+        last = tl.minimum(b - 1, (first + j + 1) * CHUNK - 1)
+        m = (j < n_tiles)[:, None] & cmask[None, :]
+        acc += tl.load(part_ptr + last.to(tl.int64)[:, None] * F + cols[None, :], mask=m, other=0.0)
+        j += 1
+    at = s.to(tl.int64)[:, None] * F + cols[None, :]
+    m = (smask & (a < b))[:, None] & cmask[None, :]  # slots this micro-batch does not use stay untouched
+    tl.store(grad_ptr + at, tl.load(grad_ptr + at, mask=m, other=0.0) + acc, mask=m)
 
 
 def gated_rows_forward(g: torch.Tensor, rows: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
@@ -140,11 +151,13 @@ def gated_rows_backward(dh: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, s
     dg = torch.empty_like(g)
     if N == 0:
         return dg
-    part = torch.empty(N, F_, dtype=torch.float32, device=g.device)  # partial sums at segment starts
+    part = torch.empty(N, F_, dtype=torch.float32, device=g.device)  # partial sums at segment ends, per tile
     nf = triton.cdiv(F_, BLOCK_F)
-    _backward_chunks_kernel[(triton.cdiv(N, CHUNK), nf)](dh, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_,
-                                                       CHUNK=CHUNK, BLOCK_F=BLOCK_F)
-    _backward_rows_kernel[(row_grad.shape[0], nf)](part, seg.starts, row_grad, F_, CHUNK=CHUNK, BLOCK_F=BLOCK_F)
+    _backward_tiles_kernel[(triton.cdiv(N, CHUNK), nf)](dh, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_,
+                                                      CHUNK=CHUNK, BLOCK_F=BLOCK_F)
+    P = row_grad.shape[0]
+    _backward_rows_kernel[(triton.cdiv(P, BLOCK_S), nf)](part, seg.starts, row_grad, P, F_, CHUNK=CHUNK,
+                                                         BLOCK_S=BLOCK_S, BLOCK_F=BLOCK_F)
     return dg
 
 
