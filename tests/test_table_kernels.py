@@ -199,3 +199,25 @@ def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch
     with pytest.warns(UserWarning, match="training with run.table_kernels=torch"):
         assert apply_mod.apply_table_path(model, "fused", "device", torch.device("cpu"), "auto") == "torch"
     assert model.tables.kernels == "torch"
+
+
+def test_step_graph_auto_captures_on_cuda_only_where_the_step_allows(tmp_path):
+    """``run.step_graph=auto``: eager on the CPU; on CUDA ``graph`` for a fused-table step and
+    ``eager`` (not an error) where the step cannot be captured (host-RAM tables, anneal)."""
+    import types
+
+    from stemlm.train import Trainer
+    from stemlm.train.captured import check_step_graph
+    from train_helpers import debug_config, make_token_data
+
+    data = make_token_data(tmp_path / "data")
+    common = ("run.steps=1", "model.ffn=stem", "model.stem_layers=1/2", "run.step_graph=auto")
+    for extra, on_cuda in [(("run.table_path=fused",), "graph"), (("run.tables=host",), "eager"),
+                           (("model.ffn=stem_dagger", "run.table_path=fused", "run.anneal=blend"), "eager")]:
+        with Trainer(debug_config(data, tmp_path / "-".join(extra).replace("=", "_"), *common, *extra)) as t:
+            assert t.step_graph == "eager"  # the CPU
+            t.fit()
+            assert t.captured is None
+            as_if_cuda = type("Trainer", (types.SimpleNamespace,), {})(cfg=t.cfg, model=t.model, is_main=True,
+                                                                       device=torch.device("cuda"))
+            assert check_step_graph(as_if_cuda) == on_cuda, extra

@@ -144,23 +144,28 @@ def _make_capturable(opt: torch.optim.Optimizer, device: torch.device) -> None:
             state["step"] = state["step"].to(device=device, dtype=torch.float32)
 
 
-def check_step_graph(trainer) -> None:
-    """A one-line ``ConfigError`` when ``trainer``'s step cannot run on fixed buffers (``run.step_graph``)."""
+def check_step_graph(trainer) -> str:
+    """The step mode ``trainer`` runs (``eager``, ``static`` or ``graph``): ``run.step_graph``, with
+    ``auto`` = ``graph`` on CUDA when the step can run on fixed buffers, else ``eager``; a one-line
+    ``ConfigError`` when a mode asked for by name cannot run."""
     from ..config import ConfigError
 
     mode = trainer.cfg.run.step_graph
+    if mode == "auto":
+        return "graph" if trainer.device.type == "cuda" and _step_graph_problem(trainer, "graph") is None else "eager"
     if mode == "eager":
-        return
+        return mode
     if mode == "graph" and trainer.device.type != "cuda":
         raise ConfigError(f"run.step_graph=graph captures a CUDA graph; the run is on {trainer.device} "
                           "(use run.step_graph=static to run the same step eagerly)")
-    problem = _step_graph_problem(trainer)
+    problem = _step_graph_problem(trainer, mode)
     if problem:
         raise ConfigError(f"run.step_graph={mode} cannot run this step on fixed buffers: {problem}")
+    return mode
 
 
-def _step_graph_problem(trainer) -> str | None:
-    """Why ``trainer``'s step cannot run on fixed buffers (``run.step_graph``), or None."""
+def _step_graph_problem(trainer, mode: str) -> str | None:
+    """Why ``trainer``'s step cannot run on fixed buffers in ``mode`` (``static`` or ``graph``), or None."""
     from ..ffn import ffn_kind
     from .fused import FusedTables, HostTables
 
@@ -176,6 +181,6 @@ def _step_graph_problem(trainer) -> str | None:
         return "Hash-MoE layers route by data"
     if not trainer.is_main or type(trainer).__name__ != "Trainer":
         return "distributed runs are not captured"
-    if cfg.run.distill is not None and cfg.run.step_graph == "graph":
+    if cfg.run.distill is not None and mode == "graph":
         return "run.distill's teacher (or its cached top-k files) is not captured; use run.step_graph=static"
     return None

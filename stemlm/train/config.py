@@ -33,7 +33,7 @@ DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 TABLE_PATHS = ("auto", "fused", "reference")
 TRAIN_TABLE_TIERS = ("device", "host")
-STEP_GRAPH_MODES = ("eager", "static", "graph")  # run.step_graph (stemlm.train.captured)
+STEP_GRAPH_MODES = ("eager", "static", "graph", "auto")  # run.step_graph (stemlm.train.captured)
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
 # (the backbone in every step); the scale was chosen on the default run (docs/training.md).
@@ -190,11 +190,11 @@ class RunSection:
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
                                  "syncs; docs/gpu.md) | reference (one table at a time) | auto (fused on CUDA, reference on CPU); "
                                  "both compute the same steps, so it may change on resume")
-    step_graph: str = _f("eager", "the whole step (micro-batches, clipping, both optimizers): eager (the loop as it is) | "
+    step_graph: str = _f("auto", "the whole step (micro-batches, clipping, both optimizers): eager (the loop as it is) | "
                          "static (on fixed buffers, run eagerly, any device) | graph (on fixed buffers, captured once as a "
                          "CUDA graph and replayed; fused device tables, "
-                         "no anneal, not distributed; a diverged step is reported after its update; docs/gpu.md). "
-                         "Not yet measured on a GPU, hence eager by default")
+                         "no anneal, not distributed; a diverged step is reported after its update; docs/gpu.md) | "
+                         "auto (graph on CUDA where the step allows it, eager elsewhere)")
     table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
                             "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | torch | auto (triton on CUDA "
                             "when it imports, torch elsewhere; triton on the CPU runs under the Triton interpreter, slowly)")

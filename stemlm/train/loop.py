@@ -122,7 +122,7 @@ class Trainer:
         if self.compiled:
             compile_blocks(self.model)
         self.forward_model = self.wrap_forward(self.model)
-        check_step_graph(self)
+        self.step_graph = check_step_graph(self)  # run.step_graph resolved: eager | static | graph
         self.captured = None  # the CapturedStep of run.step_graph, built at the first step (after a restore)
         self._table_ticket = None  # what model.tables.prefetch_step staged for the next step
         self.step, self.tokens_seen, self.flops_seen = 0, 0, 0.0
@@ -249,9 +249,9 @@ class Trainer:
         host = self.step_batches(self.step)
         ids = torch.cat([b.inputs.reshape(-1) for b in host])
         check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
-        if cfg.run.step_graph != "eager":
+        if self.step_graph != "eager":
             if self.captured is None:
-                self.captured = CapturedStep(self, graphs=cfg.run.step_graph == "graph")
+                self.captured = CapturedStep(self, graphs=self.step_graph == "graph")
             return self._finish_step(t0, ids, *self.captured(host), up_scale, applied=True)
         with ids_checked():
             tables.begin_step([self.model.table_keys(b.inputs) for b in host], self._table_ticket)
