@@ -103,3 +103,21 @@ def test_bf16_autocast_runs_close():
     ref = _loss_and_grads(reference_cross_entropy, hidden, weight, targets)
     assert got[1].dtype == hidden.dtype and got[2].dtype == weight.dtype
     torch.testing.assert_close(got[0], ref[0], rtol=2e-2, atol=2e-2)
+    for g, r in zip(got[1:], ref[1:]):  # both gradients, the head's summed over chunks in fp32
+        assert float((g - r).norm() / r.norm()) < 2e-2
+
+
+def test_head_gradient_product_runs_in_the_autocast_dtype(monkeypatch):
+    """Under autocast the head-weight gradient's product is an out-of-place matmul (autocast casts it
+    to bf16), not an in-place fp32 ``addmm_`` (which autocast never casts: fp32 SIMT on a GPU)."""
+    calls = []
+    real = torch.Tensor.addmm_
+    monkeypatch.setattr(torch.Tensor, "addmm_", lambda self, *a, **k: calls.append(self.dtype) or real(self, *a, **k))
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(24, 16, generator=gen), torch.randn(40, 16, generator=gen)
+    targets = torch.randint(0, 40, (24,), generator=gen)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk=8)
+    assert calls == []
+    _loss_and_grads(linear_cross_entropy, hidden, weight, targets, chunk=8)  # fp32: the fused addmm_
+    assert calls == [torch.float32] * 3

@@ -29,6 +29,7 @@ def _chunked_loss(hidden, weight, targets, chunk: int, backend: str, need_grad: 
     # oneDNN is faster at (d, c) @ (c, V) than at (V, c) @ (c, d): accumulate the head gradient transposed
     transposed = backend == "onednn" and onednn_applies(hidden, weight)
     grad_weight = weight.new_zeros(weight.shape[::-1] if transposed else weight.shape) if need_grad else None
+    low_precision = torch.is_autocast_enabled(hidden.device.type)
     for start in range(0, hidden.shape[0], chunk):
         h = hidden[start:start + chunk]  # (c, d)
         t = targets[start:start + chunk]  # (c,)
@@ -49,6 +50,8 @@ def _chunked_loss(hidden, weight, targets, chunk: int, backend: str, need_grad: 
             grad_hidden[start:start + chunk] = mm_nn(probs, weight, backend)
             if transposed:
                 grad_weight += mm_nn(h.t().to(weight.dtype), probs, backend)  # (d, c) @ (c, V)
+            elif low_precision:  # the product in the autocast dtype (an in-place addmm_ is never autocast:
+                grad_weight += probs.t() @ h  # it ran fp32 SIMT on the GPU), summed into the fp32 gradient
             else:
                 grad_weight.addmm_(probs.t(), h.to(weight.dtype))  # (V, c) @ (c, d)
     if need_grad and transposed:
