@@ -81,9 +81,20 @@ def train_section(s, preset: str, arms: dict | None = None, extra: tuple[str, ..
 
 
 def accum_section(s, preset: str) -> dict:
-    """Dense and STEM-full with ``optim.grad_accum=8`` (8 × 16 × 512 tokens per step), compiled blocks."""
+    """Dense and STEM-full with ``optim.grad_accum=8`` (8 × 16 × 512 tokens per step), compiled blocks,
+    and the same with the whole step captured (``run.step_graph=graph`` on CUDA; ``static`` in a dry run)."""
     arms = {a: ARMS[a] for a in ("dense", "stem-full")}
-    return train_section(s, preset, arms, ("optim.grad_accum=8",), ("compiled",) if s["compile"] else ("eager",))
+    mode = ("compiled",) if s["compile"] else ("eager",)
+    out = train_section(s, preset, arms, ("optim.grad_accum=8",), mode)
+    step_graph = "graph" if s["device"] == "cuda" else "static"
+    try:
+        fused = {a: o + (["run.table_path=fused"] if a != "dense" else []) for a, o in arms.items()}  # (auto on CUDA)
+        g = train_section(s, preset, fused, ("optim.grad_accum=8", f"run.step_graph={step_graph}"), mode)
+        out["graph"] = g[mode[0]]
+    except Exception as e:  # the compiled figures stand on their own
+        out["graph"] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+        free(s)
+    return out
 
 
 def graph_section(s, preset: str) -> dict:
@@ -187,38 +198,54 @@ def kernel_times(prof) -> dict[str, float]:
 
 
 def profile_section(s, preset: str, steps: int = 3) -> dict:
-    """Profiler of a few steps of dense and STEM-full (each in its fastest mode: compiled blocks on
-    CUDA): GPU kernel time, of which GEMMs, GPU busy ÷ step wall time, and what the table path adds
-    per micro-batch (STEM-full's non-GEMM kernel time minus dense's), with each arm's top kernels."""
-    from torch.profiler import ProfilerActivity, profile
-
+    """Profiler of a few steps of dense and STEM-full, with compiled blocks (on CUDA) and, on CUDA,
+    with the whole step captured as one graph (``graph-dense``, ``graph-stem-full``): GPU kernel time,
+    of which GEMMs, GPU busy (kernel time ÷ the wall time of as many steps run without the profiler),
+    and what the table path adds per micro-batch (STEM-full's non-GEMM kernel time minus dense's,
+    compiled blocks), with each arm's top kernels."""
     out = {"preset": preset, "steps": steps}
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s["device"] == "cuda" else [])
-    for arm in ("dense", "stem-full"):
-        trainer = trainers_for(s, preset, {arm: ARMS[arm]})[arm]
-        if s["compile"]:
-            compile_blocks(trainer.model)
-        run = step_fn(trainer)
-        for _ in range(s["warmup"]):
-            run()
-        with profile(activities=acts) as prof:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                run()
-            wall = time.perf_counter() - t0
-        k = kernel_times(prof)
-        gemm = sum(v for name, v in k.items() if GEMM_NAME.search(name))
-        total = sum(k.values())
-        out[arm] = {"kernel_ms_per_step": total / 1e3 / steps, "gemm_ms_per_step": gemm / 1e3 / steps,
-                    "busy_fraction": total / 1e6 / wall, "wall_ms_per_step": 1e3 * wall / steps,
-                    "micro_batches": trainer.cfg.optim.grad_accum,
-                    "top": sorted(((name, v / 1e3 / steps) for name, v in k.items()), key=lambda x: -x[1])[:12],
-                    "table": prof.key_averages().table(sort_by="self_cuda_time_total" if s["device"] == "cuda"
-                                                       else "self_cpu_time_total", row_limit=15)}
-        del trainer
-        free(s)
+    runs = [(arm, arm, ()) for arm in ("dense", "stem-full")]
+    if s["device"] == "cuda":
+        runs += [(f"graph-{arm}", arm, ("run.step_graph=graph",)) for arm in ("dense", "stem-full")]
+    for name, arm, extra in runs:
+        try:
+            out[name] = _profile_arm(s, preset, arm, extra, steps)
+        except Exception as e:  # a graph that fails to capture leaves the compiled figures
+            out[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+            free(s)
     nongemm = {a: out[a]["kernel_ms_per_step"] - out[a]["gemm_ms_per_step"] for a in ("dense", "stem-full")}
     out["table_path_ms_per_micro_batch"] = (nongemm["stem-full"] - nongemm["dense"]) / out["stem-full"]["micro_batches"]
+    return out
+
+
+def _profile_arm(s, preset: str, arm: str, extra: tuple[str, ...], steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if s["device"] == "cuda" else [])
+    trainer = trainers_for(s, preset, {arm: ARMS[arm]}, list(extra))[arm]
+    if s["compile"]:
+        compile_blocks(trainer.model)
+    run = step_fn(trainer)
+    for _ in range(s["warmup"]):
+        run()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        run()
+    wall = time.perf_counter() - t0  # without the profiler's own cost
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            run()
+    k = kernel_times(prof)
+    gemm = sum(v for name, v in k.items() if GEMM_NAME.search(name))
+    total = sum(k.values())
+    out = {"kernel_ms_per_step": total / 1e3 / steps, "gemm_ms_per_step": gemm / 1e3 / steps,
+           "busy_fraction": total / 1e6 / wall, "wall_ms_per_step": 1e3 * wall / steps,
+           "micro_batches": trainer.cfg.optim.grad_accum,
+           "top": sorted(((name, v / 1e3 / steps) for name, v in k.items()), key=lambda x: -x[1])[:12],
+           "table": prof.key_averages().table(sort_by="self_cuda_time_total" if s["device"] == "cuda"
+                                              else "self_cpu_time_total", row_limit=15)}
+    del trainer
+    free(s)
     return out
 
 

@@ -69,8 +69,10 @@ def corpus_override() -> str:
     return f"data.dir={root if (root / 'meta.json').exists() else synthetic_data_dir(4096)}"
 
 
-def run_suite(s: dict, sections: tuple[str, ...], profile: bool) -> dict:
-    """Every selected section, in order; a section that fails is recorded with its error."""
+def run_suite(s: dict, sections: tuple[str, ...], profile: bool, after_section=None) -> dict:
+    """Every selected section, in order; a section that fails is recorded with its error.
+    ``after_section(results_so_far)`` runs after each section (the suite saves partial results with it,
+    so a run stopped at a device time limit keeps what it measured)."""
     out: dict = {"train": {}, "profile": None}
     cuda = s["device"] == "cuda"
     peak_dtype = torch.bfloat16 if cuda else torch.float32
@@ -114,6 +116,8 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool) -> dict:
             out[section] = {k: v for k, v in result.items() if k != "dense_model"}
         else:
             out[section] = result
+        if after_section is not None:
+            after_section(out)
     return out
 
 
@@ -121,17 +125,23 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool) -> dict:
 STEP_GOALS = {"350m": {"stem-full": 0.93, "stem-1/3": 0.97}, "1b": {"stem-full": 0.88, "stem-1/3": 0.95}}
 
 
-def fastest(t: dict, arm: str) -> tuple[str | None, float | None]:
-    """``(mode, ratio to dense)`` of the mode in which ``arm`` ran fastest relative to dense's fastest."""
-    best = None
-    for mode in ("eager", "compiled"):
-        if mode in t:
-            step = t[mode]["step_s"]
-            dense = min(t[m]["step_s"]["dense"] for m in ("eager", "compiled") if m in t)
-            ratio = step[arm] / dense
-            if best is None or ratio < best[1]:
-                best = (mode, ratio)
-    return best or (None, None)
+def mode_steps(t: dict, g: dict | None) -> dict[str, dict[str, float]]:
+    """``mode -> arm -> median step s`` of one shape: its ``train`` modes, plus ``graph`` (the
+    captured step over compiled blocks) where the graph section measured it."""
+    modes = {m: t[m]["step_s"] for m in ("eager", "compiled") if m in t}
+    if g and "error" not in g and g.get("compiled"):
+        modes["graph"] = g["compiled"]["step_s"]
+    return modes
+
+
+def fastest(modes: dict[str, dict[str, float]], arm: str) -> tuple[str | None, float | None]:
+    """``(mode, ratio)``: ``arm``'s fastest step over the modes ÷ dense's fastest step over the modes
+    (each in its own fastest mode, like for like: a captured STEM step is compared with a captured
+    dense step when that is dense's fastest)."""
+    if not modes:
+        return None, None
+    mode = min(modes, key=lambda m: modes[m][arm])
+    return mode, modes[mode][arm] / min(m["dense"] for m in modes.values())
 
 
 def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
@@ -146,14 +156,9 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
     for shape, t in r["train"].items():
         if "error" in t:
             continue
+        modes = mode_steps(t, g if shape == "350m" else None)
         for arm, goal in STEP_GOALS.get(shape, {}).items():
-            mode, ratio = fastest(t, arm)
-            if shape == "350m" and "error" not in g and g.get("compiled"):  # the captured step, if faster
-                graph_ratio = g["compiled"]["step_s"][arm] / min(t[m]["step_s"]["dense"] for m in ("eager", "compiled")
-                                                                 if m in t)
-                graph_ratio = min(graph_ratio, g["compiled"]["ratio_to_dense"][arm])
-                if ratio is None or graph_ratio < ratio:
-                    mode, ratio = "graph", graph_ratio
+            mode, ratio = fastest(modes, arm)
             roof = t.get("roofline_ratio", {}).get(arm)
             flop = t.get("compiled", t.get("eager", {})).get("flop_ratio", {}).get(arm, float("nan"))
             add(f"{shape}: {arm} ÷ dense step ≤ {goal} (fastest modes)",
@@ -163,8 +168,8 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
                 None if ratio is None else f"{ratio:.3f} vs {roof:.3f}", ratio is not None and ratio <= roof + 0.03)
     a = r.get("accum") or {}
     if a and "error" not in a:
-        mode = "compiled" if "compiled" in a else "eager"
-        ratio = a[mode]["ratio_to_dense"]["stem-full"]
+        modes = {m: a[m]["step_s"] for m in ("eager", "compiled", "graph") if m in a and "error" not in a[m]}
+        mode, ratio = fastest(modes, "stem-full")
         add("350m grad_accum=8: stem-full ÷ dense ≤ 0.90", f"{ratio:.3f} ({mode}; roofline "
             f"{a['roofline_ratio']['stem-full']:.3f})", ratio <= 0.90)
     else:
@@ -173,12 +178,14 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
     tp = p.get("table_path_ms_per_micro_batch")
     add("350m stem-full: table path adds ≤ 2 ms GPU time per micro-batch (profiler)",
         None if tp is None else f"{tp:.2f} ms", tp is not None and tp <= 2.0)
-    busy = (p.get("dense") or {}).get("busy_fraction")
-    add("350m dense: GPU busy ≥ 90 % of the step", None if busy is None else f"{100 * busy:.0f} %",
-        busy is not None and busy >= 0.9)
+    busy = {m: (p.get(k) or {}).get("busy_fraction") for m, k in (("compiled", "dense"), ("graph", "graph-dense"))}
+    best = max((m for m in busy if busy[m] is not None), key=lambda m: busy[m], default=None)
+    add("350m dense: GPU busy ≥ 90 % of the step", None if best is None else f"{100 * busy[best]:.0f} % ({best})",
+        best is not None and busy[best] >= 0.9)
     t = r["train"].get("350m", {})
     peak = spec_peak(device_name) or r["matmul_peak"]
-    dense_step = min((t[m]["step_s"]["dense"] for m in ("eager", "compiled") if m in t), default=None)
+    dense_modes = mode_steps(t, g) if "error" not in t else {}
+    dense_step = min((m["dense"] for m in dense_modes.values()), default=None)
     mfu = None if dense_step is None else t["flops_per_token"]["dense"] * t["tokens_per_step"] / dense_step / peak
     add("350m: dense MFU ≥ 40 % of the bf16 peak (fastest mode)", None if mfu is None else f"{100 * mfu:.1f} %",
         (mfu or 0) >= 0.40)
@@ -237,13 +244,17 @@ def main() -> None:
     s = settings(args.dry_run, args)
     device_name = torch.cuda.get_device_name() if s["device"] == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
     print(f"gpu_suite on {device_name}, torch {torch.__version__}, CUDA {torch.version.cuda}", flush=True)
-    r = run_suite(s, sections, args.profile)
-    rows = goals(r, s, args.dry_run, device_name)
-    print(format_report(r, rows))
-    payload = {"device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "dry_run": args.dry_run,
-               "settings": {k: v for k, v in s.items() if k != "data"}, "data": s["data"][0], "results": r,
-               "goals": rows, "wall_s": time.perf_counter() - t0}
-    print(f"wrote {write_result('gpu_suite', args.dry_run, payload)} ({payload['wall_s']:.0f} s)")
+
+    def payload(r: dict, partial: bool) -> dict:
+        return {"device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "dry_run": args.dry_run,
+                "partial": partial, "sections": list(sections), "settings": {k: v for k, v in s.items() if k != "data"},
+                "data": s["data"][0], "results": r, "goals": goals(r, s, args.dry_run, device_name),
+                "wall_s": time.perf_counter() - t0}
+
+    r = run_suite(s, sections, args.profile, after_section=lambda r_: write_result("gpu_suite", args.dry_run, payload(r_, True)))
+    final = payload(r, False)
+    print(format_report(r, final["goals"]))
+    print(f"wrote {write_result('gpu_suite', args.dry_run, final)} ({final['wall_s']:.0f} s)")
 
 
 def format_report(r: dict, rows: list[dict]) -> str:
@@ -262,8 +273,10 @@ def format_report(r: dict, rows: list[dict]) -> str:
         if r.get(name):
             lines.append(f"{name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in r[name].items() if k != "preset"))
     p = r.get("profile") or {}
-    for arm in ("dense", "stem-full"):
-        if arm in p:
+    for arm in ("dense", "stem-full", "graph-dense", "graph-stem-full"):
+        if arm in p and "error" in p[arm]:
+            lines.append(f"profile {arm}: {p[arm]['error']}")
+        elif arm in p:
             q = p[arm]
             lines.append(f"profile {arm}: kernels {q['kernel_ms_per_step']:.1f} ms/step (GEMM {q['gemm_ms_per_step']:.1f}), "
                          f"wall {q['wall_ms_per_step']:.1f} ms, busy {100 * q['busy_fraction']:.0f} %")

@@ -47,5 +47,40 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert r["cli"]["tokens_per_s"] > 0 and 0 < r["cli"]["mfu"] and r["cli"]["compiled"] is False  # auto: eager on CPU
     assert r["rates"]["gemm"] > 0 and r["rates"]["bandwidth"] > 0
     assert r["graph"]["extra"] == ["run.step_graph=static"] and r["graph"]["eager"]["step_s"]["stem-full"] > 0
+    assert r["accum"]["graph"]["step_s"]["stem-full"] > 0  # the fixed-buffer step (static on the CPU)
+    assert out["partial"] is False and out["sections"]
     assert out["goals"] and all(g["status"] == "unmeasured (dry run)" for g in out["goals"])
     assert "goal" in proc.stdout and "unmeasured" in proc.stdout
+
+
+def test_fastest_mode_compares_like_with_like():
+    """A captured STEM step is divided by dense's fastest step over every mode, captured included,
+    never by dense's fastest uncaptured step."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    t = {"eager": {"step_s": {"dense": 0.086, "stem-full": 0.100}},
+         "compiled": {"step_s": {"dense": 0.078, "stem-full": 0.105}}}
+    g = {"compiled": {"step_s": {"dense": 0.051, "stem-full": 0.0525}}}
+    mode, ratio = gpu_suite.fastest(gpu_suite.mode_steps(t, g), "stem-full")
+    assert mode == "graph" and abs(ratio - 0.0525 / 0.051) < 1e-12
+    mode, ratio = gpu_suite.fastest(gpu_suite.mode_steps(t, {"error": "x"}), "stem-full")
+    assert mode == "eager" and abs(ratio - 0.100 / 0.078) < 1e-12
+
+
+RUN_CHECKS = RUN.replace("gpu_suite.py", "gpu_checks.py")
+
+
+def test_gpu_checks_dry_run(tmp_path):
+    """``benchmarks/gpu_checks.py --dry-run``: the kernel check and the captured-step check on the CPU
+    (Triton interpreter, ``static`` in place of ``graph``) with only the GPU machine's packages."""
+    env = {"PATH": "/usr/bin:/bin", "STEMLM_BENCH_RESULTS": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", RUN_CHECKS], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads((tmp_path / "gpu_checks.quick.json").read_text())
+    k = out["kernels"]
+    assert all(err < 1e-5 for err in k["rel_err"].values()), k  # fp32 on the CPU
+    assert all(v > 0 for v in k["ms"].values())
+    for arm in ("dense", "stem-full"):
+        assert out["graph"][arm]["max_abs_loss_diff"] == 0.0 and out["graph"][arm]["auto"]["resolved"] == "static"
