@@ -305,3 +305,42 @@ def test_sweep_resolution_extends_past_an_edge_and_reseeds_the_near_best():
     assert names["sweep-d32-dense-lr0.2-seed0"].labels["roles"] == ["extend"]
     assert names["sweep-d32-dense-lr0.01-seed0"].labels["roles"] == ["resolve", "tune"]  # the grid run, one more role
     assert "sweep-d32-dense-lr0.01-seed1" in names
+
+
+def test_sweep_resolution_confirms_the_near_candidates_at_the_comparisons_length():
+    """``resolve.confirm_steps``: the full study's STEM-1/3, whose stress lr 1e-2 led the 192-step sweep
+    and fell behind over the epoch: the candidates are trained for the comparison's steps and the
+    lowest loss there is the pick; the confirmations stay out of the sweep's own table."""
+    from stemlm.study import load_spec, plan
+    from stemlm.study.tuning import pick, resolve, sweep_table
+
+    sweep = {"lrs": [1e-3, 2e-3, 4e-3], "seeds": [0], "variants": ["a"],
+             "resolve": {"within": 0.05, "extend": 0, "confirm_steps": 1153}}
+
+    def run(lr, seed, loss, roles=("tune",)):
+        return {"stage": "sweep", "status": "finished", "name": f"a-{lr}-{seed}-{roles}",
+                "metrics": {"final_val_loss": loss}, "labels": {"variant": "a", "lr": lr, "seed": seed,
+                                                                "roles": list(roles)}}
+    runs = [run(1e-3, 0, 5.66), run(2e-3, 0, 5.569), run(4e-3, 0, 5.577), run(1e-2, 0, 5.530, ["stress"]),
+            run(3e-2, 0, 5.70, ["stress"])]
+    r = resolve(runs, sweep)["a"]
+    assert not r["resolved"] and set(r["extra"]) == {(lr, 0, "confirm") for lr in (2e-3, 4e-3, 1e-2)}
+    runs += [run(2e-3, 0, 4.352, ["confirm"]), run(4e-3, 0, 4.40, ["confirm"]), run(1e-2, 0, 4.685, ["confirm"])]
+    tuned, _ = pick(runs, sweep)
+    assert tuned["a"]["lr"] == 2e-3 and tuned["a"]["confirmed"] == {2e-3: 4.352, 4e-3: 4.40, 1e-2: 4.685}
+    assert set(sweep_table(runs)["a"]) == {1e-3, 2e-3, 4e-3, 1e-2, 3e-2}  # the sweep's own losses only
+    assert sweep_table(runs)["a"][2e-3]["losses"] == [5.569]
+    # a stress lr alone near the best is checked against the grid's best
+    far = [run(1e-3, 0, 5.9), run(2e-3, 0, 5.8), run(4e-3, 0, 5.7), run(1e-2, 0, 5.5, ["stress"])]
+    assert {lr for lr, _, role in resolve(far, sweep)["a"]["extra"] if role == "confirm"} == {4e-3, 1e-2}
+    # one grid lr clearly best: no confirmation needed
+    clear = [run(1e-3, 0, 5.9), run(2e-3, 0, 5.5), run(4e-3, 0, 5.8)]
+    r = resolve(clear, sweep)["a"]
+    assert r["resolved"] and r["lr"] == 2e-3 and r["extra"] == []
+    # planned as sweep runs at the comparison's length, named apart from the sweep's own
+    spec = load_spec("gpu", quick=True)
+    spec["sweep"] = {**spec["sweep"], "resolve": {"confirm_steps": 40}}
+    names = {r.name: r for r in plan(spec, {}, {"dense": [(1e-2, 0, "confirm")]}) if r.stage == "sweep"}
+    confirm = names["sweep-d32-dense-lr0.01-seed0-steps40"]
+    assert confirm.labels["roles"] == ["confirm"] and confirm.labels["steps"] == 40
+    assert "run.steps=40" in confirm.overrides and names["sweep-d32-dense-lr0.01-seed0"].labels["roles"] == ["tune"]

@@ -15,7 +15,7 @@ from .stability import DEFAULTS as SPIKE_DEFAULTS
 from .stats import RULE
 from .tables import compare_rows, context_rows, control_rows, curve_groups, load_results, midtrain_rows, stability_rows
 from .timing import load_timing
-from .tuning import best_lrs, pick, sweep_table
+from .tuning import best_lrs, is_confirm, pick, sweep_table
 from ..accounting import human
 from .measures import __doc__ as MEASURES_DOC
 
@@ -115,7 +115,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
     lines += _claims(rows)
     if (other := (meta.get("spec") or {}).get("compare_with")) and (REPO / other / "runs").is_dir():
         lines += _two_scales(rows, meta.get("name", results_dir.name), REPO / other)
-    sweep_steps = next((r["config"]["run"]["steps"] for r in runs if r["stage"] == "sweep"), None)
+    sweep_steps = next((r["config"]["run"]["steps"] for r in runs if r["stage"] == "sweep" and not is_confirm(r)), None)
     sweep_runs = [r for r in runs if r["stage"] == "sweep"]
     best = (pick(sweep_runs, settings["sweep"])[0] if settings["sweep"].get("lrs")
             else best_lrs(sweep_runs, settings["grid"] or None))

@@ -47,7 +47,14 @@ def tuning(sweep: dict[str, dict[float, dict]], best: dict[str, dict], steps: in
             row.append(text + ("" if tuned_on else " (stress)"))
         edge = {"low": " ◂", "high": " ▸"}.get(b.get("edge"), "")
         body.append(row + [f"{b['lr']:g}{edge}" if b else "–"])
-    return lines + table(["variant", *(f"lr {lr:g}" for lr in lrs), "best"], body)
+    lines += table(["variant", *(f"lr {lr:g}" for lr in lrs), "best"], body)
+    confirmed = {v: b["confirmed"] for v, b in best.items() if b.get("confirmed")}
+    if confirmed:
+        lines += ["", "Confirmed at the comparison's length (`sweep.resolve.confirm_steps`): the candidates near each "
+                  "best, trained as long as the comparison, and the lowest final validation loss there is the pick:", ""]
+        lines += [f"- {v}: " + ", ".join(f"lr {lr:g} {loss:.3f}" for lr, loss in sorted(c.items()))
+                  + f" → {best[v]['lr']:g}" for v, c in confirmed.items()]
+    return lines
 
 
 def stability(rows: list[dict], settings: dict) -> list[str]:

@@ -101,14 +101,19 @@ def sweep_runs(spec: dict, extra: dict[str, list] | None = None) -> list[RunSpec
                                 {"size": s["size"], "variant": variant, "seed": seed, "lr": lr, "roles": sorted(roles)},
                                 measures={"val_batches": True}))
     by_name = {r.name: r for r in runs}
+    confirm_steps = (s.get("resolve") or {}).get("confirm_steps")
     for variant, cells in (extra or {}).items():
         for lr, seed, role in cells:
-            name = f"sweep-{s['size']}-{slug(variant)}-lr{lr:g}-seed{seed}"
+            stage, name = s, f"sweep-{s['size']}-{slug(variant)}-lr{lr:g}-seed{seed}"
+            if role == "confirm":  # the same run at the comparison's length (tuning.resolve)
+                stage, name = {**s, "steps": int(confirm_steps)}, f"{name}-steps{int(confirm_steps)}"
             if name in by_name:
                 by_name[name].labels["roles"] = sorted({*by_name[name].labels["roles"], role})
                 continue
-            by_name[name] = RunSpec(name, "sweep", _trained(spec, s, s["size"], variant, seed, lr),
-                                    {"size": s["size"], "variant": variant, "seed": seed, "lr": lr, "roles": [role]},
+            labels = {"size": s["size"], "variant": variant, "seed": seed, "lr": lr, "roles": [role]}
+            if role == "confirm":
+                labels["steps"] = int(confirm_steps)
+            by_name[name] = RunSpec(name, "sweep", _trained(spec, stage, s["size"], variant, seed, lr), labels,
                                     measures={"val_batches": True})
             runs.append(by_name[name])
     return runs

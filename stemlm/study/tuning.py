@@ -12,6 +12,15 @@ stage's stress lrs alike); while the best sits at an end of them, the next lr pa
 ``factor``, by default the grid's top ratio) is trained, up to ``extend`` times; then every candidate
 within ``within`` nats of the best (sweep seeds' mean) is trained at the extra ``seeds`` too, and the
 best of those by the mean over all seeds is the variant's lr.
+
+With ``resolve.confirm_steps`` the pick is made at the comparison's length instead: a sweep of a
+sixth of an epoch favours large lrs (they lead early and fall behind later: STEM-1/3's stress lr
+1e-2 led the 192-step sweep by 0.04 nats and ended 0.33 nats behind 2e-3 over the full epoch), so
+the candidates near the best, and the best lr of the tuning grid (or its extensions) when no grid lr
+is near, are each trained for ``confirm_steps`` at the sweep seeds (role ``confirm``; their runs
+carry ``-steps{N}`` in their names and are kept out of the sweep's table), and the lowest final
+loss there is the variant's lr. The extra ``seeds`` are not used then. A variant with one candidate
+that is a grid lr needs no confirmation.
 """
 
 from __future__ import annotations
@@ -20,11 +29,17 @@ import math
 from collections import defaultdict
 
 
+def is_confirm(r: dict) -> bool:
+    """Whether a sweep result is a confirmation at the comparison's length (``resolve.confirm_steps``)."""
+    return "confirm" in r["labels"].get("roles", [])
+
+
 def sweep_table(runs: list[dict]) -> dict[str, dict[float, dict]]:
-    """``{variant: {lr: {"loss", "losses", "diverged", "roles", "names"}}}`` of the sweep's result JSON."""
+    """``{variant: {lr: {"loss", "losses", "diverged", "roles", "names"}}}`` of the sweep's result JSON
+    (its own length: confirmation runs are left out)."""
     out: dict[str, dict[float, dict]] = defaultdict(dict)
     for r in runs:
-        if r["stage"] != "sweep":
+        if r["stage"] != "sweep" or is_confirm(r):
             continue
         lab = r["labels"]
         cell = out[lab["variant"]].setdefault(float(lab["lr"]), {"losses": [], "diverged": 0, "roles": lab.get("roles", []),
@@ -58,14 +73,15 @@ def best_lrs(runs: list[dict], grid: list[float] | None = None) -> dict[str, dic
     return out
 
 
-RESOLVE_DEFAULTS = {"seeds": [1, 2], "within": 0.05, "extend": 2, "factor": None}
+RESOLVE_DEFAULTS = {"seeds": [1, 2], "within": 0.05, "extend": 2, "factor": None, "confirm_steps": None}
 
 
-def _per_seed(runs: list[dict]) -> dict[str, dict[float, dict[int, float]]]:
-    """``{variant: {lr: {seed: final loss}}}`` of finished or diverged sweep results (diverged: inf)."""
+def _per_seed(runs: list[dict], confirm: bool = False) -> dict[str, dict[float, dict[int, float]]]:
+    """``{variant: {lr: {seed: final loss}}}`` of finished or diverged sweep results (diverged: inf): the
+    sweep's own runs, or with ``confirm`` its confirmations at the comparison's length."""
     out: dict = defaultdict(lambda: defaultdict(dict))
     for r in runs:
-        if r["stage"] == "sweep":
+        if r["stage"] == "sweep" and is_confirm(r) == confirm:
             loss = r["metrics"]["final_val_loss"]
             out[r["labels"]["variant"]][float(r["labels"]["lr"])][r["labels"].get("seed", 0)] = (
                 math.inf if r["status"] == "diverged" or loss is None else loss)
@@ -88,7 +104,7 @@ def resolve(runs: list[dict], sweep: dict) -> dict[str, dict]:
     base = list(sweep.get("seeds") or [0])
     more = [s for s in cfg["seeds"] if s not in base]
     factor = float(cfg["factor"] or (grid[-1] / grid[-2] if len(grid) > 1 else 2.0))
-    table, extended, out = _per_seed(runs), _extended(runs), {}
+    table, confirmed, extended, out = _per_seed(runs), _per_seed(runs, confirm=True), _extended(runs), {}
     for variant in sweep["variants"]:
         cells = table.get(variant, {})
         have = lambda lr, seeds: all(s in cells.get(lr, {}) for s in seeds)  # noqa: E731
@@ -112,6 +128,10 @@ def resolve(runs: list[dict], sweep: dict) -> dict[str, dict]:
             continue
         best0 = min(_mean(cells[lr], base) for lr in tried)
         near = sorted(lr for lr in tried if _mean(cells[lr], base) - best0 <= float(cfg["within"]))
+        if cfg["confirm_steps"]:
+            _confirm(state, variant, cells, confirmed.get(variant, {}), tried, near, base, grid,
+                     extended.get(variant, set()))
+            continue
         extra += [(lr, s, "resolve") for lr in near for s in more]
         if not all(have(lr, base + more) for lr in near):
             continue
@@ -120,6 +140,27 @@ def resolve(runs: list[dict], sweep: dict) -> dict[str, dict]:
         state.update(resolved=True, lr=choice, loss=_mean(cells[choice], base + more), edge=edge, grid=sorted(tried),
                      near=near, seeds=len(base + more))
     return out
+
+
+def _confirm(state: dict, variant: str, cells: dict, confirmed: dict, tried: list[float], near: list[float],
+             base: list[int], grid: list[float], extended: set[float]) -> None:
+    """``resolve.confirm_steps``: the pick among the candidates by their losses at the comparison's length."""
+    tuning = set(grid) | extended  # the grid and its extensions; stress lrs are candidates only when near
+    candidates = set(near)
+    if not candidates & tuning:
+        candidates.add(min((lr for lr in tried if lr in tuning), key=lambda lr: (_mean(cells[lr], base), lr)))
+    candidates = sorted(candidates)
+    if len(candidates) > 1 or candidates[0] not in tuning:
+        state["extra"] += [(lr, s, "confirm") for lr in candidates for s in base]
+        if not all(s in confirmed.get(lr, {}) for lr in candidates for s in base):
+            return
+        choice = min(candidates, key=lambda lr: (_mean(confirmed[lr], base), lr))
+        state.update(confirmed={lr: _mean(confirmed[lr], base) for lr in candidates})
+    else:
+        choice = candidates[0]
+    edge = "high" if choice == max(tried) else "low" if choice == min(tried) else None
+    state.update(resolved=True, lr=choice, loss=_mean(cells[choice], base), edge=edge, grid=sorted(tried),
+                 near=candidates, seeds=len(base))
 
 
 def _extended(runs: list[dict]) -> dict[str, set[float]]:
