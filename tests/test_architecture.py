@@ -104,3 +104,36 @@ def test_no_import_cycle_between_packages():
             if a != b and not nested and (a, b) not in ALLOWED_PACKAGE_EDGES:
                 graph.setdefault(a, set()).add(b)
     assert _cycles(graph) == []
+
+
+# Comparisons with a string that happens to equal a kind's name but is not one: a key kind
+# (``FFNKind.keyed_by``: "token" / "ngram"), an analysis (``stemlm analyze ngram``), a table optimizer.
+NOT_KIND_NAMES = {"keyed_by", "what", "table_optimizer"}
+
+
+def _compared_kind_names(path: Path, kinds: set[str]) -> list[str]:
+    """``file:line: expression`` of every comparison (``==``, ``!=``, ``in``) with a kind's name as a string."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Compare):
+            continue
+        operands = [node.left, *node.comparators]
+        if any(isinstance(o, ast.Attribute) and o.attr in NOT_KIND_NAMES for o in operands):
+            continue
+        strings = [o for o in operands if isinstance(o, ast.Constant)]
+        strings += [e for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set)) for e in o.elts
+                    if isinstance(e, ast.Constant)]
+        if any(s.value in kinds for s in strings):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_decision_outside_stemlm_ffn_names_a_kind():
+    """Code outside ``stemlm/ffn/`` asks a kind for its facts (``ffn_kind(k).is_dense``,
+    ``.anneals_to``, ``.routes_by_data`` ...) instead of comparing its name with a string; the
+    dense kind's name, where a value is needed, is ``stemlm.ffn.DENSE``."""
+    from stemlm.ffn import FFN_KINDS
+
+    found = [hit for f in sorted((ROOT / "stemlm").rglob("*.py")) if "ffn" not in f.relative_to(ROOT).parts[1:2]
+             for hit in _compared_kind_names(f, set(FFN_KINDS))]
+    assert not found, "kind names compared outside stemlm/ffn/:\n" + "\n".join(found)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import TABLE_INITS
-from ..ffn import KINDS
+from ..ffn import DENSE, KINDS, ffn_kind
 from ..insert.calibrate import CalibrationConfig
 from ..insert.fit import METHODS, UNSEEN
 from ..interop.convert import INITS
@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "the model to export; alone (with --table-dtype), the model whose tables to re-encode")
     parser.add_argument("--out", metavar="DIR", required=True, help="output directory (written atomically)")
     parser.add_argument("--ffn", type=_convertible_kind, choices=[name for name, kind in KINDS.items() if kind.from_dense],
-                        default="dense", help="FFN kind of the converted layers (default: dense, an exact copy; the "
+                        default=DENSE, help="FFN kind of the converted layers (default: dense, an exact copy; the "
                         "n-gram kinds ngram, ngram_dagger and engram do not convert: train them)")
     parser.add_argument("--stem-layers", type=non_empty, metavar="SPEC", help="layers to convert: '1/3', '1/2', 'full' or '2,5' "
                         "(default with a STEM --ffn: 1/3)")
@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     from ..interop.convert import convert_from_hf, convert_to_hf
 
     if args.to_hf or args.from_hf is None:
-        if args.gguf or args.stem_layers or args.ffn != "dense":
+        if args.gguf or args.stem_layers or not ffn_kind(args.ffn).is_dense:
             raise ValueError("--gguf, --ffn and --stem-layers apply to --from-hf only")
         if args.ckpt is None:
             raise ValueError("give --from-hf DIR, --to-hf --ckpt DIR, or --ckpt DIR --table-dtype T")
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.ckpt is not None:
         raise ValueError("--ckpt applies to --to-hf or to re-encoding tables, not to --from-hf")
-    if args.ffn == "dense" and args.stem_layers:
+    if ffn_kind(args.ffn).is_dense and args.stem_layers:
         raise ValueError("--stem-layers needs a STEM --ffn (stem, stem_dagger or stem_gate)")
     calibration = None
     if args.init == "calibrate":

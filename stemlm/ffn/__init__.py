@@ -28,6 +28,7 @@ KINDS: dict[str, type[FFNKind]] = {k.name: k for k in (DenseFFN, StemFFN, StemDa
                                                        *NGRAM_KINDS)}
 FFN_KINDS = tuple(KINDS)
 TABLE_KINDS = tuple(name for name, kind in KINDS.items() if kind.owns_table)  # kinds that own a token-indexed table
+DENSE = DenseFFN.name  # the kind a Llama layer is: for code that converts to it or compares against it
 
 
 def ffn_kind(name: str) -> type[FFNKind]:
@@ -38,5 +39,5 @@ def ffn_kind(name: str) -> type[FFNKind]:
         raise ValueError(f"unknown ffn kind {name!r}; choose one of {', '.join(FFN_KINDS)}") from None
 
 
-__all__ = ["FFN_KINDS", "KINDS", "TABLE_KINDS", "DenseFFN", "EngramFFN", "FFNKind", "HashMoEFFN", "NgramDaggerFFN",
-           "NgramFFN", "StemDaggerFFN", "StemFFN", "StemGateFFN", "ffn_kind"]
+__all__ = ["DENSE", "FFN_KINDS", "KINDS", "TABLE_KINDS", "DenseFFN", "EngramFFN", "FFNKind", "HashMoEFFN",
+           "NgramDaggerFFN", "NgramFFN", "StemDaggerFFN", "StemFFN", "StemGateFFN", "ffn_kind"]

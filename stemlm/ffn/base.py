@@ -53,6 +53,7 @@ class FFNKind(nn.Module):
     fuses_row_gather: ClassVar[bool] = False  # takes ``IndexedRows`` (rows not expanded per position) in forward
     anneals_to: ClassVar[str | None] = None  # the kind gradual insertion turns it into (its up_scale/row_scale), if any
     keyed_by: ClassVar[str] = "token"  # "token": U_l[t]; "ngram": the rows of t and its hashed n-grams
+    is_dense: ClassVar[bool] = False  # the plain SwiGLU: a converted Llama layer, the baseline the others replace
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -11,6 +11,7 @@ class DenseFFN(FFNKind):
     """SwiGLU feed-forward of Llama."""
 
     name = "dense"
+    is_dense = True
 
     def forward(self, x, rows=None, ids=None):
         return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))

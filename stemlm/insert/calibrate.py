@@ -169,7 +169,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
     """
     from tqdm import tqdm
 
-    if any(k != "dense" for k in dense.cfg.layer_kinds):
+    if not all(ffn_kind(k).is_dense for k in dense.cfg.layer_kinds):
         raise ValueError("calibrate needs the all-dense model (convert with ffn=dense first)")
     if (target.d_model, target.n_layers, target.d_ff, target.vocab_size) != (
             dense.cfg.d_model, dense.cfg.n_layers, dense.cfg.d_ff, dense.cfg.vocab_size):
@@ -231,9 +231,11 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
 
 
 def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
-    """The kind whose rows are fitted: ``stem_dagger`` with ``dagger_rows=fit`` is fitted (and
-    propagated) as the pure STEM layer it becomes at the end of ``run.anneal=blend``."""
-    return "stem" if kind == "stem_dagger" and calib.dagger_rows == "fit" else kind
+    """The kind whose rows are fitted: a kind that gradual insertion turns into another (STEM† into
+    STEM) is, with ``dagger_rows=fit``, fitted (and propagated) as the layer it becomes at the end of
+    ``run.anneal=blend`` (``FFNKind.anneals_to``)."""
+    becomes = ffn_kind(kind).anneals_to
+    return becomes if becomes and calib.dagger_rows == "fit" else kind
 
 
 def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None) -> torch.Tensor:

@@ -30,7 +30,7 @@ from tqdm import tqdm
 from ..checkpoint.directory import (CONFIG_FILE, copy_tokenizer_files, model_from_state, read_config,
                          read_config_extras, resolve_checkpoint, write_model_files)
 from ..config import ModelConfig
-from ..ffn import ffn_kind
+from ..ffn import DENSE, ffn_kind
 from ..data.codec import load_codec
 from ..data.tokenizer import run_places
 from ..checkpoint.integrity import write_manifest
@@ -96,7 +96,7 @@ def check_llama_supported(llama_cfg) -> None:
         raise ValueError(f"Llama hidden_act {llama_cfg.hidden_act!r} is not supported (SwiGLU with SiLU only)")
 
 
-def llama_config_to_stem(llama_cfg, ffn: str = "dense", stem_layers: str | list[int] = "1/3",
+def llama_config_to_stem(llama_cfg, ffn: str = DENSE, stem_layers: str | list[int] = "1/3",
                          table_init: str | None = None) -> ModelConfig:
     """The ``ModelConfig`` of a Llama config, with ``ffn`` layers placed by ``stem_layers``."""
     check_llama_supported(llama_cfg)
@@ -110,7 +110,7 @@ def llama_config_to_stem(llama_cfg, ffn: str = "dense", stem_layers: str | list[
         vocab_size=llama_cfg.vocab_size, rope_theta=float(theta), norm_eps=float(llama_cfg.rms_norm_eps),
         max_seq_len=llama_cfg.max_position_embeddings, tie_embeddings=bool(llama_cfg.tie_word_embeddings),
         init_std=float(getattr(llama_cfg, "initializer_range", 0.02) or 0.02), ffn=ffn,
-        stem_layers="none" if ffn == "dense" else stem_layers, **extra)
+        stem_layers="none" if ffn_kind(ffn).is_dense else stem_layers, **extra)
 
 
 def stem_config_to_llama(cfg: ModelConfig, **generation):
@@ -175,7 +175,7 @@ def llama_state_to_stem(state: dict[str, torch.Tensor], cfg: ModelConfig, init: 
     return out
 
 
-def llama_to_stem(source, llama_config=None, *, ffn: str = "dense", stem_layers: str | list[int] = "1/3",
+def llama_to_stem(source, llama_config=None, *, ffn: str = DENSE, stem_layers: str | list[int] = "1/3",
                   init: str = "project", table_init: str | None = None, seed: int = 0) -> StemLM:
     """A ``StemLM`` from a ``LlamaForCausalLM`` (or its state dict plus ``llama_config``).
 
@@ -198,7 +198,7 @@ def check_exportable(cfg: ModelConfig) -> None:
     rows keyed by hashed n-grams; ``stemlm.interop.hf.StemForCausalLM`` runs such a model under transformers)."""
     by_kind: dict[str, list[int]] = {}
     for i, k in enumerate(cfg.layer_kinds):
-        if k != "dense":
+        if not ffn_kind(k).is_dense:
             by_kind.setdefault(k, []).append(i)
     if not by_kind:
         return
@@ -278,7 +278,7 @@ def _check_out(out: Path, *inputs: Path) -> None:
 
 
 def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file: str | None = None, *,
-                    ffn: str = "dense", stem_layers: str | list[int] = "1/3", init: str = "project",
+                    ffn: str = DENSE, stem_layers: str | list[int] = "1/3", init: str = "project",
                     table_init: str | None = None, seed: int = 0, table_dtype: str | None = None,
                     calibration=None, calib_data: str | os.PathLike | None = None, progress: bool = True,
                     log=lambda s: None) -> Path:
@@ -299,12 +299,12 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
     check_vocab(tokenizer, llama.config.vocab_size)
     generation = {k: v for k in GENERATION_KEYS if (v := getattr(llama.config, k, None)) is not None}
     work = None
-    if init == "calibrate" and ffn != "dense":
+    if init == "calibrate" and not ffn_kind(ffn).is_dense:
         from ..insert.calibrate import CalibrationConfig
         from ..insert.convert import calibrated_model, calibration_tokens, work_dir_for
 
         calibration = calibration or CalibrationConfig()
-        dense = llama_to_stem(llama, ffn="dense")
+        dense = llama_to_stem(llama, ffn=DENSE)
         del llama
         target = llama_config_to_stem_of(dense.cfg, ffn, stem_layers)
         tokens = calibration_tokens(calib_data, tokenizer, target.vocab_size, progress)
@@ -334,7 +334,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
 def llama_config_to_stem_of(dense: ModelConfig, ffn: str, stem_layers: str | list[int]) -> ModelConfig:
     """The converted config: ``dense`` (an all-dense stemlm config) with ``ffn`` layers at ``stem_layers``."""
     _check_from_dense(ffn)
-    return dense.replace(ffn=ffn, stem_layers="none" if ffn == "dense" else stem_layers)
+    return dense.replace(ffn=ffn, stem_layers="none" if ffn_kind(ffn).is_dense else stem_layers)
 
 
 def _check_has_tables(cfg: ModelConfig, what: str) -> None:

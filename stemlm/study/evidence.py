@@ -18,6 +18,7 @@ from .measures import loss_roi
 from .paper import TABLE2
 from .probes import knowledge_score, needle_score, probe_of
 from .stability import DEFAULTS as SPIKE_DEFAULTS, paired_spikes, run_stability
+from .variants import BASELINE, is_dense_kind
 from .stats import (Difference, difference, fit_line, one_sample, p_value, seeds_needed, sign_test,
                     smallest_significant_split, verdict)
 
@@ -72,14 +73,14 @@ def roi_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list
     losses = by_seed(runs, "compare", _final)
     info = {(r["labels"]["size"], r["labels"]["variant"]): r for r in runs if r["stage"] == "compare"}
     for size, variants in losses.items():
-        if "dense" not in variants:
+        if BASELINE not in variants:
             continue
-        fd = info[(size, "dense")]["accounting"]["train_flops_per_token"]
-        h = info[(size, "dense")]["data"]["unigram_entropy"]
+        fd = info[(size, BASELINE)]["accounting"]["train_flops_per_token"]
+        h = info[(size, BASELINE)]["data"]["unigram_entropy"]
         for p in PLACEMENTS:
             if p not in variants:
                 continue
-            lp, ld = _common(variants[p], variants["dense"])
+            lp, ld = _common(variants[p], variants[BASELINE])
             fp = info[(size, p)]["accounting"]["train_flops_per_token"]
             rois = [loss_roi(lp[s], fp, ld[s], fd, h) for s in lp]
             if not rois or any(x is None for x in rois):
@@ -105,11 +106,11 @@ def _accuracy_roi_notes(size: str, info: dict, evals: dict) -> list[str]:
     if not evals:
         return []
     rows = {r["variant"]: r for r in compare_rows([r for (s, _), r in info.items() if s == size], evals).get(size, [])}
-    if "dense" not in rows or rows["dense"]["paper_roi"] is None:
+    if BASELINE not in rows or rows[BASELINE]["paper_roi"] is None:
         return []
     at_chance = all(not d.get("above") for r in rows.values() for d in r["acc_detail"].values())
     cells = ", ".join(f"{p.split('-')[1]} {rows[p]['paper_roi']:.2f} (FLOP ratio "
-                      f"{rows['dense']['train_flops_per_token'] / rows[p]['train_flops_per_token']:.2f})"
+                      f"{rows[BASELINE]['train_flops_per_token'] / rows[p]['train_flops_per_token']:.2f})"
                       for p in PLACEMENTS if p in rows and rows[p]["paper_roi"] is not None)
     why = ("every accuracy is at chance, so this ROI is the FLOP ratio times the ratio of two chance scores: "
            "not judged" if at_chance else "accuracies of a few hundred items: not judged")
@@ -137,7 +138,7 @@ def dynamics_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
 
 def _stem_fraction(r: dict) -> float:
     kinds = r["accounting"]["layer_kinds"]
-    return sum(k != "dense" for k in kinds) / len(kinds)
+    return sum(not is_dense_kind(k) for k in kinds) / len(kinds)
 
 
 def _control(runs: list[dict], kind: str, score) -> tuple[bool | None, str]:
@@ -163,7 +164,7 @@ def knowledge_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list
     frac = {r["labels"]["variant"]: _stem_fraction(r) for r in runs if r["stage"] == "compare"}
     parts, notes = [], [control]
     for size, variants in scores.items():
-        chain = [v for v in ("dense", *PLACEMENTS) if v in variants]
+        chain = [v for v in (BASELINE, *PLACEMENTS) if v in variants]
         if len(chain) < 2:
             continue
         seeds = sorted(set.intersection(*(set(variants[v]) for v in chain)))
@@ -188,7 +189,7 @@ def stability_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list
                if r["stage"] == "compare" and r["status"] in ("finished", "diverged")}
     count: dict = defaultdict(lambda: defaultdict(int))
     for (size, variant, seed), r in compare.items():
-        if variant != "dense" and (dense := compare.get((size, "dense", seed))) is not None:
+        if variant != BASELINE and (dense := compare.get((size, BASELINE, seed))) is not None:
             count[size][variant] += len(paired_spikes(r, dense, st))
     parts, notes = [], []
     for size, counts in count.items():
@@ -229,10 +230,10 @@ def needle_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, l
     if not gains and tail:
         return [], ["the context runs carry no needle probe (results of an earlier study version)"]
     for size, variants in gains.items():
-        if "dense" not in variants or STEM not in variants:
+        if BASELINE not in variants or STEM not in variants:
             continue
-        a, b = _common(variants[STEM], variants["dense"])
-        qa, qb = _common(tail[size].get(STEM, {}), tail[size].get("dense", {}))
+        a, b = _common(variants[STEM], variants[BASELINE])
+        qa, qb = _common(tail[size].get(STEM, {}), tail[size].get(BASELINE, {}))
         extra = (f"; gain dense {sum(b.values()) / len(b):+.3f}, STEM-1/3 {sum(a.values()) / len(a):+.3f} nats"
                  + (f"; loss in the window's last quarter, STEM − dense {difference(qa, qb).text(' nats')}" if qa else ""))
         part = _part(f"{size} needle gain, STEM − dense", difference(a, b), +1, " nats", extra)
@@ -257,7 +258,8 @@ def midtrain_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
     for r in runs:
         if r["stage"] == "midtrain" and r["status"] == "finished":
             arms[r["labels"]["variant"]][r["labels"].get("seed", 0)] = r
-    dense = next((a for a, rs in arms.items() if next(iter(rs.values()))["labels"].get("ffn", a) == "dense"), None)
+    dense = next((a for a, rs in arms.items() if is_dense_kind(next(iter(rs.values()))["labels"].get("ffn", a))),
+                 None)
     if dense is None:
         return [], []
     parts, notes = [], []
@@ -280,7 +282,7 @@ def midtrain_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
 
 ABLATIONS = (  # (variant, reference, predicted sign of variant − reference in loss, label): Table 3's ordering
     (STEM, GATE, -1, "STEM-1/3 − gate"),
-    (GATE, "dense", +1, "gate − dense"),
+    (GATE, BASELINE, +1, "gate − dense"),
     ("stem_dagger-1/3", STEM, +1, "STEM† − STEM-1/3"),
     (MOE, STEM, +1, "Hash-MoE − STEM-1/3"),
 )
@@ -294,7 +296,7 @@ def ablation_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
         for a, b, sign, label in ABLATIONS:
             if a in variants and b in variants:
                 parts.append(_part(f"{size} {label}", difference(*_common(variants[a], variants[b])), sign, " nats"))
-        judged = {STEM, GATE, "dense", "stem_dagger-1/3", MOE, *PLACEMENTS, *(a for a, *_ in NGRAM_ARMS)}
+        judged = {STEM, GATE, BASELINE, "stem_dagger-1/3", MOE, *PLACEMENTS, *(a for a, *_ in NGRAM_ARMS)}
         for other in sorted(v for v in variants if v not in judged and STEM in variants):
             d = difference(*_common(variants[other], variants[STEM]))
             notes.append(f"{size} {other} − STEM-1/3 (described): {d.text(' nats')}")
@@ -315,9 +317,9 @@ def ngram_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, li
         for a, b, sign, label in NGRAM_ARMS:
             if a in variants and b in variants:
                 parts.append(_part(f"{size} {label}", difference(*_common(variants[a], variants[b])), sign, " nats"))
-        if parts and "dense" in variants:
+        if parts and BASELINE in variants:
             for a in [STEM, *(a for a, *_ in NGRAM_ARMS)]:
                 if a in variants:
-                    d = difference(*_common(variants[a], variants["dense"]))
+                    d = difference(*_common(variants[a], variants[BASELINE]))
                     notes.append(f"{size} {a} − dense (described): {d.text(' nats')}")
     return parts, notes

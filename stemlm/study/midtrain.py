@@ -22,10 +22,16 @@ from pathlib import Path
 from typing import Callable
 
 from ..config import ConfigError
+from ..ffn import KINDS, ffn_kind
 from .runspec import RunSpec, slug
 
 MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio", "distill", "train"}
 DISTILL_KEYS = {"weight", "temperature", "top_k"}
+
+
+def _anneals(ffn: str | None) -> bool:
+    """Whether ``ffn`` is a kind gradual insertion turns into another (``FFNKind.anneals_to``)."""
+    return ffn in KINDS and ffn_kind(ffn).anneals_to is not None
 
 
 def midtrain_arms(m: dict) -> dict[str, dict]:
@@ -42,8 +48,9 @@ def midtrain_arms(m: dict) -> dict[str, dict]:
         if unknown:
             raise ConfigError(f"study spec: midtrain arm {name!r} has unknown keys {sorted(unknown)}; "
                               f"allowed: {sorted(MIDTRAIN_ARM_KEYS)}")
-        if (arm or {}).get("anneal", "off") != "off" and arm.get("ffn") != "stem_dagger":
-            raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs ffn: stem_dagger")
+        if (arm or {}).get("anneal", "off") != "off" and not _anneals((arm or {}).get("ffn")):
+            raise ConfigError(f"study spec: midtrain arm {name!r} anneals, which needs an ffn that gradual insertion "
+                              f"turns into another ({', '.join(k for k, c in KINDS.items() if c.anneals_to)})")
         distill = (arm or {}).get("distill")
         if distill is not None and (not isinstance(distill, dict) or set(distill) - DISTILL_KEYS):
             raise ConfigError(f"study spec: midtrain arm {name!r}: distill must be a mapping with keys from "
@@ -67,8 +74,9 @@ def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
     for seed in seeds:
         for name, arm in midtrain_arms(m).items():
             ffn = arm.get("ffn", "stem")
-            layers = None if ffn == "dense" else arm.get("stem_layers", m.get("stem_layers", "1/3"))
-            init = "zero" if ffn == "dense" else arm.get("init", m.get("init", "project"))
+            dense = ffn_kind(ffn).is_dense
+            layers = None if dense else arm.get("stem_layers", m.get("stem_layers", "1/3"))
+            init = "zero" if dense else arm.get("init", m.get("init", "project"))
             convert = {"source": source, "ffn": ffn, "stem_layers": layers, "init": init}
             if init == "calibrate":
                 convert["calibration"] = {**(m.get("calibration") or {}),

@@ -14,6 +14,7 @@ from .. import accounting as acc
 from .measures import loss_roi
 from .probes import probe_of
 from .timing import wall_from_timing
+from .variants import BASELINE
 
 
 def load_results(results_dir: str | Path) -> tuple[list[dict], dict[tuple[str, str], dict]]:
@@ -109,7 +110,7 @@ def compare_rows(runs: list[dict], evals: dict, timing: dict | None = None) -> d
             "knowledge": _probe_means(rs, "knowledge", ("train", "heldout", "question"))})
     for size, rows in out.items():
         rows.sort(key=lambda row: order.index(row["variant"]))
-        dense = next((row for row in rows if row["variant"] == "dense"), None)
+        dense = next((row for row in rows if row["variant"] == BASELINE), None)
         for row in rows:
             row["loss_roi"] = row["paper_roi"] = row["delta_vs_dense"] = None
             if dense is None or row["val_loss"] is None or dense["val_loss"] is None:

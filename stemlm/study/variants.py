@@ -14,21 +14,28 @@ from __future__ import annotations
 
 from .. import accounting as acc
 from ..config import ConfigError, ModelConfig
-from ..ffn import KINDS
+from ..ffn import DENSE, KINDS, ffn_kind
 from ..presets import model_config
 
 WIDE = "dense-wide"
 WIDE_REFERENCE = "stem-1/3"
 # Variant options (``KIND-PLACEMENT+OPTION``) and what each changes.
+ENGRAM_OPTION = "engram"  # the option's name, as variants are written in specs (the kind of that memory is engram too)
 OPTIONS = {"tablex10": "stemlm's table setting: sparse row AdamW at 10 × the lr, no table weight decay",
-           "engram": "an Engram-style n-gram memory in layer 1 (model.engram_layers), beside the placement"}
+           ENGRAM_OPTION: "an Engram-style n-gram memory in layer 1 (model.engram_layers), beside the placement"}
+BASELINE = DENSE  # the variant every claim is measured against: the dense model of the size
 ENGRAM_LAYER = 1  # early, as Engram places its memory; never a ratio placement's layer (those end blocks of >= 2)
+
+
+def is_dense_kind(name: str) -> bool:
+    """Whether ``name`` names the dense FFN kind (False for any other string: arm names, options)."""
+    return name in KINDS and ffn_kind(name).is_dense
 
 
 def size_config(spec: dict, size: str) -> ModelConfig:
     """The dense ``ModelConfig`` of a spec's size (preset plus its ``model`` overrides)."""
     s = spec["sizes"][size]
-    return model_config(s.get("preset", "tiny"), **{**(s.get("model") or {}), "ffn": "dense"})
+    return model_config(s.get("preset", "tiny"), **{**(s.get("model") or {}), "ffn": DENSE})
 
 
 def split_options(variant: str) -> tuple[str, list[str]]:
@@ -44,12 +51,12 @@ def parse_variant(variant: str) -> tuple[str, str | None]:
     """``'stem-1/3'`` -> ``('stem', '1/3')``; ``'dense'`` -> ``('dense', None)`` (options ignored)."""
     variant = split_options(variant)[0]
     if variant == WIDE:
-        return "dense", None
+        return DENSE, None
     kind, _, placement = variant.partition("-")
     if kind not in KINDS:
         raise ConfigError(f"study variant {variant!r}: unknown FFN kind {kind!r}; choose one of {', '.join(KINDS)} "
                           f"(as KIND-PLACEMENT, e.g. stem-1/3) or {WIDE}")
-    if kind != "dense" and not placement:
+    if not ffn_kind(kind).is_dense and not placement:
         raise ConfigError(f"study variant {variant!r} needs a placement, e.g. {kind}-1/3")
     return kind, placement or None
 
@@ -58,9 +65,9 @@ def variant_config(base: ModelConfig, variant: str) -> ModelConfig:
     """``base`` turned into ``variant`` (dense-wide: the matched FFN width)."""
     variant, options = split_options(variant)
     if variant == WIDE:
-        return base.replace(ffn="dense", d_ff=matched_dense_width(base)["d_ff"])
+        return base.replace(ffn=DENSE, d_ff=matched_dense_width(base)["d_ff"])
     kind, placement = parse_variant(variant)
-    memory = {"engram_layers": str(ENGRAM_LAYER)} if "engram" in options else {}
+    memory = {"engram_layers": str(ENGRAM_LAYER)} if ENGRAM_OPTION in options else {}
     return base.replace(ffn=kind, **({"stem_layers": placement} if placement else {}), **memory)
 
 
@@ -71,9 +78,9 @@ def matched_dense_width(base: ModelConfig) -> dict:
     width is exact; the returned dict records the match.
     """
     target = acc.total_params(base.replace(ffn="stem", stem_layers="1/3"))
-    t1, t2 = (acc.total_params(base.replace(ffn="dense", d_ff=f)) for f in (1, 2))
+    t1, t2 = (acc.total_params(base.replace(ffn=DENSE, d_ff=f)) for f in (1, 2))
     d_ff = max(1, 1 + round((target - t1) / (t2 - t1)))
-    total = acc.total_params(base.replace(ffn="dense", d_ff=d_ff))
+    total = acc.total_params(base.replace(ffn=DENSE, d_ff=d_ff))
     return {"d_ff": d_ff, "total_params": total, "reference": WIDE_REFERENCE, "reference_total_params": target,
             "ratio": total / target}
 
@@ -84,7 +91,7 @@ def parameter_match(base: ModelConfig, variant: str) -> dict | None:
     if variant == WIDE:
         return matched_dense_width(base)
     kind, _ = parse_variant(variant)
-    if kind != "hash_moe":
+    if not ffn_kind(kind).routes_by_data:  # Hash-MoE: its expert count matches STEM-1/3's parameters
         return None
     cfg, ref = variant_config(base, variant), base.replace(ffn="stem", stem_layers="1/3")
     total, target = acc.total_params(cfg), acc.total_params(ref)
@@ -97,14 +104,14 @@ def variant_overrides(spec: dict, size: str, variant: str) -> list[str]:
     base = size_config(spec, size)
     cfg = variant_config(base, variant)
     out = [f"model.ffn={cfg.ffn}", f"model.vocab_size={cfg.vocab_size}"]
-    if cfg.ffn != "dense":
+    if not ffn_kind(cfg.ffn).is_dense:
         placement = parse_variant(variant)[1]
         out.append(f"model.stem_layers={placement}")
     if split_options(variant)[0] == WIDE:
         out.append(f"model.d_ff={cfg.d_ff}")
-    if cfg.ffn == "hash_moe":
+    if ffn_kind(cfg.ffn).routes_by_data:  # Hash-MoE's matched expert count
         out.append(f"model.n_experts={cfg.n_experts}")
-    if "engram" in split_options(variant)[1]:
+    if ENGRAM_OPTION in split_options(variant)[1]:
         out.append(f"model.engram_layers={cfg.engram_layers}")
     return out
 
