@@ -221,3 +221,39 @@ def test_step_graph_auto_captures_on_cuda_only_where_the_step_allows(tmp_path):
             as_if_cuda = type("Trainer", (types.SimpleNamespace,), {})(cfg=t.cfg, model=t.model, is_main=True,
                                                                        device=torch.device("cuda"))
             assert check_step_graph(as_if_cuda) == on_cuda, extra
+
+
+def test_a_capture_that_fails_under_auto_warns_and_trains_on_uncaptured(tmp_path, monkeypatch):
+    """``run.step_graph=auto``: a capture that raises (no memory for the graph's pool, an op that
+    cannot be captured) warns once and the run goes on with the same fixed-buffer step uncaptured,
+    with the eager loop's losses; a capture asked for by name (``graph``) still stops the run."""
+    from stemlm.train import Trainer
+    from stemlm.train.captured import CapturedStep
+    from train_helpers import debug_config, losses, make_token_data
+
+    data = make_token_data(tmp_path / "data")
+    common = ("run.steps=4", "model.ffn=stem", "model.stem_layers=1/2", "optim.grad_accum=2", "run.table_path=fused")
+    with Trainer(debug_config(data, tmp_path / "eager", *common)) as ref:
+        ref.fit()
+
+    def without_side_stream(self, groups):  # the CPU has no CUDA stream to warm up on
+        self._body(groups)
+        self.trainer.opt.zero_grad(set_to_none=True)
+
+    def no_capture(self, groups):
+        raise RuntimeError("out of memory for the graph pool")
+    monkeypatch.setattr(CapturedStep, "_run_eager", without_side_stream)
+    monkeypatch.setattr(CapturedStep, "_capture", no_capture)
+    for fallback in (True, False):
+        with Trainer(debug_config(data, tmp_path / f"auto{fallback}", *common, "run.step_graph=static")) as t:
+            t.captured = CapturedStep(t, graphs=False, fallback=fallback)
+            t.captured.graphs = True  # as on CUDA (the CPU's AdamW is left as it is)
+            if not fallback:
+                with pytest.raises(RuntimeError, match="out of memory for the graph pool"):
+                    t.fit()
+                continue
+            with pytest.warns(UserWarning, match="capturing the training step as a CUDA graph failed"):
+                t.fit()
+            assert t.captured.graphs is False and t.captured.graph is None and t.captured.calls == 4
+    torch.testing.assert_close(torch.tensor(losses(tmp_path / "autoTrue")), torch.tensor(losses(tmp_path / "eager")),
+                               rtol=0, atol=0)

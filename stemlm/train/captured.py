@@ -32,6 +32,8 @@ untouched. Not captured: host-RAM tables (their window moves rows between steps)
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..data.tokens import Batch
@@ -44,9 +46,11 @@ WARMUP = 2  # eager steps before the capture (side-stream warm-up, as torch.cuda
 class CapturedStep:
     """Forward, backward, clipping and both optimizer updates of one step on fixed buffers."""
 
-    def __init__(self, trainer, graphs: bool):
+    def __init__(self, trainer, graphs: bool, fallback: bool = False):
+        """``fallback``: when capturing fails (``run.step_graph=auto``), warn and run the same
+        fixed-buffer step uncaptured from then on instead of stopping the run."""
         cfg = trainer.cfg
-        self.trainer, self.graphs = trainer, graphs
+        self.trainer, self.graphs, self.fallback = trainer, graphs, fallback
         self.device = trainer.device
         accum, B, T = cfg.optim.grad_accum, cfg.data.batch_size, cfg.data.seq_len
         z = lambda *shape, dt=torch.long: torch.zeros(shape, dtype=dt, device=self.device)  # noqa: E731
@@ -80,8 +84,8 @@ class CapturedStep:
         if not self.graphs or self.calls < WARMUP:
             self._run_eager(groups)
         elif self.graph is None:
-            self._capture(groups)
-            self.graph.replay()  # the capture recorded the step without running it
+            if self._capture_or_fall_back(groups):
+                self.graph.replay()  # the capture recorded the step without running it
         else:
             self.graph.replay()
             if self.table_opt is not None:
@@ -100,6 +104,29 @@ class CapturedStep:
         else:
             self._body(groups)
         self.trainer.opt.zero_grad(set_to_none=True)
+
+    def _capture_or_fall_back(self, groups) -> bool:
+        """Capture the step (True); under ``fallback`` a capture that fails (no memory for the graph's
+        pool, an op that cannot be captured) warns, runs this step uncaptured and returns False."""
+        global_step = getattr(self.table_opt, "global_step", None)
+        try:
+            self._capture(groups)
+            return True
+        except Exception as e:
+            if not self.fallback:
+                raise
+            self.graph, self.graphs = None, False
+            if global_step is not None:
+                self.table_opt.global_step = global_step  # a capture that broke off ran nothing
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+            first = (str(e).splitlines() or [""])[0]
+            warnings.warn(f"run.step_graph=auto: capturing the training step as a CUDA graph failed "
+                          f"({type(e).__name__}: {first}); training on with the same step uncaptured "
+                          "(run.step_graph=eager skips the attempt)", stacklevel=3)
+            self._run_eager(groups)
+            return False
 
     def _capture(self, groups) -> None:
         self.trainer.opt.zero_grad(set_to_none=True)  # the captured backward allocates the gradients

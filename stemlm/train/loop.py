@@ -251,7 +251,8 @@ class Trainer:
         check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
         if self.step_graph != "eager":
             if self.captured is None:
-                self.captured = CapturedStep(self, graphs=self.step_graph == "graph")
+                self.captured = CapturedStep(self, graphs=self.step_graph == "graph",
+                                             fallback=self.cfg.run.step_graph == "auto")
             return self._finish_step(t0, ids, *self.captured(host), up_scale, applied=True)
         with ids_checked():
             tables.begin_step([self.model.table_keys(b.inputs) for b in host], self._table_ticket)
