@@ -13,8 +13,9 @@ defaults: fused, Triton on CUDA):
   eager and with compiled blocks, steps interleaved; each STEM ÷ dense time ratio (median of
   per-round ratios) next to its FLOP ratio and its roofline ratio (FLOPs at the measured GEMM rate
   plus optimizer and table bytes at the measured memory bandwidth, ``stemlm.accounting``);
-* ``graph``: the three arms at the 350M shape with the whole step captured as one CUDA graph
-  (``run.step_graph=graph``) over compiled blocks; a section that fails is reported with its error;
+* ``graph``: the three arms at each shape (results ``graph``: 350M, ``graph_1b``: 1B) with the whole
+  step captured as one CUDA graph (``run.step_graph=graph``) over compiled blocks; a section that
+  fails is reported with its error;
 * ``accum``: dense and STEM-full with ``optim.grad_accum=8`` (65k tokens per step);
 * ``hf``: stemlm dense ÷ HF ``LlamaForCausalLM`` (sdpa) at the 350M shape, if transformers imports;
 * ``host`` / ``host49k``: STEM-full with its tables and optimizer state in host RAM
@@ -82,14 +83,10 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool, after_section=N
     big = {"host49k": lambda s_, p: host_section(s_, p, vocab=s_.get("host_vocab", HOST_VOCAB),
                                                  cache_rows=s_.get("host_vocab", HOST_VOCAB) // 3),
            "cli": lambda s_, p: cli_section(s_, p, s_["steps"])}
-    steps = [("train", k, train_section) for k in s["presets"]] + [("graph", "350m", graph_section),
-                                                                    ("accum", "350m", accum_section),
-                                                                    ("hf", "350m", hf_section),
-                                                                    ("host", "350m", host_section),
-                                                                    ("host49k", "350m", big["host49k"]),
-                                                                    ("decode", "350m", decode_section),
-                                                                    ("profile", "350m", profile_section),
-                                                                    ("cli", "350m", big["cli"])]
+    steps = ([("train", k, train_section) for k in s["presets"]] + [("graph", k, graph_section) for k in s["presets"]]
+             + [("accum", "350m", accum_section), ("hf", "350m", hf_section), ("host", "350m", host_section),
+                ("host49k", "350m", big["host49k"]), ("decode", "350m", decode_section),
+                ("profile", "350m", profile_section), ("cli", "350m", big["cli"])])
     if profile and "profile" not in sections:
         sections = (*sections, "profile")
     for section, shape, fn in steps:
@@ -113,7 +110,8 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool, after_section=N
         if section == "train":
             out["train"][shape] = result
         elif section in ("accum", "graph") and isinstance(result, dict) and "dense_model" in result:
-            out[section] = {k: v for k, v in result.items() if k != "dense_model"}
+            out[graph_key(shape) if section == "graph" else section] = {k: v for k, v in result.items()
+                                                                       if k != "dense_model"}
         else:
             out[section] = result
         if after_section is not None:
@@ -123,6 +121,11 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool, after_section=N
 
 # issue 33's step-ratio goals (16 × 512 tokens, each arm in its fastest mode): shape -> arm -> ratio to dense
 STEP_GOALS = {"350m": {"stem-full": 0.93, "stem-1/3": 0.97}, "1b": {"stem-full": 0.88, "stem-1/3": 0.95}}
+
+
+def graph_key(shape: str) -> str:
+    """Where the ``graph`` section of ``shape`` is kept: ``graph`` for the 350M shape, ``graph_<shape>`` else."""
+    return "graph" if shape == "350m" else f"graph_{shape}"
 
 
 def mode_steps(t: dict, g: dict | None) -> dict[str, dict[str, float]]:
@@ -156,7 +159,7 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
     for shape, t in r["train"].items():
         if "error" in t:
             continue
-        modes = mode_steps(t, g if shape == "350m" else None)
+        modes = mode_steps(t, r.get(graph_key(shape)))
         for arm, goal in STEP_GOALS.get(shape, {}).items():
             mode, ratio = fastest(modes, arm)
             roof = t.get("roofline_ratio", {}).get(arm)
@@ -269,7 +272,7 @@ def format_report(r: dict, rows: list[dict]) -> str:
                 lines.append(f"train {shape} {mode}: {steps} | ÷ dense: {ratios}")
         lines.append(f"train {shape} roofline ÷ dense: " + "  ".join(f"{a} {v:.3f}" for a, v in t.get("roofline_ratio", {}).items()))
     lines.append(f"rates: GEMM {r['rates']['gemm'] / 1e12:.1f} TFLOP/s, memory {r['rates']['bandwidth'] / 1e9:.0f} GB/s")
-    for name in ("graph", "accum", "hf", "host", "host49k", "decode", "cli"):
+    for name in ("graph", "graph_1b", "accum", "hf", "host", "host49k", "decode", "cli"):
         if r.get(name):
             lines.append(f"{name}: " + ", ".join(f"{k}={_fmt(v)}" for k, v in r[name].items() if k != "preset"))
     p = r.get("profile") or {}

@@ -48,6 +48,7 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert r["rates"]["gemm"] > 0 and r["rates"]["bandwidth"] > 0
     assert r["graph"]["extra"] == ["run.step_graph=static"] and r["graph"]["eager"]["step_s"]["stem-full"] > 0
     assert r["accum"]["graph"]["step_s"]["stem-full"] > 0  # the fixed-buffer step (static on the CPU)
+    assert r["graph_1b"]["eager"]["step_s"]["stem-full"] > 0  # the 1B shape fixed-buffer too
     assert out["partial"] is False and out["sections"]
     assert out["goals"] and all(g["status"] == "unmeasured (dry run)" for g in out["goals"])
     assert "goal" in proc.stdout and "unmeasured" in proc.stdout
