@@ -24,6 +24,11 @@ ARMS = {"dense": ["model.ffn=dense"], "stem-1/3": ["model.ffn=stem", "model.stem
 GEMM_NAME = re.compile(r"gemm|nvjet|cutlass|xmma|matmul|aten::mm|aten::addmm|aten::bmm|sm90_|sm80_", re.I)
 
 
+def error_text(e: Exception) -> str:
+    """``Type: first line`` of an exception: what a section that broke records instead of its figures."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device (timing fences only)."""
     if device.type == "cuda":
@@ -92,7 +97,7 @@ def accum_section(s, preset: str) -> dict:
         g = train_section(s, preset, fused, ("optim.grad_accum=8", f"run.step_graph={step_graph}"), mode)
         out["graph"] = g[mode[0]]
     except Exception as e:  # the compiled figures stand on their own
-        out["graph"] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+        out["graph"] = {"error": error_text(e)}
         free(s)
     return out
 
@@ -211,7 +216,7 @@ def profile_section(s, preset: str, steps: int = 3) -> dict:
         try:
             out[name] = _profile_arm(s, preset, arm, extra, steps)
         except Exception as e:  # a graph that fails to capture leaves the compiled figures
-            out[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+            out[name] = {"error": error_text(e)}
             free(s)
     nongemm = {a: out[a]["kernel_ms_per_step"] - out[a]["gemm_ms_per_step"] for a in ("dense", "stem-full")}
     out["table_path_ms_per_micro_batch"] = (nongemm["stem-full"] - nongemm["dense"]) / out["stem-full"]["micro_batches"]

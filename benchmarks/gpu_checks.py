@@ -22,6 +22,7 @@ import time
 import numpy as np
 import torch
 import torch.nn.functional as F
+from _gpu_parts import error_text
 from _train_bench import make_trainer, synthetic_data_dir, write_result
 
 
@@ -144,7 +145,7 @@ def main() -> None:
         try:
             result[name] = fn()
         except Exception as e:  # one check that breaks leaves the other
-            result[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+            result[name] = {"error": error_text(e)}
         print(f"{name}: {result[name]}", flush=True)
     result["wall_s"] = time.perf_counter() - t0
     print(f"wrote {write_result('gpu_checks', args.dry_run, result)} ({result['wall_s']:.0f} s)")

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 
 import torch
-from _gpu_parts import (accum_section, cli_section, copy_bandwidth, decode_section, free, graph_section, hf_section,
-                        host_section, matmul_peak, profile_section, spec_peak, train_section)
+from _gpu_parts import (accum_section, cli_section, copy_bandwidth, decode_section, error_text, free, graph_section,
+                        hf_section, host_section, matmul_peak, profile_section, spec_peak, train_section)
 from _train_bench import synthetic_data_dir, write_result
 
 SHAPES = {"350m": "mobilellm-350m", "1b": "llama3.2-1b"}
@@ -99,7 +99,7 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool, after_section=N
             result = {"error": f"out of memory: {str(e).splitlines()[0]}"}
             free(s)
         except Exception as e:  # a section that breaks is reported, the others still run
-            result = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+            result = {"error": error_text(e)}
             print(f"  {section} {shape} failed: {result['error']}", flush=True)
             free(s)
         if isinstance(result, dict):
