@@ -75,7 +75,11 @@ CHECKS = [
           {"dense_mfu": ("≥ 50 %", lambda v: v >= 0.5), "stem_mfu": ("≥ 50 %", lambda v: v >= 0.5)}),
     Check("offload_decode", "P4", "bench_offload_decode.py", "offload_decode.json", _offload,
           {"disk_disk_over_ram": ("≥ 0.95×", lambda v: v >= 0.95),
-           "disk-cold_disk_over_ram": ("≥ 0.95×", lambda v: v >= 0.95)}),
+           "disk-cold_disk_over_ram": ("≥ 0.95×", lambda v: v >= 0.95)},
+          # 3 interleaved rounds a run instead of the benchmark's 5: a round loads 5.24 GB of tables three times,
+          # so 5 rounds took 8-10 min a run (27 of the check's 50 min at 6559d01); the spread over the check's
+          # runs is the noise figure here, not the rounds within one
+          args=["--repeats", "3"]),
     Check("vs_hf", "P7", "bench_vs_hf.py", "vs_hf.json",
           lambda r: {"ratio": r["ratio"], "ratio_aten": r["ratio_aten"], "ratio_compiled": r["ratio_compiled"]},
           {"ratio": ("≥ 1.3×", lambda v: v >= 1.3), "ratio_compiled": ("≥ 1.3×", lambda v: v >= 1.3)}),

@@ -11,7 +11,9 @@ from stemlm.data import load_facts, prepare_facts_corpus, write_token_split
 from stemlm.data.facts import fact_documents
 from stemlm.data.tokenizer import encode_batch, eos_id_of, load_tokenizer
 from stemlm.eval.api import Loglikelihood
-from stemlm.study.probes import knowledge_items, knowledge_probe, lm_for, needle_probe, passkey_documents
+from stemlm.eval.tasks.needle import needle_trials
+from stemlm.study.probes import (DECOY, decoy_items, knowledge_items, knowledge_probe, lm_for, needle_probe,
+                                  passkey_documents)
 from stemlm.study.stats import Difference, verdict
 from stemlm.train import Trainer, load_train_config
 
@@ -71,36 +73,57 @@ def test_knowledge_probe_separates_a_model_trained_on_facts_from_an_untrained_on
 
 
 class _ContextLM:
-    """An analytic stand-in: the continuation is likely when its text occurs in the context (``copies``)."""
+    """An analytic stand-in: ``copy`` makes any continuation likely whose text occurs in the context (the
+    repetition every language model learns early); ``retrieve`` only the number the pass key names
+    (greedy then gives it)."""
 
     max_length, identity = 512, "fake"
 
-    def __init__(self, copies: bool):
-        self.copies = copies
+    def __init__(self, mode: str):
+        self.mode = mode
 
     def loglikelihood(self, requests):
         out = []
         for r in requests:
-            hit = self.copies and r.continuation.strip() in r.context
+            key = r.continuation.strip()
+            hit = {"copy": key in r.context, "retrieve": f"pass key is {key}." in r.context}.get(self.mode, False)
             out.append(Loglikelihood(-12.0 + (9.0 if hit else 0.0) - 0.001 * len(r.context) / 100,
-                                     max(1, len(r.continuation) // 4), False))
+                                     max(1, len(r.continuation) // 4), hit and self.mode == "retrieve"))
         return out
 
 
-def test_needle_probe_sees_a_model_that_copies_and_nothing_in_one_that_does_not():
-    copy, blind = (needle_probe(_ContextLM(c), trials=2, seed=0) for c in (True, False))
-    assert copy["lengths"] == [64, 128, 256, 512]
-    assert verdict(_diff(copy["mean_gain"]), +1) == "holds"
+def test_needle_probe_tells_retrieval_from_repetition():
+    copy, retrieve, blind = (needle_probe(_ContextLM(m), trials=2, seed=0) for m in ("copy", "retrieve", "blind"))
+    assert copy["lengths"] == [64, 128, 256, 512] and copy["version"] == 2
+    # repetition: the needle's gain is large, but the decoy is in the context too, so no margin
     assert copy["mean_gain"]["mean"] == pytest.approx(9.0, abs=0.01)
-    assert all(g == pytest.approx(9.0, abs=0.01) for row in copy["gain"] for g in row)  # every depth and length
-    assert abs(blind["mean_gain"]["mean"]) < 0.01 and verdict(_diff(blind["mean_gain"]), +1) != "holds"
+    assert abs(copy["mean_margin"]["mean"]) < 0.01 and verdict(_diff(copy["mean_margin"]), +1) != "holds"
+    assert copy["retrieved"]["mean"] == 0.0
+    # retrieval: the key over the decoy at every depth and length, and greedy finds it
+    assert verdict(_diff(retrieve["mean_margin"]), +1) == "holds"
+    assert all(m == pytest.approx(9.0, abs=0.01) for row in retrieve["margin"] for m in row)
+    assert retrieve["retrieved"] == {"mean": 1.0, "n": 40}
+    assert abs(blind["mean_margin"]["mean"]) < 0.01 and abs(blind["mean_gain"]["mean"]) < 0.01
+    assert verdict(_diff(blind["mean_margin"]), +1) != "holds" and blind["retrieved"]["mean"] == 0.0
 
 
-def test_passkey_documents_end_with_the_key_of_their_needle():
+def test_needle_probe_puts_a_decoy_of_the_needles_shape_in_every_context():
+    lm = _ContextLM("blind")
+    _, _, items = needle_trials(lm, 2, 0, extra=DECOY.format(key=12345))
+    items = decoy_items(items, 0)
+    for it in items:
+        assert it["decoy"] != it["key"]
+        assert it["both"].count(str(it["key"])) == 2 and it["both"].count(str(it["decoy"])) == 2
+        assert str(it["key"]) not in it["decoy_only"] and it["decoy_only"].count(str(it["decoy"])) == 2
+    assert decoy_items(items, 0) == decoy_items(items, 0)  # seeded
+
+
+def test_passkey_documents_end_with_the_key_of_their_needle_and_hold_a_decoy():
     docs = passkey_documents(5, 1200, seed=1)
     for d in docs:
         key = d.rsplit(" ", 1)[1].rstrip(".")
         assert f"The pass key is {key}." in d and d.endswith(f"The pass key is {key}.")
+        assert "The room number is " in d
     assert passkey_documents(5, 1200, seed=1) == docs
 
 

@@ -191,20 +191,35 @@ def test_knowledge_claim_needs_its_positive_control():
     assert row["verdict"] == "probe blind" and all(p["verdict"] == "probe blind" for p in row["parts"])
 
 
+def _needle(margin: float, found: float, ci: float = 0.02) -> dict:
+    stat = {"mean": margin, "se": 0.01, "df": 50, "n": 50, "kind": "items", "ci": [margin - ci, margin + ci], "mde": 0.03}
+    return {"version": 2, "mean_margin": stat, "mean_gain": {**stat, "mean": 0.7}, "retrieved": {"mean": found, "n": 60}}
+
+
 def test_no_verdict_is_drawn_from_a_failed_control():
-    """(d) with a needle control whose interval crosses 0: the clear gain of STEM over dense is not judged."""
-    runs = []
-    for s in range(3):
-        for v, g in (("dense", 0.1), ("stem-1/3", 0.5)):
-            gain = {"mean": g + 0.01 * s, "se": 0.01, "df": 50, "n": 50, "kind": "items", "ci": [g - 0.02, g + 0.02], "mde": 0.03}
-            runs.append(_run("context", v, s, 5.0, probes={"needle": {"mean_gain": gain}}))
-    failed = {"mean": 0.2, "se": 0.15, "df": 79, "n": 80, "kind": "items", "ci": [-0.05, 0.5], "mde": 0.4}
-    control = _run("controls", "dense", 0, 3.0, labels={"control": "needle"}, probes={"needle": {"mean_gain": failed}})
+    """(d) with a needle control that does not retrieve ≥ 50 % greedily: the clear margin of STEM over
+    dense is not judged; a control of the earlier probe (no decoy, no greedy retrieval) does not count."""
+    runs = [_run("context", v, s, 5.0, probes={"needle": _needle(m + 0.01 * s, 0.0)})
+            for s in range(3) for v, m in (("dense", 0.1), ("stem-1/3", 0.5))]
+    control = _run("controls", "dense", 0, 3.0, labels={"control": "needle"}, probes={"needle": _needle(2.0, 0.3)})
     row = {r["key"]: r for r in claim_rows(runs + [control], {})}["long_context"]
-    assert row["verdict"] == "probe blind" and "could NOT see the effect" in row["measured"]
-    passed = {**failed, "ci": [0.1, 0.3]}
-    control["probes"]["needle"]["mean_gain"] = passed
-    assert {r["key"]: r for r in claim_rows(runs + [control], {})}["long_context"]["verdict"] == "holds"
+    assert row["verdict"] == "probe blind" and "could NOT see retrieval" in row["measured"]
+    assert "greedy retrieval 30% of 60 keys" in row["measured"]
+    control["probes"]["needle"] = _needle(2.0, 0.8)
+    row = {r["key"]: r for r in claim_rows(runs + [control], {})}["long_context"]
+    assert row["verdict"] == "holds" and "the probe can see retrieval" in row["measured"]
+    control["probes"]["needle"] = {"mean_gain": {"mean": 2.0, "se": 0.1, "df": 79, "n": 80, "kind": "items",
+                                                 "ci": [1.8, 2.2], "mde": 0.3}}
+    row = {r["key"]: r for r in claim_rows(runs + [control], {})}["long_context"]
+    assert row["verdict"] == "probe blind" and "before the probe had a decoy" in row["measured"]
+
+
+def test_the_needle_gain_of_an_earlier_probe_is_not_judged():
+    runs = [_run("context", v, s, 5.0, probes={"needle": {"mean_gain": {"mean": g, "se": 0.01, "df": 50, "n": 50,
+                                                                          "kind": "items", "ci": [g - 0.02, g + 0.02]}}})
+            for s in range(3) for v, g in (("dense", 0.7), ("stem-1/3", 0.5))]
+    row = {r["key"]: r for r in claim_rows(runs, {})}["long_context"]
+    assert not row.get("parts") and "earlier probe version" in row["measured"]
 
 
 def _compare_curve(variant, seed, jumps, shared=(60, 140)):

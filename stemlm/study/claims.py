@@ -31,8 +31,9 @@ RULES = {
     "stability": "loss spikes of every comparison run against dense's run of the same seed (same batches: shared "
                  "data bumps cancel), after the paper's warm-up ratio, STEM-1/3 against Hash-MoE-1/3, exact sign test "
                  "(5 %); predicted: fewer for STEM; untestable when no split of the spikes found could be significant",
-    "long_context": "needle probe gain (key log-prob with − without the needle), STEM-1/3 − dense, per seed; predicted > 0; "
-                    "probe blind when the probe's positive control fails",
+    "long_context": "needle probe margin (the key's log-prob − a decoy number's of the same shape, both twice in the "
+                    "context: retrieval, not repetition), STEM-1/3 − dense, per seed; predicted > 0; probe blind unless "
+                    "the positive control retrieves ≥ 50 % of keys greedily",
     "midtrain": "final validation loss, each STEM arm − the dense arm continued on the same tokens, per seed (one seed: "
                 "inconclusive; its validation batches are not replicates); predicted < 0",
     "ablation": "final validation loss per seed: STEM-1/3 − gate < 0, gate − dense > 0 (§4.4.2), STEM† − STEM-1/3 > 0, "

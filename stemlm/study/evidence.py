@@ -16,7 +16,7 @@ from collections import defaultdict
 from .dynamics import gap_curves, gap_trend, val_curves
 from .measures import loss_roi
 from .paper import TABLE2
-from .probes import knowledge_score, needle_score, probe_of
+from .probes import knowledge_score, needle_retrieval, needle_score, probe_of
 from .stability import DEFAULTS as SPIKE_DEFAULTS, paired_spikes, run_stability
 from .variants import BASELINE, is_dense_kind
 from .stats import (Difference, difference, fit_line, one_sample, p_value, seeds_needed, sign_test,
@@ -126,7 +126,7 @@ def dynamics_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list,
             t = gap_trend(gap_curves(curves, p), epoch_tokens=epoch)
             if t is None:
                 continue
-            d = Difference(**{**t["slope"], "ci": tuple(t["slope"]["ci"]) if t["slope"]["ci"] else None})
+            d = _as_difference(t["slope"])
             cross = (f"; at this trend the gap closes at ~{t['cross_tokens'] / 1e6:.3g}M tokens"
                      + (f" ({t['cross_epochs']:.1f} epochs)" if t["cross_epochs"] else "") if t["cross_tokens"]
                      else "; the gap does not close on this trend")
@@ -151,9 +151,13 @@ def _control(runs: list[dict], kind: str, score) -> tuple[bool | None, str]:
     return ok, f"positive control ({r['name']}): {d.text()} → the probe {'can' if ok else 'could NOT'} see the effect"
 
 
+def _as_difference(d: dict) -> Difference:
+    """A ``Difference`` from its stored dict (``Difference.to_dict``)."""
+    return Difference(**{**d, "ci": tuple(d["ci"]) if d["ci"] else None})
+
+
 def _knowledge_diff(probe: dict) -> Difference:
-    f = probe["families"]["train"]["seen_minus_unseen"]
-    return Difference(**{**f, "ci": tuple(f["ci"]) if f["ci"] else None})
+    return _as_difference(probe["families"]["train"]["seen_minus_unseen"])
 
 
 def knowledge_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
@@ -216,35 +220,55 @@ def stability_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list
     return parts, notes
 
 
-def _needle_diff(probe: dict) -> Difference:
-    g = probe["mean_gain"]
-    return Difference(**{**g, "ci": tuple(g["ci"]) if g["ci"] else None})
+RETRIEVAL_GOAL = 0.5  # the needle control must retrieve at least this fraction of keys greedily
+
+
+def needle_control(runs: list[dict]) -> tuple[bool | None, str]:
+    """Whether the needle probe's positive control retrieves: greedy retrieval ≥ ``RETRIEVAL_GOAL`` and
+    a key-over-decoy margin whose interval is above 0 (None: no control was run), and a note."""
+    r = _first(runs, "controls", control="needle")
+    probe = probe_of(r, "needle") if r is not None and r["status"] == "finished" else None
+    if probe is None:
+        return None, "no positive control of the needle probe was run: the probe is not shown able to succeed"
+    if needle_retrieval(probe) is None:
+        return False, (f"positive control ({r['name']}) measured before the probe had a decoy and greedy retrieval: "
+                       "it does not show that the probe sees retrieval")
+    got, margin = needle_retrieval(probe), _as_difference(probe["mean_margin"])
+    ok = got >= RETRIEVAL_GOAL and verdict(margin, +1) == "holds"
+    return ok, (f"positive control ({r['name']}): greedy retrieval {got:.0%} of {probe['retrieved']['n']} keys "
+                f"(needs ≥ {RETRIEVAL_GOAL:.0%}), key − decoy margin {margin.text(' nats')} → the probe "
+                f"{'can' if ok else 'could NOT'} see retrieval")
 
 
 def needle_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, list]:
-    """(d): the needle probe's gain of STEM-1/3 against dense after context extension, per seed."""
-    ok, control = _control(runs, "needle", _needle_diff)
-    gains = by_seed(runs, "context", lambda r: needle_score(probe_of(r, "needle")))
+    """(d): the needle probe's key − decoy margin (retrieval, not repetition) of STEM-1/3 against dense
+    after context extension, per seed; probe blind unless the positive control retrieves."""
+    ok, control = needle_control(runs)
+    margins = by_seed(runs, "context", lambda r: needle_score(probe_of(r, "needle")))
+    gains = by_seed(runs, "context", lambda r: needle_score(probe_of(r, "needle"), "gain"))
+    found = by_seed(runs, "context", lambda r: needle_retrieval(probe_of(r, "needle")))
     tail = by_seed(runs, "context", lambda r: _last_quarter(r))
+    if not margins and (gains or tail):
+        return [], ["the context runs carry no key − decoy margin (results of an earlier probe version): not judged"]
     parts = []
-    if not gains and tail:
-        return [], ["the context runs carry no needle probe (results of an earlier study version)"]
-    for size, variants in gains.items():
+    for size, variants in margins.items():
         if BASELINE not in variants or STEM not in variants:
             continue
         a, b = _common(variants[STEM], variants[BASELINE])
         qa, qb = _common(tail[size].get(STEM, {}), tail[size].get(BASELINE, {}))
-        extra = (f"; gain dense {sum(b.values()) / len(b):+.3f}, STEM-1/3 {sum(a.values()) / len(a):+.3f} nats"
+
+        def mean(d: dict) -> float:
+            return sum(d.values()) / len(d) if d else float("nan")
+        g, f = gains[size], found[size]
+        extra = (f"; greedy retrieval dense {mean(f.get(BASELINE, {})):.0%}, STEM-1/3 {mean(f.get(STEM, {})):.0%}"
+                 f"; needle gain (rewards repetition too, not judged) dense {mean(g.get(BASELINE, {})):+.3f}, "
+                 f"STEM-1/3 {mean(g.get(STEM, {})):+.3f} nats"
                  + (f"; loss in the window's last quarter, STEM − dense {difference(qa, qb).text(' nats')}" if qa else ""))
-        part = _part(f"{size} needle gain, STEM − dense", difference(a, b), +1, " nats", extra)
+        part = _part(f"{size} needle key − decoy margin, STEM − dense", difference(a, b), +1, " nats", extra)
         if ok is not True:
             part["verdict"] = BLIND
         parts.append(part)
-    notes = [control] if parts else []
-    if parts and gains:
-        notes.append("the needle gain rewards repeating the key's tokens as much as retrieving its value: the untreated "
-                     "models gain more than the positive control, so a gain is not a retrieval")
-    return parts, notes
+    return parts, ([control] if parts else [])
 
 
 def _last_quarter(r: dict) -> float | None:

@@ -171,8 +171,9 @@ def loss_by_position(rows: list[dict], out_dir: Path) -> Path | None:
 
 
 def needle_gain_grid(rows: list[dict], out_dir: Path) -> Path | None:
-    """The needle probe's gain (key log-prob with − without the needle, nats), depth × length, mean over
-    seeds, one panel per variant (and one per positive control)."""
+    """The needle probe by depth × length, mean over seeds, one column per variant (and per positive
+    control): the key − decoy margin (nats) and greedy retrieval, or the needle's gain for a probe of
+    an earlier version."""
     import numpy as np
 
     groups: dict[str, list[dict]] = {}
@@ -181,21 +182,29 @@ def needle_gain_grid(rows: list[dict], out_dir: Path) -> Path | None:
             groups.setdefault(r["variant"], []).append(r["needle"])
     if not groups:
         return None
+    measures = [m for m in ("margin", "retrieval", "gain") if all(m in p for ps in groups.values() for p in ps)]
+    measures = [m for m in measures if m != "gain"] or ["gain"]
     plt = pyplot()
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.4 * len(groups), 3.8), squeeze=False)
-    vmax = max(abs(float(np.mean([p["gain"] for p in ps], axis=0).max())) for ps in groups.values()) or 1.0
-    for ax, (variant, probes) in zip(axes[0], groups.items()):
-        grid = np.mean([p["gain"] for p in probes], axis=0)
-        im = ax.imshow(grid, cmap="RdBu", vmin=-vmax, vmax=vmax, aspect="auto")
-        ax.set_xticks(range(len(probes[0]["lengths"])), probes[0]["lengths"])
-        ax.set_yticks(range(len(probes[0]["depths"])), [f"{d:.0%}" for d in probes[0]["depths"]])
-        for i, row in enumerate(grid):
-            for j, v in enumerate(row):
-                ax.text(j, i, f"{v:+.2f}", ha="center", va="center", fontsize=7)
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
-        ax.set_title(f"{variant} (n={len(probes)})", fontsize=9)
-    fig.colorbar(im, ax=axes[0, -1], label="key log-prob gain (nats)")
+    fig, axes = plt.subplots(len(measures), len(groups), figsize=(4.4 * len(groups), 3.8 * len(measures)), squeeze=False)
+    for row, measure in enumerate(measures):
+        grids = {v: np.mean([p[measure] for p in ps], axis=0) for v, ps in groups.items()}
+        if measure == "retrieval":
+            cmap, lo, hi, fmt, label = "viridis", 0.0, 1.0, "{:.0%}", "greedy retrieval of the key"
+        else:
+            vmax = max(float(np.abs(g).max()) for g in grids.values()) or 1.0
+            cmap, lo, hi, fmt = "RdBu", -vmax, vmax, "{:+.2f}"
+            label = "key − decoy log-prob (nats)" if measure == "margin" else "key log-prob gain (nats)"
+        for ax, (variant, probes) in zip(axes[row], groups.items()):
+            im = ax.imshow(grids[variant], cmap=cmap, vmin=lo, vmax=hi, aspect="auto")
+            ax.set_xticks(range(len(probes[0]["lengths"])), probes[0]["lengths"])
+            ax.set_yticks(range(len(probes[0]["depths"])), [f"{d:.0%}" for d in probes[0]["depths"]])
+            for i, line in enumerate(grids[variant]):
+                for j, v in enumerate(line):
+                    ax.text(j, i, fmt.format(v), ha="center", va="center", fontsize=7)
+            ax.set_xlabel("context length (tokens)")
+            ax.set_ylabel("needle depth")
+            ax.set_title(f"{variant} (n={len(probes)})", fontsize=9)
+        fig.colorbar(im, ax=axes[row, -1], label=label)
     return save(fig, out_dir / "needle_gain.png")
 
 

@@ -11,10 +11,18 @@ templates, the held-out template of each relation, and the country_facts questio
 model that stored facts has ``seen − unseen > 0``; one that did not has ≈ 0 (a model trained on
 the facts alone is the positive control, the model at its init the negative one).
 
-**Needle** (``needle_probe``). For each context length and depth, the log-probability of the pass
-key after the question, with the needle in the haystack and without it (the same haystack):
-``gain = log p(key | with) − log p(key | without)``. A model that copies from its context has
-``gain > 0`` even long before it retrieves the whole key greedily.
+**Needle** (``needle_probe``). Every haystack holds the needle ("The pass key is K. …") and a decoy
+of the same shape with another number ("The room number is D. …", at its own random depth), so
+both numbers occur twice in the context. After the question "What is the pass key? The pass key
+is" the probe reads three things:
+
+* ``margin = log p(K) − log p(D)``: *retrieval*. A model that merely repeats numbers it has seen
+  (the copy that any language model learns early) favours K and D alike, so its margin is ≈ 0;
+  only a model that finds the number the question asks for has ``margin > 0``;
+* ``retrieved``: whether greedy decoding gives exactly K (the eval task's accuracy);
+* ``gain = log p(K | needle and decoy) − log p(K | decoy only)``: the needle's gain. It rewards
+  repetition as much as retrieval (an untreated model gains from seeing K at all), so it is
+  reported, never judged.
 """
 
 from __future__ import annotations
@@ -122,27 +130,73 @@ def knowledge_score(probe: dict, family: str = "train") -> float | None:
     return None if f is None else f["seen"] - f["unseen"]
 
 
+DECOY = "The room number is {key}. Remember it. {key} is the room number."
+DEPTHS_DECOY = (0.0, 0.25, 0.5, 0.75, 1.0)  # the decoy's depth: one of these, drawn per trial
+
+
+def decoy_items(items: list[dict], seed: int) -> list[dict]:
+    """``items`` of ``needle_trials`` with a decoy each: ``decoy`` (a number ≠ the key), ``decoy_depth``,
+    ``both`` (the haystack with the decoy and the needle) and ``decoy_only`` (with the decoy alone)."""
+    import numpy as np
+
+    from ..eval.tasks.needle import NEEDLE, insert_needle
+
+    rng = np.random.default_rng([seed, 11])
+    out = []
+    for it in items:
+        decoy, depth = int(rng.integers(10000, 100000)), float(rng.choice(DEPTHS_DECOY))
+        while decoy == it["key"]:
+            decoy = int(rng.integers(10000, 100000))
+        decoy_only = insert_needle(it["haystack"], DECOY.format(key=decoy), depth)
+        out.append({**it, "decoy": decoy, "decoy_depth": depth, "decoy_only": decoy_only,
+                    "both": insert_needle(decoy_only, NEEDLE.format(key=it["key"]), it["depth"])})
+    return out
+
+
+
 def needle_probe(lm: LanguageModel, trials: int = 4, seed: int = 0, lengths: list[int] | None = None,
                  depths: tuple[float, ...] | None = None) -> dict:
-    """Gain in the key's log-probability from having the needle in context, per (depth, length) cell
-    and overall (mean over trials with its interval)."""
+    """Retrieval of the pass key against a decoy, per (depth, length) cell and overall: ``margin``
+    (log p(key) − log p(decoy), nats), ``retrieval`` (greedy exact match of the key, fraction) and the
+    needle's ``gain`` (reported, not a retrieval measure: see the module docstring)."""
     from ..eval.tasks.needle import DEPTHS, QUESTION, needle_trials
 
     depths = tuple(depths or DEPTHS)
-    _, lengths, items = needle_trials(lm, trials, seed, depths, lengths)
-    requests = [LoglikelihoodRequest(c + QUESTION, f" {it['key']}") for it in items for c in (it["context"], it["haystack"])]
-    scores = [a.logprob for a in lm.loglikelihood(requests)]
-    gains = [scores[2 * i] - scores[2 * i + 1] for i in range(len(items))]
-    grid = [[_mean([g for g, it in zip(gains, items) if (it["depth"], it["length"]) == (d, n)]) for n in lengths]
-            for d in depths]
-    by_length = {str(n): one_sample([g for g, it in zip(gains, items) if it["length"] == n]).to_dict() for n in lengths}
-    return {"depths": list(depths), "lengths": lengths, "trials": trials, "gain": grid, "by_length": by_length,
-            "mean_gain": one_sample(gains, "items").to_dict(), "with": _mean(scores[0::2]), "without": _mean(scores[1::2])}
+    _, lengths, items = needle_trials(lm, trials, seed, depths, lengths, extra=DECOY.format(key=12345))
+    items = decoy_items(items, seed)
+    requests = [LoglikelihoodRequest(it[ctx] + QUESTION, f" {it[ans]}") for it in items
+                for ctx, ans in (("both", "key"), ("both", "decoy"), ("decoy_only", "key"))]
+    answers = lm.loglikelihood(requests)
+    key, decoy, alone = answers[0::3], answers[1::3], answers[2::3]
+    per_item = {"margin": [k.logprob - d.logprob for k, d in zip(key, decoy)],
+                "retrieved": [float(k.is_greedy) for k in key],
+                "gain": [k.logprob - a.logprob for k, a in zip(key, alone)]}
+    cells = [(it["depth"], it["length"]) for it in items]
+
+    def grid(xs: list[float]) -> list[list[float]]:
+        return [[_mean([x for x, c in zip(xs, cells) if c == (d, n)]) for n in lengths] for d in depths]
+
+    by_length = {str(n): one_sample([g for g, it in zip(per_item["margin"], items) if it["length"] == n]).to_dict()
+                 for n in lengths}
+    return {"version": 2, "depths": list(depths), "lengths": lengths, "trials": trials,
+            "margin": grid(per_item["margin"]), "retrieval": grid(per_item["retrieved"]),
+            "gain": grid(per_item["gain"]), "by_length": by_length,
+            "mean_margin": one_sample(per_item["margin"], "items").to_dict(),
+            "retrieved": {"mean": _mean(per_item["retrieved"]), "n": len(items)},
+            "mean_gain": one_sample(per_item["gain"], "items").to_dict(),
+            "with": _mean([k.logprob for k in key]), "decoy": _mean([d.logprob for d in decoy]),
+            "without": _mean([a.logprob for a in alone])}
 
 
-def needle_score(probe: dict) -> float | None:
-    """A model's mean needle gain (nats), or None."""
-    return ((probe or {}).get("mean_gain") or {}).get("mean")
+def needle_score(probe: dict, measure: str = "margin") -> float | None:
+    """A model's mean needle ``margin`` (retrieval, nats; the default) or ``gain`` (nats), or None (an
+    earlier probe without that measure)."""
+    return ((probe or {}).get(f"mean_{measure}") or {}).get("mean")
+
+
+def needle_retrieval(probe: dict) -> float | None:
+    """The fraction of trials whose key greedy decoding retrieved exactly, or None."""
+    return ((probe or {}).get("retrieved") or {}).get("mean")
 
 
 def _mean(xs: list[float]) -> float:
@@ -161,8 +215,9 @@ def lm_for(model, data_dir: str | Path, max_length: int | None = None, batch_siz
 
 def passkey_documents(n_docs: int, length_chars: int, seed: int = 0) -> list[str]:
     """Pass-key retrieval documents for the needle probe's positive control: a haystack of 16 to
-    ``length_chars`` characters (uniform: short ones teach the copy fastest) with the needle at a
-    random depth, then the question and the key."""
+    ``length_chars`` characters (uniform: short ones teach the copy fastest) holding the needle and a
+    decoy of the same shape (``DECOY``) at random depths, then the question and the key. The decoy
+    makes copying any number useless: only finding the one the question asks for lowers the loss."""
     import numpy as np
 
     from ..eval.tasks.needle import NEEDLE, QUESTION, haystack, haystack_passages, insert_needle
@@ -171,6 +226,8 @@ def passkey_documents(n_docs: int, length_chars: int, seed: int = 0) -> list[str
     docs = []
     for _ in range(n_docs):
         key, start, depth = int(rng.integers(10000, 100000)), int(rng.integers(len(passages))), float(rng.random())
-        hay = haystack(passages, start, int(rng.integers(16, length_chars)))
+        decoy, decoy_depth = int(rng.integers(10000, 100000)), float(rng.random())
+        hay = insert_needle(haystack(passages, start, int(rng.integers(16, length_chars))), DECOY.format(key=decoy),
+                            decoy_depth)
         docs.append(insert_needle(hay, NEEDLE.format(key=key), depth) + QUESTION + f" {key}.")
     return docs

@@ -104,8 +104,15 @@ def knowledge(rows_by_size: dict, controls: list[dict]) -> list[str]:
     return lines
 
 
+def _needle_cells(probes: list[dict], lengths: list[int]) -> list[str]:
+    """Mean over ``probes`` of the by-length margin (gain for an earlier probe), and greedy retrieval."""
+    cells = [f(sum(p["by_length"][str(n)]["mean"] for p in probes) / len(probes), "+.3f") for n in lengths]
+    found = [p["retrieved"]["mean"] for p in probes if p.get("retrieved")]
+    return cells + [f"{sum(found) / len(found):.0%}" if found else "–"]
+
+
 def context(rows: list[dict], controls: list[dict]) -> list[str]:
-    """Loss by position in quarters and the needle probe's gain, mean over seeds, per variant."""
+    """Loss by position in quarters and the needle probe's retrieval, mean over seeds, per variant."""
     if not rows:
         return []
     from .tables import bucket
@@ -113,8 +120,11 @@ def context(rows: list[dict], controls: list[dict]) -> list[str]:
     lines = ["## 5. Context extension", "",
              "`run.stage=context_extend` with document masking, from the comparison run of the same variant and seed. "
              "Validation loss by position (window quarters, mean over seeds), before and after the extension; then the "
-             "needle probe: the pass key's log-probability with the needle in the haystack minus without it (nats).", ""]
-    body, gains = [], []
+             "needle probe: the pass key's log-probability minus a decoy number's (\"The room number is D\", twice, "
+             "like the key) after the question, in nats — repeating numbers seen in context favours both alike, only "
+             "retrieval favours the key — and the fraction of keys retrieved greedily. Earlier probe versions had no "
+             "decoy: their columns are the needle's gain (key log-prob with − without the needle).", ""]
+    body, scores = [], []
     for variant in dict.fromkeys(r["variant"] for r in rows):
         rs = [r for r in rows if r["variant"] == variant]
         for point in ("init", "final"):
@@ -125,17 +135,16 @@ def context(rows: list[dict], controls: list[dict]) -> list[str]:
                              *(f(x) for x in bucket(curve)), f(sum(curve) / n)])
         probes = [r["needle"] for r in rs if r.get("needle")]
         if probes:
-            lengths = probes[0]["lengths"]
-            gains.append([variant, str(len(probes)), *(f(sum(p["by_length"][str(n)]["mean"] for p in probes) / len(probes), "+.3f")
-                                                       for n in lengths)])
+            scores.append([variant, str(len(probes)), *_needle_cells(probes, probes[0]["lengths"])])
     lines += table(["variant", "", "length", "seeds", "Q1", "Q2", "Q3", "Q4", "mean"], body)
     for c in controls:
-        if (c["probes"] or {}).get("needle"):
-            p = c["probes"]["needle"]
-            gains.append([f"control: {c['name']}", "1", *(f(p["by_length"][str(n)]["mean"], "+.3f") for n in p["lengths"])])
-    if gains:
-        lengths = next(r["needle"]["lengths"] for r in rows if r.get("needle"))
-        lines += table(["model", "seeds", *(f"gain at {n} tokens" for n in lengths)], gains)
+        if (p := (c["probes"] or {}).get("needle")):
+            scores.append([f"control: {c['name']}", "1", *_needle_cells([p], p["lengths"])])
+    if scores:
+        first = next(r["needle"] for r in rows if r.get("needle"))
+        measure = "margin" if first.get("version", 1) >= 2 else "gain"
+        lines += table(["model", "seeds", *(f"{measure} at {n} tokens" for n in first["lengths"]), "greedy retrieval"],
+                       scores)
     return lines
 
 

@@ -72,15 +72,16 @@ def fit_bytes(text: str, n_bytes: int) -> str:
 
 
 def needle_trials(lm: LanguageModel, trials: int, seed: int, depths: tuple[float, ...] = DEPTHS,
-                  lengths: list[int] | None = None) -> tuple[float, list[int], list[dict]]:
+                  lengths: list[int] | None = None, extra: str = "") -> tuple[float, list[int], list[dict]]:
     """``(chars per token, lengths, trials)``: ``trials`` haystacks per (length, depth) cell, each
     ``{"length", "depth", "key", "haystack", "context"}`` (``context``: the haystack with the needle in
-    it; the question is not appended). ``lengths`` default to ``context_lengths(lm.max_length)``."""
+    it; the question is not appended). ``lengths`` default to ``context_lengths(lm.max_length)``.
+    ``extra``: text the caller will add to each haystack (a decoy), kept inside the nominal length."""
     passages = haystack_passages()
     sample = fit_bytes(haystack(passages, 0, lm.max_length), lm.max_length - 8)
-    probe = NEEDLE.format(key="12345") + QUESTION + " 12345"
+    probe = (extra + " " if extra else "") + NEEDLE.format(key="12345") + QUESTION + " 12345"
     measured = lm.loglikelihood([LoglikelihoodRequest("", sample), LoglikelihoodRequest("", probe)])
-    chars_per_token, fixed = len(sample) / measured[0].n_tokens, measured[1].n_tokens + 2
+    chars_per_token, fixed = len(sample) / measured[0].n_tokens, measured[1].n_tokens + 2 + (2 if extra else 0)
     lengths = [n for n in (lengths or context_lengths(lm.max_length)) if n - fixed >= 16 and n <= lm.max_length]
     if not lengths:
         raise ValueError(f"max_length={lm.max_length} leaves no room for a haystack around a "
