@@ -72,6 +72,10 @@ GRID_SETTINGS = {
     "gated-par-refit-distill": {"method": "gated", "tokens": K, "refit_down": True, "sequential": False, **DISTILL},
     "gated-seq-refit-mixed": {"method": "gated", "tokens": K, "refit_down": True},
     "gated-seq-refit-shrink4-mixed": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
+    # the default (shrink 1024) calibrated on mixed text, and distilled from the default
+    "gated-seq-refit-shrink1024-mixed": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0},
+    "gated-seq-refit-shrink1024-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0,
+                                              **DISTILL_LONG},
     "gated-seq-als2-regress": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "unseen": "regress"},
     "gated-seq-refit-regress-distill": {"method": "gated", "tokens": K, "refit_down": True, "unseen": "regress",
                                         **DISTILL},

@@ -61,8 +61,15 @@ class SlotCache:
         return self
 
     def ragged(self, slots: torch.Tensor, span: int) -> "SlotCache":
-        """The next forward writes row ``j``'s token at ``slots[j]`` (``(n,)``), attending to ``0..span-1``."""
-        self._view = ("ragged", slots, span)
+        """The next forward writes row ``j``'s token at ``slots[j]`` (``(n,)``), attending to ``0..span-1``.
+
+        The writes go through one flat index into a layer's ``(rows·heads·slots, head_dim)`` view, made
+        here once for every layer and for keys and values alike (``index_copy_``: cheaper per call than
+        the advanced-index assignment it replaces, which rebuilt its broadcast indices each time)."""
+        n, heads = slots.shape[0], self.cfg.n_kv_heads
+        rows = torch.arange(n, device=slots.device)[:, None] * heads + torch.arange(heads, device=slots.device)
+        flat = (rows * self.max_len + slots[:, None]).reshape(-1)  # (n·heads,): row j, head h at slots[j]
+        self._view = ("ragged", flat, span)
         return self
 
     def prefill(self, rows: list[int]) -> "SlotCache":
@@ -83,9 +90,9 @@ class SlotCache:
             V[:n, :, start_pos:start_pos + T] = v
             return K[:n, :, :span], V[:n, :, :span]
         if kind == "ragged":
-            rows = torch.arange(n, device=K.device)
-            K[rows, :, where] = k[:, :, 0]  # (n, nkv, hd) at each row's own slot
-            V[rows, :, where] = v[:, :, 0]
+            hd = k.shape[-1]
+            K.view(-1, hd).index_copy_(0, where, k[:, :, 0].reshape(-1, hd))  # (n·nkv, hd) at each row's own slot
+            V.view(-1, hd).index_copy_(0, where, v[:, :, 0].reshape(-1, hd))
             return K[:n, :, :span], V[:n, :, :span]
         if isinstance(where, slice):
             K[where, :, :T] = k
