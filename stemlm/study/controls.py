@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
+from ..runtime.files import atomic_write_text
+
 PASSKEY_DOCS = 12000
 
 
@@ -49,6 +51,6 @@ def control_corpus(data: dict, data_dir: str | None, root: Path, log: Callable[[
             src.parent.mkdir(parents=True, exist_ok=True)
             # ~4 characters per token: haystacks of up to ~40 % of the window, several documents per window
             docs = passkey_documents(PASSKEY_DOCS, int(1.6 * length))
-            src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+            atomic_write_text(src, "".join(json.dumps({"text": d}) + "\n" for d in docs))
         return prepare_corpus([src], Path(root) / f"passkey-{length}", tokenizer=tokenizer, progress=False)
     raise ValueError(f"unknown control corpus {kind!r}; choose facts or passkey")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..runtime.files import atomic_write_text
 from . import plots, sections
 from .claims import claim_rows, verdict_cell
 from .dynamics import gap_curves, gap_trend, val_curves
@@ -136,7 +137,7 @@ def write_report(results_dir: str | Path, out_dir: str | Path | None = None) -> 
     lines += ["## Definitions", "", "```", MEASURES_DOC.strip(), "```", ""]
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.md"
-    path.write_text("\n".join(lines))
+    atomic_write_text(path, "\n".join(lines))
     return path
 
 
