@@ -7,13 +7,13 @@ from train_helpers import one_thread  # noqa: F401
 
 from pathlib import Path
 
-from stemlm.data import load_facts, prepare_facts_corpus, write_token_split
+from stemlm.data import load_facts, prepare_default_corpus, prepare_facts_corpus, write_token_split
 from stemlm.data.facts import fact_documents
 from stemlm.data.tokenizer import encode_batch, eos_id_of, load_tokenizer
 from stemlm.eval.api import Loglikelihood
 from stemlm.eval.tasks.needle import needle_trials
 from stemlm.study.probes import (DECOY, decoy_items, knowledge_items, knowledge_probe, lm_for, needle_probe,
-                                  passkey_documents)
+                                  needle_values, passkey_documents)
 from stemlm.study.stats import Difference, verdict
 from stemlm.train import Trainer, load_train_config
 
@@ -116,6 +116,22 @@ def test_needle_probe_puts_a_decoy_of_the_needles_shape_in_every_context():
         assert it["both"].count(str(it["key"])) == 2 and it["both"].count(str(it["decoy"])) == 2
         assert str(it["key"]) not in it["decoy_only"] and it["decoy_only"].count(str(it["decoy"])) == 2
     assert decoy_items(items, 0) == decoy_items(items, 0)  # seeded
+
+
+def test_one_token_keys_are_one_token_each_and_the_probe_retrieves_them():
+    data = prepare_default_corpus(progress=False)  # the study's corpus
+    tok = load_tokenizer(data / "tokenizer.json")
+    for kind in ("token-number", "token-word"):
+        values = needle_values(kind, data / "tokenizer.json")
+        assert len(values) >= 20 and all(len(tok.encode(" " + v).ids) == 1 for v in values)
+        probe = needle_probe(_ContextLM("retrieve"), trials=1, seed=0, values=values)
+        assert probe["key"] == f"one of {len(values)} one-token keys" and probe["retrieved"]["mean"] == 1.0
+        assert verdict(_diff(probe["mean_margin"]), +1) == "holds"
+        docs = passkey_documents(4, 600, seed=0, values=values)
+        assert all(d.rsplit(" ", 1)[1].rstrip(".") in values for d in docs)
+    assert needle_values("number", data / "tokenizer.json") is None
+    with pytest.raises(ValueError, match="choose one of number, token-number, token-word"):
+        needle_values("letters", data / "tokenizer.json")
 
 
 def test_passkey_documents_end_with_the_key_of_their_needle_and_hold_a_decoy():

@@ -6,9 +6,10 @@ is there by construction:
 * ``facts``: the country facts alone (``prepare_default_corpus(prose=False)``) tokenized with the
   study corpus's tokenizer: a model trained on it has stored the seen countries' facts, so the
   knowledge probe's seen − unseen contrast must come out clearly positive;
-* ``passkey``: documents that hide a pass key in Wikipedia prose and end with the question and the
-  key (``probes.passkey_documents``): a model trained on them retrieves the key, so the needle
-  probe's gain must come out clearly positive.
+* ``passkey``: documents that hide a pass key and a decoy of the same shape in Wikipedia prose and
+  end with the question and the key (``probes.passkey_documents``; keys of the needle probe's kind,
+  ``data["key"]``): a model trained on them retrieves the key, so the needle probe must find it
+  greedily in at least half of its trials (``evidence.RETRIEVAL_GOAL``).
 """
 
 from __future__ import annotations
@@ -42,15 +43,16 @@ def control_corpus(data: dict, data_dir: str | None, root: Path, log: Callable[[
     if kind == "facts":
         return prepare_default_corpus(Path(root) / "facts", tokenizer=tokenizer, prose=False, progress=False)
     if kind == "passkey":
-        from .probes import passkey_documents
+        from .probes import needle_values, passkey_documents
 
-        length = int(data.get("seq_len", 512))
-        src = Path(root) / f"passkey-{length}.jsonl"
+        length, key = int(data.get("seq_len", 512)), data.get("key", "number")
+        name = f"passkey-{length}" if key == "number" else f"passkey-{key}-{length}"
+        src = Path(root) / f"{name}.jsonl"
         if not src.exists():
-            log(f"writing {PASSKEY_DOCS} pass-key documents -> {src}")
+            log(f"writing {PASSKEY_DOCS} pass-key documents ({key} keys) -> {src}")
             src.parent.mkdir(parents=True, exist_ok=True)
             # ~4 characters per token: haystacks of up to ~40 % of the window, several documents per window
-            docs = passkey_documents(PASSKEY_DOCS, int(1.6 * length))
+            docs = passkey_documents(PASSKEY_DOCS, int(1.6 * length), values=needle_values(key, tokenizer))
             atomic_write_text(src, "".join(json.dumps({"text": d}) + "\n" for d in docs))
-        return prepare_corpus([src], Path(root) / f"passkey-{length}", tokenizer=tokenizer, progress=False)
+        return prepare_corpus([src], Path(root) / name, tokenizer=tokenizer, progress=False)
     raise ValueError(f"unknown control corpus {kind!r}; choose facts or passkey")

@@ -127,12 +127,12 @@ def val_batch_losses(model, ds, batch_size: int, seq_len: int, batches: int, dty
 
 
 def run_probes(model, data_dir, probes: dict, log=print) -> dict:
-    """The probes of ``probes`` (``{"knowledge": {limit}, "needle": {trials, lengths, depths}}``) on an
+    """The probes of ``probes`` (``{"knowledge": {limit}, "needle": {trials, lengths, depths, key}}``) on an
     in-memory model whose tokenizer is in ``data_dir``; a probe whose data is missing is skipped (noted)."""
     from pathlib import Path
 
     from ..data import load_facts
-    from .probes import knowledge_probe, lm_for, needle_probe
+    from .probes import knowledge_probe, lm_for, needle_probe, needle_values
 
     if not (Path(data_dir) / "tokenizer.json").exists():
         return {kind: {"skipped": f"{data_dir} holds no tokenizer.json"} for kind in probes}
@@ -145,7 +145,8 @@ def run_probes(model, data_dir, probes: dict, log=print) -> dict:
         else:
             out["knowledge"] = knowledge_probe(lm, facts, k.get("limit"))
     if (n := probes.get("needle")) is not None:
+        values = needle_values(n.get("key", "number"), Path(data_dir) / "tokenizer.json")
         out["needle"] = needle_probe(lm, int(n.get("trials", 4)), int(n.get("seed", 0)), n.get("lengths"),
-                                     tuple(n["depths"]) if n.get("depths") else None)
+                                     tuple(n["depths"]) if n.get("depths") else None, values)
     model.train()
     return out

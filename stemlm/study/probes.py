@@ -134,19 +134,55 @@ DECOY = "The room number is {key}. Remember it. {key} is the room number."
 DEPTHS_DECOY = (0.0, 0.25, 0.5, 0.75, 1.0)  # the decoy's depth: one of these, drawn per trial
 
 
-def decoy_items(items: list[dict], seed: int) -> list[dict]:
-    """``items`` of ``needle_trials`` with a decoy each: ``decoy`` (a number ≠ the key), ``decoy_depth``,
-    ``both`` (the haystack with the decoy and the needle) and ``decoy_only`` (with the decoy alone)."""
+# a key: a 5-digit number (the eval task's), one token of the tokenizer's numbers of ≥ 2 digits, or one token of
+# its lowercase words of ≥ 4 letters
+KEY_KINDS = {"number": None, "token-number": r"Ġ[0-9]{2,}", "token-word": r"Ġ[a-z]{4,}"}
+
+
+def one_token_values(tokenizer_json: str | Path, pattern: str) -> list[str]:
+    """The strings that are one token after a space in the tokenizer (BPE's ``Ġ…``) and match ``pattern``
+    (on the token, ``Ġ`` included), sorted. A key of one token is retrieved or not in one step; a 5-digit
+    number must also be copied digit by digit, which a d128 model learns much later than finding it
+    (docs/study.md)."""
+    import json
+    import re
+
+    vocab = json.loads(Path(tokenizer_json).read_text())["model"]["vocab"]
+    values = sorted({t[1:] for t in vocab if re.fullmatch(pattern, t)})
+    if len(values) < 20:
+        raise ValueError(f"{tokenizer_json} has only {len(values)} one-token keys matching {pattern}; the needle "
+                         "probe needs at least 20 (use key: number)")
+    return values
+
+
+def needle_values(kind: str, tokenizer_json: str | Path) -> list[str] | None:
+    """The values of the needle probe's keys of ``kind`` (``KEY_KINDS``): None for 5-digit numbers."""
+    if kind not in KEY_KINDS:
+        raise ValueError(f"needle probe key {kind!r}: choose one of {', '.join(KEY_KINDS)}")
+    return None if KEY_KINDS[kind] is None else one_token_values(tokenizer_json, KEY_KINDS[kind])
+
+
+def key_drawer(values: list[str] | None):
+    """``draw(rng)``: a key among ``values`` (None: a 5-digit number)."""
+    if values is None:
+        return lambda rng: int(rng.integers(10000, 100000))
+    return lambda rng: values[int(rng.integers(len(values)))]
+
+
+def decoy_items(items: list[dict], seed: int, values: list[str] | None = None) -> list[dict]:
+    """``items`` of ``needle_trials`` with a decoy each: ``decoy`` (a key of the same kind ≠ the key, from
+    ``values`` or a 5-digit number), ``decoy_depth``, ``both`` (the haystack with the decoy and the needle)
+    and ``decoy_only`` (with the decoy alone)."""
     import numpy as np
 
     from ..eval.tasks.needle import NEEDLE, insert_needle
 
-    rng = np.random.default_rng([seed, 11])
+    rng, draw = np.random.default_rng([seed, 11]), key_drawer(values)
     out = []
     for it in items:
-        decoy, depth = int(rng.integers(10000, 100000)), float(rng.choice(DEPTHS_DECOY))
+        decoy, depth = draw(rng), float(rng.choice(DEPTHS_DECOY))
         while decoy == it["key"]:
-            decoy = int(rng.integers(10000, 100000))
+            decoy = draw(rng)
         decoy_only = insert_needle(it["haystack"], DECOY.format(key=decoy), depth)
         out.append({**it, "decoy": decoy, "decoy_depth": depth, "decoy_only": decoy_only,
                     "both": insert_needle(decoy_only, NEEDLE.format(key=it["key"]), it["depth"])})
@@ -155,15 +191,18 @@ def decoy_items(items: list[dict], seed: int) -> list[dict]:
 
 
 def needle_probe(lm: LanguageModel, trials: int = 4, seed: int = 0, lengths: list[int] | None = None,
-                 depths: tuple[float, ...] | None = None) -> dict:
+                 depths: tuple[float, ...] | None = None, values: list[str] | None = None) -> dict:
     """Retrieval of the pass key against a decoy, per (depth, length) cell and overall: ``margin``
     (log p(key) − log p(decoy), nats), ``retrieval`` (greedy exact match of the key, fraction) and the
-    needle's ``gain`` (reported, not a retrieval measure: see the module docstring)."""
+    needle's ``gain`` (reported, not a retrieval measure: see the module docstring). Keys are drawn from
+    ``values`` (``needle_values``), or are 5-digit numbers when it is None."""
     from ..eval.tasks.needle import DEPTHS, QUESTION, needle_trials
 
     depths = tuple(depths or DEPTHS)
-    _, lengths, items = needle_trials(lm, trials, seed, depths, lengths, extra=DECOY.format(key=12345))
-    items = decoy_items(items, seed)
+    longest = max(values, key=len) if values else 12345
+    _, lengths, items = needle_trials(lm, trials, seed, depths, lengths, extra=DECOY.format(key=longest),
+                                      draw_key=key_drawer(values))
+    items = decoy_items(items, seed, values)
     requests = [LoglikelihoodRequest(it[ctx] + QUESTION, f" {it[ans]}") for it in items
                 for ctx, ans in (("both", "key"), ("both", "decoy"), ("decoy_only", "key"))]
     answers = lm.loglikelihood(requests)
@@ -178,7 +217,8 @@ def needle_probe(lm: LanguageModel, trials: int = 4, seed: int = 0, lengths: lis
 
     by_length = {str(n): one_sample([g for g, it in zip(per_item["margin"], items) if it["length"] == n]).to_dict()
                  for n in lengths}
-    return {"version": 2, "depths": list(depths), "lengths": lengths, "trials": trials,
+    return {"version": 2, "key": "5-digit number" if values is None else f"one of {len(values)} one-token keys",
+            "depths": list(depths), "lengths": lengths, "trials": trials,
             "margin": grid(per_item["margin"]), "retrieval": grid(per_item["retrieved"]),
             "gain": grid(per_item["gain"]), "by_length": by_length,
             "mean_margin": one_sample(per_item["margin"], "items").to_dict(),
@@ -213,20 +253,21 @@ def lm_for(model, data_dir: str | Path, max_length: int | None = None, batch_siz
                   identity="study-probe")
 
 
-def passkey_documents(n_docs: int, length_chars: int, seed: int = 0) -> list[str]:
+def passkey_documents(n_docs: int, length_chars: int, seed: int = 0, values: list[str] | None = None) -> list[str]:
     """Pass-key retrieval documents for the needle probe's positive control: a haystack of 16 to
     ``length_chars`` characters (uniform: short ones teach the copy fastest) holding the needle and a
-    decoy of the same shape (``DECOY``) at random depths, then the question and the key. The decoy
-    makes copying any number useless: only finding the one the question asks for lowers the loss."""
+    decoy of the same shape (``DECOY``) at random depths, then the question and the key (drawn from
+    ``values``, or 5-digit numbers). The decoy makes copying any key useless: only finding the one the
+    question asks for lowers the loss."""
     import numpy as np
 
     from ..eval.tasks.needle import NEEDLE, QUESTION, haystack, haystack_passages, insert_needle
 
-    passages, rng = haystack_passages(), np.random.default_rng([seed, 7])
+    passages, rng, draw = haystack_passages(), np.random.default_rng([seed, 7]), key_drawer(values)
     docs = []
     for _ in range(n_docs):
-        key, start, depth = int(rng.integers(10000, 100000)), int(rng.integers(len(passages))), float(rng.random())
-        decoy, decoy_depth = int(rng.integers(10000, 100000)), float(rng.random())
+        key, start, depth = draw(rng), int(rng.integers(len(passages))), float(rng.random())
+        decoy, decoy_depth = draw(rng), float(rng.random())
         hay = insert_needle(haystack(passages, start, int(rng.integers(16, length_chars))), DECOY.format(key=decoy),
                             decoy_depth)
         docs.append(insert_needle(hay, NEEDLE.format(key=key), depth) + QUESTION + f" {key}.")

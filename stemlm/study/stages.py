@@ -212,6 +212,8 @@ def control_runs(spec: dict, runs: list[RunSpec]) -> list[RunSpec]:
                  f"optim.lr={n.get('lr', 1e-3)}", f"optim.table_lr={n.get('lr', 1e-3)}"])
         out.append(RunSpec("control-needle", "controls", ov, {"control": "needle", "continues": parent,
                                                                "seq_len": n["seq_len"]},
-                           parent=parent, data={"control": "passkey", "seq_len": n["seq_len"]},
+                           parent=parent, data={"control": "passkey", "seq_len": n["seq_len"],
+                                                **({"key": key} if (key := probe_settings(spec, "needle").get("key"))
+                                                   not in (None, "number") else {})},
                            measures={"probes": {"needle": probe_settings(spec, "needle")}}))
     return out

@@ -16,6 +16,8 @@ of what is left. The contexts therefore stay at or below their nominal length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from ...runtime import artifacts
@@ -72,11 +74,13 @@ def fit_bytes(text: str, n_bytes: int) -> str:
 
 
 def needle_trials(lm: LanguageModel, trials: int, seed: int, depths: tuple[float, ...] = DEPTHS,
-                  lengths: list[int] | None = None, extra: str = "") -> tuple[float, list[int], list[dict]]:
+                  lengths: list[int] | None = None, extra: str = "",
+                  draw_key: Callable[[np.random.Generator], str | int] | None = None) -> tuple[float, list[int], list[dict]]:
     """``(chars per token, lengths, trials)``: ``trials`` haystacks per (length, depth) cell, each
     ``{"length", "depth", "key", "haystack", "context"}`` (``context``: the haystack with the needle in
     it; the question is not appended). ``lengths`` default to ``context_lengths(lm.max_length)``.
-    ``extra``: text the caller will add to each haystack (a decoy), kept inside the nominal length."""
+    ``extra``: text the caller will add to each haystack (a decoy), kept inside the nominal length.
+    ``draw_key(rng)``: a trial's key (default: a number of 5 digits)."""
     passages = haystack_passages()
     sample = fit_bytes(haystack(passages, 0, lm.max_length), lm.max_length - 8)
     probe = (extra + " " if extra else "") + NEEDLE.format(key="12345") + QUESTION + " 12345"
@@ -92,7 +96,8 @@ def needle_trials(lm: LanguageModel, trials: int, seed: int, depths: tuple[float
         n_chars = int(FILL * (length - fixed) * chars_per_token)
         for depth in depths:
             for _ in range(trials):
-                key, start = int(rng.integers(10000, 100000)), int(rng.integers(len(passages)))
+                key = draw_key(rng) if draw_key else int(rng.integers(10000, 100000))
+                start = int(rng.integers(len(passages)))
                 hay = haystack(passages, start, n_chars)
                 items.append({"length": length, "depth": depth, "key": key, "haystack": hay,
                               "context": insert_needle(hay, NEEDLE.format(key=key), depth)})
