@@ -152,3 +152,14 @@ def test_probes_on_an_engine_over_a_real_model_are_finite(tmp_path):
     model = StemLM(model_config("debug", ffn="stem", vocab_size=4096, max_seq_len=256))
     probe = needle_probe(lm_for(model, data), trials=1, lengths=[128, 256])
     assert probe["lengths"] == [128, 256] and all(abs(g) < 50 for row in probe["gain"] for g in row)
+
+
+def test_a_spec_with_an_unknown_needle_key_is_refused_in_one_line(tmp_path):
+    from stemlm.config import ConfigError
+    from stemlm.study.spec import load_spec
+
+    text = (Path(__file__).resolve().parents[1] / "studies" / "quick.yaml").read_text()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text.replace("key: token-number", "key: letters"))
+    with pytest.raises(ConfigError, match="probes.needle.key='letters'; choose one of number, token-number, token-word"):
+        load_spec(bad)

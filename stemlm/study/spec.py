@@ -67,7 +67,16 @@ def load_spec(path_or_name: str | Path, quick: bool = False) -> dict:
         spec["name"] = f"{spec['name']}-quick"
     _include_midtrain(spec, path)
     _check_eval_tasks(spec, path)
+    _check_needle_key(spec, path)
     return spec
+
+
+def _check_needle_key(spec: dict, path: Path) -> None:
+    from .probes import KEY_KINDS
+
+    key = ((spec.get("probes") or {}).get("needle") or {}).get("key", "number")
+    if key not in KEY_KINDS:
+        raise ConfigError(f"study spec {path}: probes.needle.key={key!r}; choose one of {', '.join(KEY_KINDS)}")
 
 
 def _find(path_or_name: str | Path) -> Path:
