@@ -136,9 +136,7 @@ def resolve(runs: list[dict], sweep: dict) -> dict[str, dict]:
         if not all(have(lr, base + more) for lr in near):
             continue
         choice = min(near, key=lambda lr: (_mean(cells[lr], base + more), lr))
-        edge = "high" if choice == max(tried) else "low" if choice == min(tried) else None
-        state.update(resolved=True, lr=choice, loss=_mean(cells[choice], base + more), edge=edge, grid=sorted(tried),
-                     near=near, seeds=len(base + more))
+        _settle(state, choice, cells, base + more, tried, near)
     return out
 
 
@@ -158,9 +156,14 @@ def _confirm(state: dict, variant: str, cells: dict, confirmed: dict, tried: lis
         state.update(confirmed={lr: _mean(confirmed[lr], base) for lr in candidates})
     else:
         choice = candidates[0]
+    _settle(state, choice, cells, base, tried, candidates)
+
+
+def _settle(state: dict, choice: float, cells: dict, seeds: list[int], tried: list[float], near: list[float]) -> None:
+    """Record ``choice`` as the variant's lr: its loss over ``seeds``, and the grid edge it sits at (if any)."""
     edge = "high" if choice == max(tried) else "low" if choice == min(tried) else None
-    state.update(resolved=True, lr=choice, loss=_mean(cells[choice], base), edge=edge, grid=sorted(tried),
-                 near=candidates, seeds=len(base))
+    state.update(resolved=True, lr=choice, loss=_mean(cells[choice], seeds), edge=edge, grid=sorted(tried),
+                 near=near, seeds=len(seeds))
 
 
 def _extended(runs: list[dict]) -> dict[str, set[float]]:
