@@ -34,8 +34,9 @@ SETTLE = {
     "knowledge": "more seeds (below) and a larger model that reads each fact more often",
     "stability": "≥ 6 paired spikes between STEM-1/3 and Hash-MoE-1/3: longer runs at and above the paper's lr, "
                  "several seeds, each paired with dense on the same batches",
-    "long_context": "a positive control that retrieves ≥ 50 % of keys greedily (else the probe is blind), then more "
-                    "seeds, and context models that retrieve at all (longer context extension at a larger size)",
+    "long_context": "context models that retrieve at all (neither arm does at d128 after 80 steps of extension, while "
+                    "the positive control shows the probe sees retrieval where a model has it): a longer extension at "
+                    "a larger size, then more seeds",
     "midtrain": "≥ 2 seeds at the study's budget (3 seeds on one GPU: docs/insertion.md), and the paper's mid-training "
                 "tokens, which no offline corpus here holds in SmolLM2's vocabulary",
     "ablation": "more seeds for the inconclusive differences (below)",
