@@ -256,19 +256,21 @@ def needle_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, l
             continue
         a, b = _common(variants[STEM], variants[BASELINE])
         qa, qb = _common(tail[size].get(STEM, {}), tail[size].get(BASELINE, {}))
-
-        def mean(d: dict) -> float:
-            return sum(d.values()) / len(d) if d else float("nan")
         g, f = gains[size], found[size]
-        extra = (f"; greedy retrieval dense {mean(f.get(BASELINE, {})):.0%}, STEM-1/3 {mean(f.get(STEM, {})):.0%}"
-                 f"; needle gain (rewards repetition too, not judged) dense {mean(g.get(BASELINE, {})):+.3f}, "
-                 f"STEM-1/3 {mean(g.get(STEM, {})):+.3f} nats"
+        extra = (f"; greedy retrieval dense {_seed_mean(f.get(BASELINE, {})):.0%}, STEM-1/3 "
+                 f"{_seed_mean(f.get(STEM, {})):.0%}; needle gain (rewards repetition too, not judged) dense "
+                 f"{_seed_mean(g.get(BASELINE, {})):+.3f}, STEM-1/3 {_seed_mean(g.get(STEM, {})):+.3f} nats"
                  + (f"; loss in the window's last quarter, STEM − dense {difference(qa, qb).text(' nats')}" if qa else ""))
         part = _part(f"{size} needle key − decoy margin, STEM − dense", difference(a, b), +1, " nats", extra)
         if ok is not True:
             part["verdict"] = BLIND
         parts.append(part)
     return parts, ([control] if parts else [])
+
+
+def _seed_mean(by_seed_values: dict) -> float:
+    """The mean over seeds of ``{seed: value}`` (NaN when empty: shown, never judged)."""
+    return sum(by_seed_values.values()) / len(by_seed_values) if by_seed_values else float("nan")
 
 
 def _last_quarter(r: dict) -> float | None:
