@@ -205,7 +205,11 @@ class DecodeCore:
             return self.model(ids, start_pos=span - 1, cache=self.cache.uniform(len(tokens), span),
                               table_rows=rows, context=context)[:, -1]
         pos = torch.tensor(slots, device=self.device)  # (n,)
-        mask = (torch.arange(span, device=self.device)[None, :] <= pos[:, None])[:, None, None]  # (n, 1, 1, S)
+        # an additive mask (0 / -inf), built once for every layer: a boolean one is converted by each layer's
+        # attention again (+0.3 ms of a 6.7 ms step on 2 CPU cores at the tiny shape, batch 16)
+        hidden = torch.arange(span, device=self.device)[None, :] > pos[:, None]  # (n, S): slots past a row's own
+        mask = torch.zeros(hidden.shape, dtype=self.cache.dtype, device=self.device).masked_fill_(
+            hidden, float("-inf"))[:, None, None]  # (n, 1, 1, S)
         return self.model(ids, start_pos=0, cache=self.cache.ragged(pos, span), positions=pos[:, None],
                           attn_mask=mask, table_rows=rows, context=context)[:, -1]
 
