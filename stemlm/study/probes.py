@@ -12,13 +12,13 @@ model that stored facts has ``seen − unseen > 0``; one that did not has ≈ 0 
 the facts alone is the positive control, the model at its init the negative one).
 
 **Needle** (``needle_probe``). Every haystack holds the needle ("The pass key is K. …") and a decoy
-of the same shape with another number ("The room number is D. …", at its own random depth), so
-both numbers occur twice in the context. After the question "What is the pass key? The pass key
+of the same shape with another key of the same kind ("The room number is D. …", at its own random
+depth), so both keys occur twice in the context. After the question "What is the pass key? The pass key
 is" the probe reads three things:
 
-* ``margin = log p(K) − log p(D)``: *retrieval*. A model that merely repeats numbers it has seen
+* ``margin = log p(K) − log p(D)``: *retrieval*. A model that merely repeats keys it has seen
   (the copy that any language model learns early) favours K and D alike, so its margin is ≈ 0;
-  only a model that finds the number the question asks for has ``margin > 0``;
+  only a model that finds the key the question asks for has ``margin > 0``;
 * ``retrieved``: whether greedy decoding gives exactly K (the eval task's accuracy);
 * ``gain = log p(K | needle and decoy) − log p(K | decoy only)``: the needle's gain. It rewards
   repetition as much as retrieval (an untreated model gains from seeing K at all), so it is
@@ -131,7 +131,6 @@ def knowledge_score(probe: dict, family: str = "train") -> float | None:
 
 
 DECOY = "The room number is {key}. Remember it. {key} is the room number."
-DEPTHS_DECOY = (0.0, 0.25, 0.5, 0.75, 1.0)  # the decoy's depth: one of these, drawn per trial
 
 
 # a key: a 5-digit number (the eval task's), one token of the tokenizer's numbers of ≥ 2 digits, or one token of
@@ -163,9 +162,11 @@ def needle_values(kind: str, tokenizer_json: str | Path) -> list[str] | None:
 
 
 def key_drawer(values: list[str] | None):
-    """``draw(rng)``: a key among ``values`` (None: a 5-digit number)."""
+    """``draw(rng)``: a key among ``values`` (None: a 5-digit number, the eval task's ``five_digit_key``)."""
+    from ..eval.tasks.needle import five_digit_key
+
     if values is None:
-        return lambda rng: int(rng.integers(10000, 100000))
+        return five_digit_key
     return lambda rng: values[int(rng.integers(len(values)))]
 
 
@@ -175,19 +176,18 @@ def decoy_items(items: list[dict], seed: int, values: list[str] | None = None) -
     and ``decoy_only`` (with the decoy alone)."""
     import numpy as np
 
-    from ..eval.tasks.needle import NEEDLE, insert_needle
+    from ..eval.tasks.needle import DEPTHS, NEEDLE, insert_needle
 
     rng, draw = np.random.default_rng([seed, 11]), key_drawer(values)
     out = []
     for it in items:
-        decoy, depth = draw(rng), float(rng.choice(DEPTHS_DECOY))
+        decoy, depth = draw(rng), float(rng.choice(DEPTHS))  # the decoy at one of the needle's depths
         while decoy == it["key"]:
             decoy = draw(rng)
         decoy_only = insert_needle(it["haystack"], DECOY.format(key=decoy), depth)
         out.append({**it, "decoy": decoy, "decoy_depth": depth, "decoy_only": decoy_only,
                     "both": insert_needle(decoy_only, NEEDLE.format(key=it["key"]), it["depth"])})
     return out
-
 
 
 def needle_probe(lm: LanguageModel, trials: int = 4, seed: int = 0, lengths: list[int] | None = None,

@@ -73,6 +73,11 @@ def fit_bytes(text: str, n_bytes: int) -> str:
     return text.encode("utf-8")[:n_bytes].decode("utf-8", errors="ignore")
 
 
+def five_digit_key(rng: np.random.Generator) -> int:
+    """A pass key: a number of 5 digits (the task's default key)."""
+    return int(rng.integers(10000, 100000))
+
+
 def needle_trials(lm: LanguageModel, trials: int, seed: int, depths: tuple[float, ...] = DEPTHS,
                   lengths: list[int] | None = None, extra: str = "",
                   draw_key: Callable[[np.random.Generator], str | int] | None = None) -> tuple[float, list[int], list[dict]]:
@@ -96,7 +101,7 @@ def needle_trials(lm: LanguageModel, trials: int, seed: int, depths: tuple[float
         n_chars = int(FILL * (length - fixed) * chars_per_token)
         for depth in depths:
             for _ in range(trials):
-                key = draw_key(rng) if draw_key else int(rng.integers(10000, 100000))
+                key = (draw_key or five_digit_key)(rng)
                 start = int(rng.integers(len(passages)))
                 hay = haystack(passages, start, n_chars)
                 items.append({"length": length, "depth": depth, "key": key, "haystack": hay,
