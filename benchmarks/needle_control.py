@@ -48,7 +48,7 @@ def train(args, data: Path) -> Path:
     return out
 
 
-def token_split(model, lm, items, values) -> dict:
+def token_split(model, lm, items) -> dict:
     """Mean log-prob of the key's first token and of its later tokens, given the needle and the decoy."""
     from stemlm.eval.tasks.needle import QUESTION
 
@@ -79,7 +79,7 @@ def probe(run_dir: Path, data: Path, args) -> list[dict]:
         lm = lm_for(model, data, max_length=args.seq_len)
         p = needle_probe(lm, args.trials, 0, values=values)
         _, _, items = needle_trials(lm, 1, 0, extra=DECOY.format(key=12345), draw_key=key_drawer(values))
-        split = token_split(model, lm, decoy_items(items, 0, values), values)
+        split = token_split(model, lm, decoy_items(items, 0, values))
         step = int(ckpt.name.split("_")[1])
         rows.append({"step": step, "retrieved": p["retrieved"], "margin": p["mean_margin"], "gain": p["mean_gain"],
                      "retrieval_by_length": {str(n): sum(r[j] for r in p["retrieval"]) / len(p["retrieval"])
