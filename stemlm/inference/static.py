@@ -33,7 +33,7 @@ import torch
 
 from ..ffn import ffn_kind
 from ..ffn.ngram import context_reach, keys_per_position
-from .kv_cache import SlotCache
+from .kv_cache import SlotCache, ragged_mask
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class StaticStep:
     def _forward(self, b: int) -> None:
         """The step of bucket ``b`` on the fixed buffers (what a graph records)."""
         ids, pos = self.ids[:b], self.pos[:b]
-        mask = (self.slots[None, :] <= pos[:, None])[:, None, None]  # (b, 1, 1, L)
+        mask = ragged_mask(self.slots, pos, self.cache.dtype)  # (b, 1, 1, L)
         if self.offloaded:
             rows = {k: buf[:b] for k, buf in self.table_rows.items()}
         else:  # gathered without torch.unique (no host sync): (b, 1, d_ff), or (b, 1, K, d_ff) for n-gram keys
