@@ -6,27 +6,55 @@
   with the bandwidth it reaches (bytes it must move ÷ time) next to the reference's time;
 * ``graph``: the loop's losses with ``run.step_graph=auto`` (the whole step captured as one CUDA
   graph; ``static``, the same step uncaptured, in a dry run) against the eager loop's (same seed, compiled blocks in both), dense and STEM-full with
-  ``optim.grad_accum=2``, and the step times of both.
+  ``optim.grad_accum=2``, and the step times of both;
+* ``tune`` (with ``--tune``, first): each table kernel timed under a few tile sizes and warps
+  (``CANDIDATES``; the first of each list is the shipped default) at the same shape, the AdamW over
+  the touched rows of a 31-layer stack; a candidate counts only when its outputs equal the default's
+  (forward, gate gradient and AdamW bit for bit; the row gradient within 1e-5, its summation order
+  follows ``CHUNK``). The fastest of each kernel are written to ``--tune-out`` (default
+  ``results/kernel_configs.json``) and used by the two checks after it; another process takes them
+  with ``STEMLM_TABLE_KERNEL_CONFIGS=<that file>`` (``stemlm/kernels/configs.py``).
 
     python benchmarks/gpu_checks.py            # on one GPU; writes results/gpu_checks.json
+    python benchmarks/gpu_checks.py --tune --tune-out $OUT/kernel_configs.json   # tune first
     python benchmarks/gpu_checks.py --dry-run  # the same on the CPU at tiny shapes (Triton interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from _gpu_parts import error_text
-from _train_bench import make_trainer, synthetic_data_dir, write_result
+from _train_bench import RESULTS, make_trainer, synthetic_data_dir, write_result
 
 
 REPS = 20
+
+# tile sizes and warps tried by --tune; the first of each kernel is the shipped default (configs.DEFAULTS)
+CANDIDATES = {
+    "forward": [{"BLOCK_N": 16, "BLOCK_F": 128, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_F": 256, "num_warps": 4},
+                {"BLOCK_N": 16, "BLOCK_F": 256, "num_warps": 4}, {"BLOCK_N": 32, "BLOCK_F": 128, "num_warps": 4},
+                {"BLOCK_N": 16, "BLOCK_F": 512, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_F": 256, "num_warps": 8},
+                {"BLOCK_N": 64, "BLOCK_F": 128, "num_warps": 8}, {"BLOCK_N": 8, "BLOCK_F": 512, "num_warps": 4}],
+    "backward_tiles": [{"CHUNK": 32, "BLOCK_F": 128, "num_warps": 4}, {"CHUNK": 32, "BLOCK_F": 64, "num_warps": 4},
+                       {"CHUNK": 64, "BLOCK_F": 64, "num_warps": 4}, {"CHUNK": 64, "BLOCK_F": 128, "num_warps": 8},
+                       {"CHUNK": 16, "BLOCK_F": 128, "num_warps": 4}, {"CHUNK": 16, "BLOCK_F": 256, "num_warps": 4},
+                       {"CHUNK": 32, "BLOCK_F": 256, "num_warps": 8}, {"CHUNK": 128, "BLOCK_F": 64, "num_warps": 8}],
+    "backward_rows": [{"BLOCK_S": 16, "BLOCK_F": 128, "num_warps": 4}, {"BLOCK_S": 8, "BLOCK_F": 256, "num_warps": 4},
+                      {"BLOCK_S": 32, "BLOCK_F": 128, "num_warps": 4}, {"BLOCK_S": 16, "BLOCK_F": 256, "num_warps": 8},
+                      {"BLOCK_S": 4, "BLOCK_F": 512, "num_warps": 4}],
+    "row_adamw": [{"BLOCK_D": 256, "num_warps": 4}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 4},
+                  {"BLOCK_D": 1024, "num_warps": 8}, {"BLOCK_D": 2048, "num_warps": 8}],
+}
+TUNE_LAYERS = 31  # STEM-full at the 350M shape: 31 tables a step
 
 
 def cuda_ms(fn, reps: int | None = None) -> float:
@@ -55,11 +83,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def kernel_check(device: str, N: int, F_: int, V: int) -> dict:
-    """The gated-rows forward and backward against ``F.silu(g) * rows[inverse]`` under autograd."""
-    from stemlm import kernels
-
-    gated, _ = kernels.load(device)
+def kernel_inputs(device: str, N: int, F_: int, V: int) -> tuple:
+    """One micro-batch's kernel inputs: Zipf ids over ``V``, their ``inverse (N,)``, ``P`` distinct rows
+    ``(P, F_)`` fp32, gate and upstream gradient ``(N, F_)`` (bf16 on CUDA)."""
     gen = np.random.default_rng(0)
     ids = torch.from_numpy(np.minimum(gen.zipf(1.2, N), V) - 1).to(device)  # (N,) Zipf over the vocabulary
     uniq, inverse = torch.unique(ids, return_inverse=True)
@@ -69,6 +95,90 @@ def kernel_check(device: str, N: int, F_: int, V: int) -> dict:
     rows = torch.randn(P, F_, device=device)
     g = torch.randn(N, F_, device=device, dtype=dtype)
     dh = torch.randn(N, F_, device=device, dtype=dtype)
+    return inverse, P, dtype, rows, g, dh
+
+
+def _fastest(timings: list[dict]) -> dict:
+    """The config of the fastest candidate whose outputs equal the default's."""
+    ok = [t for t in timings if t["equal"]]
+    return min(ok, key=lambda t: t["ms"])["config"]
+
+
+def tune_kernels(device: str, N: int, F_: int, V: int, candidates: dict) -> dict:
+    """Time every kernel under each candidate config (module doc); return the fastest configs with the
+    timings of every candidate, the default's first."""
+    from stemlm import kernels
+    from stemlm.kernels import configs
+
+    gated, row_adamw = kernels.load(device)
+    inverse, P, _, rows, g, dh = kernel_inputs(device, N, F_, V)
+    seg = gated.Segments.of(inverse, P)
+    best: dict = {}
+    timings: dict = {}
+
+    def backward(row_grad):
+        return gated.gated_rows_backward(dh, g, rows, seg, row_grad)
+
+    with configs.use({}):
+        h0 = gated.gated_rows_forward(g, rows, inverse)
+        rg0 = torch.zeros(P, F_, device=device)
+        dg0 = backward(rg0)
+    for kernel in ("forward", "backward_tiles", "backward_rows"):
+        timings[kernel] = []
+        for cfg in candidates[kernel]:
+            with configs.use({**best, kernel: cfg}):
+                if kernel == "forward":
+                    equal = bool(torch.equal(gated.gated_rows_forward(g, rows, inverse), h0))
+                    ms = cuda_ms(lambda: gated.gated_rows_forward(g, rows, inverse))
+                else:
+                    rg = torch.zeros(P, F_, device=device)
+                    equal = bool(torch.equal(backward(rg), dg0)) and rel(rg, rg0) < 1e-5
+                    ms = cuda_ms(lambda: backward(rg))  # both passes (the second depends on the first's CHUNK)
+            timings[kernel].append({"config": cfg, "ms": ms, "equal": equal})
+        best[kernel] = _fastest(timings[kernel])
+
+    R, K = TUNE_LAYERS * V, TUNE_LAYERS * P  # a stack of tables, the rows one step touches in each
+    gen = torch.Generator(device=device).manual_seed(0)
+    state = [torch.randn(R, F_, device=device, generator=gen) for _ in range(2)] + [torch.rand(R, F_, device=device, generator=gen)]
+    flat = torch.randperm(R, device=device, generator=gen)[:K]
+    w_rows, grad = state[0][flat], torch.randn(K, F_, device=device, generator=gen)
+    decay = torch.full((K, 1), 0.999, device=device)
+    neg_step, eps_r = torch.full((K, 1), -1e-3, device=device), torch.full((K, 1), 1e-8, device=device)
+
+    def adamw(tensors):
+        row_adamw.row_adamw_(*tensors, flat, w_rows, grad, decay, neg_step, eps_r, None, 0.9, 0.95)
+
+    want = [t.clone() for t in state]
+    with configs.use({}):
+        adamw(want)
+    timings["row_adamw"] = []
+    for cfg in candidates["row_adamw"]:  # every candidate from the same state first, then the timing
+        with configs.use({"row_adamw": cfg}):
+            got = [t.clone() for t in state]
+            adamw(got)
+            timings["row_adamw"].append({"config": cfg, "equal": all(bool(torch.equal(a, b)) for a, b in zip(got, want))})
+            del got
+    for t in timings["row_adamw"]:
+        with configs.use({"row_adamw": t["config"]}):
+            t["ms"] = cuda_ms(lambda: adamw(state))  # (the state drifts by a few tiny steps: timing only)
+    best["row_adamw"] = _fastest(timings["row_adamw"])
+    del state, want
+    moved = {"row_adamw": K * F_ * 4 * 7}  # 4 reads and 3 writes of fp32 a touched element
+    return {"N": N, "d_ff": F_, "vocab": V, "distinct_rows": P, "layers": TUNE_LAYERS, "configs": best,
+            "timings_ms": timings,
+            "speedup_over_default": {k: timings[k][0]["ms"] / min(t["ms"] for t in timings[k] if t["equal"])
+                                     for k in timings},
+            "row_adamw_GB_per_s": {"default": moved["row_adamw"] / timings["row_adamw"][0]["ms"] / 1e6,
+                                   "best": moved["row_adamw"] / min(t["ms"] for t in timings["row_adamw"]
+                                                                    if t["equal"]) / 1e6}}
+
+
+def kernel_check(device: str, N: int, F_: int, V: int) -> dict:
+    """The gated-rows forward and backward against ``F.silu(g) * rows[inverse]`` under autograd."""
+    from stemlm import kernels
+
+    gated, _ = kernels.load(device)
+    inverse, P, dtype, rows, g, dh = kernel_inputs(device, N, F_, V)
     seg = gated.Segments.of(inverse, P)
     row_grad = torch.zeros(P, F_, device=device)
     h = gated.gated_rows_forward(g, rows, inverse)
@@ -76,7 +186,7 @@ def kernel_check(device: str, N: int, F_: int, V: int) -> dict:
     g_ref, rows_ref = g.float().requires_grad_(True), rows.clone().requires_grad_(True)
     h_ref = F.silu(g_ref) * rows_ref[inverse]
     h_ref.backward(dh.float())
-    out = {"N": N, "d_ff": F_, "vocab": V, "distinct_rows": P, "dtype": str(dtype),
+    out = {"N": N, "d_ff": F_, "vocab": V, "distinct_rows": P, "dtype": str(dtype), "configs": kernels.configs.ACTIVE,
            "rel_err": {"h": rel(h, h_ref), "dg": rel(dg, g_ref.grad), "row_grad": rel(row_grad, rows_ref.grad)}}
     e = g.element_size()
     by = {"forward": N * F_ * 2 * e + P * F_ * 4, "backward": N * F_ * 3 * e + P * F_ * 4 * 4}
@@ -119,13 +229,17 @@ def graph_check(s: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes (sets TRITON_INTERPRET=1 before triton loads)")
+    ap.add_argument("--tune", action="store_true", help="time each kernel's candidate configs first, keep the fastest")
+    ap.add_argument("--tune-out", default=None, help="where --tune writes the configs (default results/kernel_configs.json)")
     args = ap.parse_args()
+    candidates = CANDIDATES
     if args.dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device = "cpu"
         shape = (64, 40, 64)
         global REPS
         REPS = 1
+        candidates = {k: v[:2] for k, v in CANDIDATES.items()}  # the interpreter: two of each
         s = {"preset": "debug", "steps": 3, "captured": "static",
              "common": [f"data.dir={synthetic_data_dir(512, n_tokens=20_000)}", "data.batch_size=2", "data.seq_len=32",
                         "run.device=cpu", "run.steps=1000"]}
@@ -141,6 +255,16 @@ def main() -> None:
                         "run.dtype=bfloat16", "run.steps=1000", "run.compile=true"]}
     t0 = time.perf_counter()
     result = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__}
+    if args.tune:
+        result["tune"] = tune_kernels(device, *shape, candidates)
+        from stemlm.kernels import configs
+        configs.ACTIVE = configs.checked(result["tune"]["configs"])  # the checks below run the fastest
+        out = Path(args.tune_out) if args.tune_out else RESULTS / f"kernel_configs{'.quick' if args.dry_run else ''}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps({"device": result["device"], "torch": torch.__version__,
+                                   "configs": result["tune"]["configs"],
+                                   "speedup_over_default": result["tune"]["speedup_over_default"]}, indent=2))
+        print(f"tune: {result['tune']['speedup_over_default']} -> {out}", flush=True)
     for name, fn in (("kernels", lambda: kernel_check(device, *shape)), ("graph", lambda: graph_check(s))):
         try:
             result[name] = fn()

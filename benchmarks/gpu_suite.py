@@ -43,6 +43,7 @@ import torch
 from _gpu_parts import (accum_section, cli_section, copy_bandwidth, decode_section, error_text, free, graph_section,
                         hf_section, host_section, matmul_peak, profile_section, spec_peak, train_section)
 from _train_bench import synthetic_data_dir, write_result
+from stemlm.kernels import configs as kernel_configs  # the tile sizes the table kernels run ($STEMLM_TABLE_KERNEL_CONFIGS)
 
 SHAPES = {"350m": "mobilellm-350m", "1b": "llama3.2-1b"}
 SECTIONS = ("train", "graph", "accum", "hf", "host", "host49k", "decode", "profile", "cli")
@@ -251,6 +252,7 @@ def main() -> None:
     def payload(r: dict, partial: bool) -> dict:
         return {"device": device_name, "torch": torch.__version__, "cuda": torch.version.cuda, "dry_run": args.dry_run,
                 "partial": partial, "sections": list(sections), "settings": {k: v for k, v in s.items() if k != "data"},
+                "table_kernel_configs": kernel_configs.ACTIVE,
                 "data": s["data"][0], "results": r, "goals": goals(r, s, args.dry_run, device_name),
                 "wall_s": time.perf_counter() - t0}
 

@@ -69,7 +69,7 @@ def test_fastest_mode_compares_like_with_like():
     assert mode == "eager" and abs(ratio - 0.100 / 0.078) < 1e-12
 
 
-RUN_CHECKS = RUN.replace("gpu_suite.py", "gpu_checks.py")
+RUN_CHECKS = RUN.replace("gpu_suite.py", "gpu_checks.py").replace('"--dry-run"]', '"--dry-run", "--tune"]')
 
 
 def test_gpu_checks_dry_run(tmp_path):
@@ -85,3 +85,10 @@ def test_gpu_checks_dry_run(tmp_path):
     assert all(v > 0 for v in k["ms"].values())
     for arm in ("dense", "stem-full"):
         assert out["graph"][arm]["max_abs_loss_diff"] == 0.0 and out["graph"][arm]["auto"]["resolved"] == "static"
+    tune = out["tune"]  # --tune: two candidates of each kernel, all equal to the default, the fastest kept
+    for kernel, timings in tune["timings_ms"].items():
+        assert len(timings) == 2 and all(t["equal"] and t["ms"] > 0 for t in timings), kernel
+        assert tune["configs"][kernel] in [t["config"] for t in timings]
+    assert k["configs"] == {kk: {**v} for kk, v in tune["configs"].items()}  # the checks ran the tuned configs
+    saved = json.loads((tmp_path / "kernel_configs.quick.json").read_text())
+    assert saved["configs"] == tune["configs"]

@@ -23,8 +23,20 @@ from test_fused_tables import train  # noqa: E402
 gated, row_adamw = kernels.load("cpu")
 
 
+# tiles smaller than the shapes, so every kernel's masks and the cut of a hot row across tiles are exercised
+OTHER_CONFIGS = {"forward": {"BLOCK_N": 8, "BLOCK_F": 64, "num_warps": 8},
+                 "backward_tiles": {"CHUNK": 16, "BLOCK_F": 64, "num_warps": 2},
+                 "backward_rows": {"BLOCK_S": 4, "BLOCK_F": 256}, "row_adamw": {"BLOCK_D": 64, "num_warps": 8}}
+
+
+@pytest.mark.parametrize("config", ["defaults", "other"])
 @pytest.mark.parametrize("N, F, P", [(70, 200, 9), (5, 33, 5), (40, 128, 40), (300, 130, 37)])
-def test_gated_rows_forward_and_backward_equal_reference(N, F, P):
+def test_gated_rows_forward_and_backward_equal_reference(N, F, P, config):
+    with kernels.configs.use(OTHER_CONFIGS if config == "other" else {}):
+        _check_gated_rows(N, F, P)
+
+
+def _check_gated_rows(N, F, P):
     gen = torch.Generator().manual_seed(N)
     inverse = torch.randint(0, P, (N,), generator=gen)
     inverse[: N // 2] = 2 % P  # a hot row: its segment runs across several chunks of the first pass
@@ -53,7 +65,13 @@ def test_segments_group_positions_by_slot():
     assert seg.starts.tolist() == [0, 2, 3, 3, 6, 6]
 
 
-def test_row_adamw_equals_indexed_update():
+@pytest.mark.parametrize("config", ["defaults", "other"])
+def test_row_adamw_equals_indexed_update(config):
+    with kernels.configs.use(OTHER_CONFIGS if config == "other" else {}):
+        _check_row_adamw()
+
+
+def _check_row_adamw():
     gen = torch.Generator().manual_seed(0)
     R, D, K = 30, 300, 12
     w, m, v = torch.randn(R, D, generator=gen), torch.randn(R, D, generator=gen), torch.rand(R, D, generator=gen)
@@ -183,6 +201,25 @@ def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
     if "model.ffn=dense" not in extra:
         with pytest.raises(ConfigError, match="host-RAM tables move rows between steps"):
             Trainer(debug_config(data, tmp_path / "host", *common, "run.step_graph=static", "run.tables=host"))
+
+
+def test_kernel_configs_load_from_the_environment_and_refuse_bad_values(tmp_path, monkeypatch):
+    """``$STEMLM_TABLE_KERNEL_CONFIGS`` (what ``gpu_checks.py --tune`` writes) lays its settings over the
+    defaults; an unknown kernel or key, a value that is not a power of two, or an unreadable file is one line."""
+    path = tmp_path / "kernel_configs.json"
+    path.write_text('{"configs": {"forward": {"BLOCK_N": 32}}, "timings_ms": {}}')
+    monkeypatch.setenv(kernels.configs.ENV, str(path))
+    got = kernels.configs.from_env()
+    assert got["forward"] == {**kernels.configs.DEFAULTS["forward"], "BLOCK_N": 32}
+    assert got["row_adamw"] == kernels.configs.DEFAULTS["row_adamw"]
+    for bad, match in (({"fwd": {}}, "unknown table kernel 'fwd'"), ({"forward": {"BLOCK_X": 8}}, "forward.BLOCK_X"),
+                       ({"forward": {"BLOCK_N": 24}}, "power of two, got 24"), ({"row_adamw": {"num_warps": 0}}, "got 0")):
+        with pytest.raises(ValueError, match=match):
+            kernels.configs.checked(bad)
+    path.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the kernel configs"):
+        kernels.configs.from_env()
+    assert kernels.configs.launch("backward_rows") == ({"BLOCK_S": 16, "BLOCK_F": 128}, 4)
 
 
 def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch):

@@ -4,7 +4,8 @@
   ``(N, d_ff)`` copy of the rows, no cast), and its backward: the gate's gradient and every row's
   gradient as a segmented sum over the positions sorted once per micro-batch (no atomics; long
   segments of hot rows are split across programs and summed in a second pass);
-* ``row_adamw.py``: the row AdamW of the fused path as one memory-bound pass over the touched rows.
+* ``row_adamw.py``: the row AdamW of the fused path as one memory-bound pass over the touched rows;
+* ``configs.py``: each kernel's tile sizes and warps (defaults, or a file ``gpu_checks.py --tune`` wrote).
 
 The kernels run on CUDA, and on the CPU under the Triton interpreter (``TRITON_INTERPRET=1``, set
 here before the kernels are defined when no GPU is asked for), which is how the test suite holds
@@ -20,6 +21,8 @@ import os
 import sys
 
 import torch
+
+from . import configs  # noqa: F401  (tile sizes and warps of each kernel; $STEMLM_TABLE_KERNEL_CONFIGS)
 
 TABLE_KERNELS = ("auto", "triton", "torch")
 

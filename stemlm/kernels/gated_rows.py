@@ -32,10 +32,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-CHUNK = 32  # sorted positions per tile of the backward's first pass
-BLOCK_S = 16  # slots per program of the backward's second pass
-BLOCK_F = 128  # columns per program
-BLOCK_N = 16  # positions per program of the forward
+from . import configs  # the tile sizes and warps of each kernel (configs.DEFAULTS, tunable on the GPU)
 
 
 @dataclass
@@ -139,8 +136,9 @@ def gated_rows_forward(g: torch.Tensor, rows: torch.Tensor, inverse: torch.Tenso
     N, F_ = g.shape
     h = torch.empty_like(g)
     if N:
-        _forward_kernel[(triton.cdiv(N, BLOCK_N), triton.cdiv(F_, BLOCK_F))](
-            g, rows, inverse, h, N, F_, BLOCK_N=BLOCK_N, BLOCK_F=BLOCK_F)
+        c, warps = configs.launch("forward")
+        _forward_kernel[(triton.cdiv(N, c["BLOCK_N"]), triton.cdiv(F_, c["BLOCK_F"]))](
+            g, rows, inverse, h, N, F_, **c, num_warps=warps)
     return h
 
 
@@ -152,12 +150,13 @@ def gated_rows_backward(dh: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, s
     if N == 0:
         return dg
     part = torch.empty(N, F_, dtype=torch.float32, device=g.device)  # partial sums at segment ends, per tile
-    nf = triton.cdiv(F_, BLOCK_F)
-    _backward_tiles_kernel[(triton.cdiv(N, CHUNK), nf)](dh, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_,
-                                                      CHUNK=CHUNK, BLOCK_F=BLOCK_F)
+    t, t_warps = configs.launch("backward_tiles")
+    _backward_tiles_kernel[(triton.cdiv(N, t["CHUNK"]), triton.cdiv(F_, t["BLOCK_F"]))](
+        dh, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_, **t, num_warps=t_warps)
     P = row_grad.shape[0]
-    _backward_rows_kernel[(triton.cdiv(P, BLOCK_S), nf)](part, seg.starts, row_grad, P, F_, CHUNK=CHUNK,
-                                                         BLOCK_S=BLOCK_S, BLOCK_F=BLOCK_F)
+    r, r_warps = configs.launch("backward_rows")
+    _backward_rows_kernel[(triton.cdiv(P, r["BLOCK_S"]), triton.cdiv(F_, r["BLOCK_F"]))](
+        part, seg.starts, row_grad, P, F_, CHUNK=t["CHUNK"], **r, num_warps=r_warps)
     return dg
 
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_D = 256
+from . import configs  # BLOCK_D and warps (configs.DEFAULTS["row_adamw"], tunable on the GPU)
 
 
 @triton.jit
@@ -55,6 +55,7 @@ def row_adamw_(weight, exp_avg, exp_avg_sq, flat, w_rows, g, decay, neg_step, ep
         return
     w_rows, g = w_rows.contiguous(), g.contiguous()
     valid_arg = valid.reshape(-1).to(torch.int8).contiguous() if valid is not None else flat
-    _row_adamw_kernel[(K, triton.cdiv(D, BLOCK_D))](
+    c, warps = configs.launch("row_adamw")
+    _row_adamw_kernel[(K, triton.cdiv(D, c["BLOCK_D"]))](
         weight, exp_avg, exp_avg_sq, flat, w_rows, g, decay.reshape(-1).contiguous(), neg_step.reshape(-1).contiguous(),
-        eps_r.reshape(-1).contiguous(), valid_arg, D, b1, b2, HAS_VALID=valid is not None, BLOCK_D=BLOCK_D)
+        eps_r.reshape(-1).contiguous(), valid_arg, D, b1, b2, HAS_VALID=valid is not None, **c, num_warps=warps)

@@ -1,0 +1,88 @@
+"""Tile sizes and warps of the Triton table kernels, one config per kernel.
+
+Every kernel reads its launch config from ``ACTIVE`` when it is called:
+
+* ``forward`` (``gated_rows._forward_kernel``): ``BLOCK_N`` positions × ``BLOCK_F`` columns a program;
+* ``backward_tiles`` (the backward's first pass): ``CHUNK`` sorted positions × ``BLOCK_F`` columns;
+* ``backward_rows`` (its second pass): ``BLOCK_S`` slots × ``BLOCK_F`` columns;
+* ``row_adamw``: one row × ``BLOCK_D`` columns.
+
+``num_warps`` is each kernel's warps a program. The forward's and the AdamW's configs never change a
+number; the backward's ``CHUNK`` sets where a hot row's partial sums are cut, so the row gradients'
+summation order (last bits) follows it, the same on every run with the same config.
+
+``DEFAULTS`` are what the code ships. ``$STEMLM_TABLE_KERNEL_CONFIGS`` names a JSON file of
+overrides (``{"forward": {"BLOCK_N": 32}, ...}``; what ``benchmarks/gpu_checks.py --tune`` writes
+after timing candidates on the GPU), read when this module is imported; ``use`` sets them in-process.
+A config with an unknown kernel or key, or a value that is not a power of two, is refused in one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from contextlib import contextmanager
+
+ENV = "STEMLM_TABLE_KERNEL_CONFIGS"
+
+DEFAULTS: dict[str, dict[str, int]] = {
+    "forward": {"BLOCK_N": 16, "BLOCK_F": 128, "num_warps": 4},
+    "backward_tiles": {"CHUNK": 32, "BLOCK_F": 128, "num_warps": 4},
+    "backward_rows": {"BLOCK_S": 16, "BLOCK_F": 128, "num_warps": 4},
+    "row_adamw": {"BLOCK_D": 256, "num_warps": 4},
+}
+
+
+def checked(overrides: dict) -> dict[str, dict[str, int]]:
+    """``DEFAULTS`` with ``overrides`` laid over them; ``ValueError`` (one line) on an unknown kernel or key
+    or a value that is not a positive power of two."""
+    out = copy.deepcopy(DEFAULTS)
+    if not isinstance(overrides, dict):
+        raise ValueError(f"table kernel configs must be a mapping of kernel -> settings, got {type(overrides).__name__}")
+    for kernel, settings in overrides.items():
+        if kernel not in DEFAULTS:
+            raise ValueError(f"unknown table kernel {kernel!r} in the kernel configs (known: {', '.join(DEFAULTS)})")
+        if not isinstance(settings, dict):
+            raise ValueError(f"table kernel config {kernel!r} must be a mapping, got {type(settings).__name__}")
+        for key, value in settings.items():
+            if key not in DEFAULTS[kernel]:
+                raise ValueError(f"unknown setting {kernel}.{key} in the kernel configs "
+                                 f"(known: {', '.join(DEFAULTS[kernel])})")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"table kernel setting {kernel}.{key} must be a power of two, got {value!r}")
+            out[kernel][key] = value
+    return out
+
+
+def from_env() -> dict[str, dict[str, int]]:
+    """``DEFAULTS`` overlaid by the JSON file ``$STEMLM_TABLE_KERNEL_CONFIGS`` names (when set)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return copy.deepcopy(DEFAULTS)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"${ENV}={path}: cannot read the kernel configs ({e})") from None
+    return checked(data.get("configs", data) if isinstance(data, dict) else data)
+
+
+ACTIVE: dict[str, dict[str, int]] = from_env()
+
+
+def launch(kernel: str) -> tuple[dict[str, int], int]:
+    """The active ``(meta-parameters, num_warps)`` of ``kernel``."""
+    c = dict(ACTIVE[kernel])
+    return c, c.pop("num_warps")
+
+
+@contextmanager
+def use(overrides: dict):
+    """Run a block with ``overrides`` laid over the defaults (the benchmark's tuning sweep)."""
+    global ACTIVE
+    before, ACTIVE = ACTIVE, checked(overrides)
+    try:
+        yield ACTIVE
+    finally:
+        ACTIVE = before
