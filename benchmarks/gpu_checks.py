@@ -40,14 +40,14 @@ REPS = 20
 
 # tile sizes and warps tried by --tune; the first of each kernel is the shipped default (configs.DEFAULTS)
 CANDIDATES = {
-    "forward": [{"BLOCK_N": 16, "BLOCK_F": 128, "num_warps": 4}, {"BLOCK_N": 8, "BLOCK_F": 256, "num_warps": 4},
-                {"BLOCK_N": 16, "BLOCK_F": 256, "num_warps": 4}, {"BLOCK_N": 32, "BLOCK_F": 128, "num_warps": 4},
-                {"BLOCK_N": 16, "BLOCK_F": 512, "num_warps": 8}, {"BLOCK_N": 32, "BLOCK_F": 256, "num_warps": 8},
+    "forward": [{"BLOCK_N": 8, "BLOCK_F": 256, "num_warps": 4}, {"BLOCK_N": 16, "BLOCK_F": 128, "num_warps": 4},
+                {"BLOCK_N": 16, "BLOCK_F": 256, "num_warps": 4}, {"BLOCK_N": 4, "BLOCK_F": 256, "num_warps": 4},
+                {"BLOCK_N": 8, "BLOCK_F": 256, "num_warps": 2}, {"BLOCK_N": 8, "BLOCK_F": 128, "num_warps": 2},
                 {"BLOCK_N": 64, "BLOCK_F": 128, "num_warps": 8}, {"BLOCK_N": 8, "BLOCK_F": 512, "num_warps": 4}],
-    "backward_tiles": [{"CHUNK": 32, "BLOCK_F": 128, "num_warps": 4}, {"CHUNK": 32, "BLOCK_F": 64, "num_warps": 4},
-                       {"CHUNK": 64, "BLOCK_F": 64, "num_warps": 4}, {"CHUNK": 64, "BLOCK_F": 128, "num_warps": 8},
-                       {"CHUNK": 16, "BLOCK_F": 128, "num_warps": 4}, {"CHUNK": 16, "BLOCK_F": 256, "num_warps": 4},
-                       {"CHUNK": 32, "BLOCK_F": 256, "num_warps": 8}, {"CHUNK": 128, "BLOCK_F": 64, "num_warps": 8}],
+    "backward_tiles": [{"CHUNK": 32, "BLOCK_F": 64, "num_warps": 4}, {"CHUNK": 32, "BLOCK_F": 128, "num_warps": 4},
+                       {"CHUNK": 64, "BLOCK_F": 64, "num_warps": 4}, {"CHUNK": 32, "BLOCK_F": 32, "num_warps": 4},
+                       {"CHUNK": 16, "BLOCK_F": 64, "num_warps": 4}, {"CHUNK": 32, "BLOCK_F": 64, "num_warps": 2},
+                       {"CHUNK": 16, "BLOCK_F": 128, "num_warps": 4}, {"CHUNK": 64, "BLOCK_F": 32, "num_warps": 4}],
     "backward_rows": [{"BLOCK_S": 16, "BLOCK_F": 128, "num_warps": 4}, {"BLOCK_S": 8, "BLOCK_F": 256, "num_warps": 4},
                       {"BLOCK_S": 32, "BLOCK_F": 128, "num_warps": 4}, {"BLOCK_S": 16, "BLOCK_F": 256, "num_warps": 8},
                       {"BLOCK_S": 4, "BLOCK_F": 512, "num_warps": 4}],

@@ -219,7 +219,7 @@ def test_kernel_configs_load_from_the_environment_and_refuse_bad_values(tmp_path
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read the kernel configs"):
         kernels.configs.from_env()
-    assert kernels.configs.launch("backward_rows") == ({"BLOCK_S": 16, "BLOCK_F": 128}, 4)
+    assert kernels.configs.launch("backward_rows") == ({"BLOCK_S": 16, "BLOCK_F": 128}, 4)  # the defaults
 
 
 def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch):
