@@ -54,6 +54,43 @@ def test_table_lookup_deduplicates_and_matches_indexing():
     torch.testing.assert_close(table.lookup(ids), table.weight[ids])
 
 
+
+@pytest.mark.parametrize("ffn", ["stem", "ngram"])
+def test_tables_trained_whole_are_indexed_without_unique(ffn, monkeypatch):
+    """Under autograd, tables without ``sparse_grad`` (``optim.table_optimizer=dense``) are indexed by every
+    position directly (no ``torch.unique``: a capturable step): the same loss and the same table gradients,
+    bit for bit, as the path through the unique rows (which no-grad lookups and sparse tables still take)."""
+    from stemlm.model import tables as tables_mod
+
+    cfg = model_config("debug", ffn=ffn, stem_layers="1/2")
+    torch.manual_seed(0)
+    model = StemLM(cfg)
+    ids = torch.randint(0, 40, (2, 24))
+    ids[:, :6] = 7  # a repeated id: its gradient sums several positions
+    keys = model.table_keys(ids)
+    assert model.tables.rows(keys).inverse is keys  # the positions themselves, not unique slots
+    with torch.no_grad():
+        assert model.tables.rows(keys).inverse.max() < keys.unique().numel()
+
+    def grads():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids[:, :-1], targets=ids[:, 1:])
+        loss.backward()
+        return loss.detach(), {k: t.weight.grad.clone() for k, t in model.tables.items()}
+
+    def unique_rows(self, ids, layers=None):  # the path every lookup took before
+        tables = {k: t for k, t in self.items() if layers is None or k in layers}
+        uniq, inverse = next(iter(tables.values())).index(ids)
+        return tables_mod.LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in tables.items()}, inverse, ids.shape)
+
+    direct = grads()
+    monkeypatch.setattr(tables_mod.Tables, "rows", unique_rows)
+    via_unique = grads()
+    assert torch.equal(direct[0], via_unique[0])
+    for k in direct[1]:
+        assert torch.equal(direct[1][k], via_unique[1][k]), k
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_cached_decode_equals_full_forward(kind):
     cfg = model_config("debug", ffn=kind, stem_layers="1/2")

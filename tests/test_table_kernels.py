@@ -167,7 +167,9 @@ def test_compile_auto_and_bf16_peak():
     assert spec_bf16_peak("NVIDIA H200") == 989e12 and spec_bf16_peak("Some GPU") is None
 
 
-@pytest.mark.parametrize("extra", [(), ("model.ffn=dense", "run.table_path=auto")])
+@pytest.mark.parametrize("extra", [(), ("model.ffn=dense", "run.table_path=auto"),
+                                   ("optim.table_optimizer=dense", "run.table_path=auto"),
+                                   ("model.ffn=ngram", "optim.table_optimizer=dense", "run.table_path=auto")])
 def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
     """``run.step_graph=static``: the step that a CUDA graph captures (fixed buffers, device-side
     learning rates and table step counter, losses and norm read back once) run eagerly gives the
@@ -198,7 +200,7 @@ def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
     torch.testing.assert_close(torch.tensor(losses(tmp_path / "half")), torch.tensor(losses(tmp_path / "eager")), **tol)
     with pytest.raises(ConfigError, match="run.step_graph=graph captures a CUDA graph"):
         Trainer(debug_config(data, tmp_path / "on", *common, "run.step_graph=graph"))
-    if "model.ffn=dense" not in extra:
+    if not extra:
         with pytest.raises(ConfigError, match="host-RAM tables move rows between steps"):
             Trainer(debug_config(data, tmp_path / "host", *common, "run.step_graph=static", "run.tables=host"))
 
@@ -239,8 +241,9 @@ def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch
 
 
 def test_step_graph_auto_captures_on_cuda_only_where_the_step_allows(tmp_path):
-    """``run.step_graph=auto``: eager on the CPU; on CUDA ``graph`` for a fused-table step and
-    ``eager`` (not an error) where the step cannot be captured (host-RAM tables, anneal)."""
+    """``run.step_graph=auto``: eager on the CPU; on CUDA ``graph`` for a fused-table step or tables trained
+    whole, and ``eager`` (not an error) where the step cannot be captured (host-RAM tables, the reference
+    path's row-sparse optimizer, anneal)."""
     import types
 
     from stemlm.train import Trainer
@@ -250,6 +253,8 @@ def test_step_graph_auto_captures_on_cuda_only_where_the_step_allows(tmp_path):
     data = make_token_data(tmp_path / "data")
     common = ("run.steps=1", "model.ffn=stem", "model.stem_layers=1/2", "run.step_graph=auto")
     for extra, on_cuda in [(("run.table_path=fused",), "graph"), (("run.tables=host",), "eager"),
+                           (("optim.table_optimizer=dense", "run.table_path=auto"), "graph"),  # tables trained whole
+                           (("run.table_path=reference",), "eager"),  # row-sparse AdamW on torch.unique's rows
                            (("model.ffn=stem_dagger", "run.table_path=fused", "run.anneal=blend"), "eager")]:
         with Trainer(debug_config(data, tmp_path / "-".join(extra).replace("=", "_"), *common, *extra)) as t:
             assert t.step_graph == "eager"  # the CPU

@@ -279,6 +279,13 @@ class Tables(nn.ModuleDict):
         tables = {k: t for k, t in self.items() if layers is None or k in layers}
         if not tables:  # a dense model: nothing to index
             return LayerRows({}, ids, ids.shape)
+        if torch.is_grad_enabled() and all(type(t) is StemTable and not t.sparse_grad for t in tables.values()):
+            # tables trained as whole parameters (optim.table_optimizer=dense): every position indexes the
+            # table itself, with no torch.unique, so the step has static shapes and no host sync and can be
+            # captured (run.step_graph); index_select's backward adds each position's gradient into the
+            # (V, dim) gradient in position order, as the unique rows' expansion did
+            check_ids(ids, next(iter(tables.values())).num_rows)
+            return LayerRows({k: (lambda t=t: t.weight) for k, t in tables.items()}, ids, ids.shape)
         uniq, inverse = next(iter(tables.values())).index(ids)  # as ``index``: the first table indexes for all
         return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in tables.items()}, inverse, ids.shape)
 

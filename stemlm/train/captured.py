@@ -194,13 +194,15 @@ def check_step_graph(trainer) -> str:
 def _step_graph_problem(trainer, mode: str) -> str | None:
     """Why ``trainer``'s step cannot run on fixed buffers in ``mode`` (``static`` or ``graph``), or None."""
     from ..ffn import ffn_kind
+    from ..model.tables import StemTable
     from .fused import FusedTables, HostTables
 
     cfg = trainer.cfg
     tables = trainer.model.tables
     if isinstance(tables, HostTables):
         return "host-RAM tables move rows between steps (use run.tables=device)"
-    if len(tables) and not isinstance(tables, FusedTables):
+    dense_tables = cfg.optim.table_optimizer == "dense" and all(type(t) is StemTable for t in tables.values())
+    if len(tables) and not isinstance(tables, FusedTables) and not dense_tables:  # (whole-table AdamW: static too)
         return "the table path must be fused (run.table_path=fused, or auto on CUDA)"
     if cfg.run.anneal != "off":
         return "run.anneal changes the layers' scales every step"

@@ -192,7 +192,7 @@ class RunSection:
                                  "both compute the same steps, so it may change on resume")
     step_graph: str = _f("auto", "the whole step (micro-batches, clipping, both optimizers): eager (the loop as it is) | "
                          "static (on fixed buffers, run eagerly, any device) | graph (on fixed buffers, captured once as a "
-                         "CUDA graph and replayed; fused device tables, "
+                         "CUDA graph and replayed; fused device tables or tables in the dense optimizer, "
                          "no anneal, not distributed; a diverged step is reported after its update; docs/gpu.md) | "
                          "auto (graph on CUDA where the step allows it, eager elsewhere)")
     table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
