@@ -5,7 +5,8 @@
   4096 vocabulary, bf16 gate): relative errors, and each pass's time (CUDA events, median of 20)
   with the bandwidth it reaches (bytes it must move ÷ time) next to the reference's time;
 * ``graph``: the loop's losses with ``run.step_graph=auto`` (the whole step captured as one CUDA
-  graph; ``static``, the same step uncaptured, in a dry run) against the eager loop's (same seed, compiled blocks in both), dense and STEM-full with
+  graph; ``static``, the same step uncaptured, in a dry run) against the eager loop's (same seed, compiled blocks in both), dense, STEM-full
+  and STEM-1/3 with its tables in the dense optimizer (``optim.table_optimizer=dense``), with
   ``optim.grad_accum=2``, and the step times of both;
 * ``tune`` (with ``--tune``, first): each table kernel timed under a few tile sizes and warps
   (``CANDIDATES``; the first of each list is the shipped default) at the same shape, the AdamW over
@@ -207,7 +208,9 @@ def kernel_check(device: str, N: int, F_: int, V: int) -> dict:
 def graph_check(s: dict) -> dict:
     """Losses and step times of the eager loop and of ``run.step_graph=auto``, dense and STEM-full."""
     out = {}
-    arms = {"dense": ["model.ffn=dense"], "stem-full": ["model.ffn=stem", "model.stem_layers=full", "run.table_path=fused"]}
+    arms = {"dense": ["model.ffn=dense"], "stem-full": ["model.ffn=stem", "model.stem_layers=full", "run.table_path=fused"],
+            # tables trained whole by torch AdamW (the study's paper optimizer): the reference path, captured too
+            "stem-1/3-dense-optimizer": ["model.ffn=stem", "model.stem_layers=1/3", "optim.table_optimizer=dense"]}
     for arm, o in arms.items():
         runs = {}
         for mode in ("eager", "auto"):

@@ -83,7 +83,7 @@ def test_gpu_checks_dry_run(tmp_path):
     k = out["kernels"]
     assert all(err < 1e-5 for err in k["rel_err"].values()), k  # fp32 on the CPU
     assert all(v > 0 for v in k["ms"].values())
-    for arm in ("dense", "stem-full"):
+    for arm in ("dense", "stem-full", "stem-1/3-dense-optimizer"):
         assert out["graph"][arm]["max_abs_loss_diff"] == 0.0 and out["graph"][arm]["auto"]["resolved"] == "static"
     tune = out["tune"]  # --tune: two candidates of each kernel, all equal to the default, the fastest kept
     for kernel, timings in tune["timings_ms"].items():
