@@ -359,3 +359,19 @@ def test_sweep_resolution_confirms_the_near_candidates_at_the_comparisons_length
     confirm = names["sweep-d32-dense-lr0.01-seed0-steps40"]
     assert confirm.labels["roles"] == ["confirm"] and confirm.labels["steps"] == 40
     assert "run.steps=40" in confirm.overrides and names["sweep-d32-dense-lr0.01-seed0"].labels["roles"] == ["tune"]
+
+
+def test_a_claim_measured_on_the_wide_corpus_is_settled_beyond_it():
+    """What settles (a)/(a′) follows the scale they were measured at: on the default corpus, the wide-corpus
+    comparison; once measured there (≥ 10M tokens), its missing seeds and then more text. A contradiction far
+    below the paper's tokens reads "not recovered"."""
+    from stemlm.study.scale import SETTLE, reading, settle_text
+
+    small = {"tokens": 2.36e6, "sizes": ["d128"], "seeds": 3, "text": "d128, 2.36M tokens per run, 3 seeds"}
+    wide = {"tokens": 32.1e6, "sizes": ["d384"], "seeds": 1, "text": "d384, 32.1M tokens per run, 1 seed"}
+    assert settle_text("roi", small) == SETTLE["roi"] and "studies/gpu.yaml" in SETTLE["roi"]
+    assert settle_text("roi", wide).startswith("all 3 seeds of the wide-corpus comparison")
+    assert settle_text("dynamics", wide).startswith("all 3 seeds") and settle_text("knowledge", wide) == SETTLE["knowledge"]
+    assert settle_text("roi", None) == SETTLE["roi"]
+    verdict, text = reading("roi", "contradicted", wide)
+    assert verdict == "not recovered" and text.startswith("not recovered within 32.1M tokens")

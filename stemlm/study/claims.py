@@ -18,7 +18,7 @@ from __future__ import annotations
 from .evidence import (BLIND, ablation_parts, dynamics_parts, knowledge_parts, midtrain_parts, needle_parts,
                        ngram_parts, roi_parts, stability_parts)
 from .paper import CAVEATS, QUOTES
-from .scale import SETTLE, measured, reading
+from .scale import measured, reading, settle_text
 from .stats import RULE, Difference, combine, holm, interval, seeds_needed
 
 RULES = {
@@ -78,13 +78,13 @@ def claim_verdict(parts: list[dict]) -> str:
     return combine([v if v in ("holds", "contradicted") else "inconclusive" for v in vs])
 
 
-def _settle(key: str, parts: list[dict]) -> str:
+def _settle(key: str, parts: list[dict], scale: dict | None) -> str:
     need = [seeds_needed(Difference(**{**p["difference"], "ci": None}))
             for p in parts if p["verdict"] in ("inconclusive", BLIND) and p["difference"].get("kind") == "paired"]
     need = [n for n in need if n is not None]
     seeds = (f"; ~{max(need) if max(need) <= 100 else '> 100'} seeds to detect the open difference that needs the "
              "most, at the spread measured") if need else ""
-    return SETTLE[key] + seeds
+    return settle_text(key, scale) + seeds
 
 
 def verdict_cell(row: dict) -> str:
@@ -113,6 +113,6 @@ def claim_rows(runs: list[dict], evals: dict, timing: dict | None = None, settin
             read = f"{len(parts)} comparisons: " + ", ".join(f"{n} {v}" for v, n in counts.items()) + f"; {read}"
         measured_text = "; ".join([f"{p['label']}: {p['text']} → {p['verdict']}" for p in parts] + notes)
         rows.append({"key": key, "claim": quote.claim, "paper": quote.cell(), "measured": measured_text,
-                     "verdict": verdict, "reading": read, "scale": scale, "settle": _settle(key, parts),
+                     "verdict": verdict, "reading": read, "scale": scale, "settle": _settle(key, parts, scale),
                      "rule": f"{RULES[key]}. {RULE}", "parts": parts, "notes": notes})
     return rows

@@ -45,6 +45,21 @@ SETTLE = {
 }
 
 
+WIDE_TOKENS = 10e6  # a run that read this many tokens already had the wide corpus (studies/gpu.yaml)
+SETTLE_WIDE = {  # what settles the scale claims once they were measured on the wide corpus
+    "roi": "all 3 seeds of the wide-corpus comparison (studies/gpu.yaml), then ≥ 10× its tokens, which needs more text "
+           "than the offline corpora hold",
+    "dynamics": "all 3 seeds of the wide-corpus comparison (studies/gpu.yaml), judged beside d128; then ≥ 10× its tokens",
+}
+
+
+def settle_text(key: str, scale: dict | None) -> str:
+    """``SETTLE[key]``, or for a scale claim already measured on the wide corpus what lies beyond it."""
+    if key in SETTLE_WIDE and scale is not None and scale["tokens"] >= WIDE_TOKENS:
+        return SETTLE_WIDE[key]
+    return SETTLE[key]
+
+
 def tokens_text(n: float) -> str:
     """``2361344`` → ``2.36M``; ``1e11`` → ``100B``."""
     for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
