@@ -52,7 +52,6 @@ from _train_bench import paired_ratio, round_ratios, write_result
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
 from stemlm.serve.engine import Finished, Request
-from stemlm.serve import PREFILL_HOLD
 from stemlm.serve.server import ServerThread, load_served
 from stemlm.store import Placement
 
@@ -169,8 +168,6 @@ def parse_args():
     ap.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
     ap.add_argument("--prompt-lens", default="8,32,16,64,24,48,12,40", help="prompt lengths, cycled (default 8,32,...)")
     ap.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (default 16)")
-    ap.add_argument("--prefill-hold", type=int, default=None,
-                    help="the server's --prefill-hold (default: the server's default, stemlm.serve.PREFILL_HOLD)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds over the concurrencies (default 3)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling (default 0)")
@@ -189,9 +186,8 @@ def main() -> None:
     cfg, ckpt, tables = stem_bench_model(args, "serve")
     tokdir = Path(tempfile.mkdtemp())
     train_bpe(TEXTS, vocab_size=300).save(str(tokdir / "tokenizer.json"))
-    hold = PREFILL_HOLD if args.prefill_hold is None else args.prefill_hold
     served = load_served(ckpt, Placement("host", tables_file=tables), max_batch=args.max_batch, model_name="bench",
-                         tokenizer=tokdir, prefill_hold=hold)
+                         tokenizer=tokdir)
     model, eos_ids = served.engine.model, served.engine.eos_ids
     lens = [int(x) for x in args.prompt_lens.split(",")]
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -239,8 +235,7 @@ def main() -> None:
     path = write_result("bench_serve", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tier": "host", "concurrency": args.concurrency,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
-                   "max_batch": args.max_batch, "prefill_hold": hold, "repeats": args.repeats,
-                   "sampling": "temperature 1.0, seed per request",
+                   "max_batch": args.max_batch, "repeats": args.repeats, "sampling": "temperature 1.0, seed per request",
                    "clients": "openai client threads in a separate process", "uvicorn": _stack(args.stack)},
         "concurrency": results, "server_metrics": metrics})
     print(f"wrote {path}")

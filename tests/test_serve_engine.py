@@ -57,12 +57,12 @@ def run(engine, ps, params, gaps=None, **kw):
     return out, reqs
 
 
-@pytest.mark.parametrize("max_batch, prefill_hold", [(1, 0), (3, 0), (8, 0), (3, 2), (8, 3)])
-def test_requests_arriving_mid_flight_decode_as_alone(model, max_batch, prefill_hold):
+@pytest.mark.parametrize("max_batch", [1, 3, 8])
+def test_requests_arriving_mid_flight_decode_as_alone(model, max_batch):
     ps = prompts((3, 9, 1, 6, 12, 2, 5))
     params = [SamplingParams(6 + 3 * i, temperature=0.0 if i % 2 else 0.9, top_k=40 if i % 3 else None, seed=i)
               for i in range(len(ps))]
-    engine = Engine(model, max_batch=max_batch, prefill_hold=prefill_hold).start()
+    engine = Engine(model, max_batch=max_batch).start()
     try:
         out, _ = run(engine, ps, params, gaps=[0.003 * (i % 3) for i in range(len(ps))])
     finally:
@@ -71,24 +71,6 @@ def test_requests_arriving_mid_flight_decode_as_alone(model, max_batch, prefill_
         assert out.tokens[i] == alone(model, p, sp, None), f"request {i}"
         assert out.done[i] == "length"
     assert engine.metrics.snapshot()["generated_tokens"] == sum(sp.max_new_tokens for sp in params)
-
-
-def test_prefill_hold_waits_a_few_decode_steps_for_company(model):
-    """``prefill_hold``: requests arriving while others decode wait up to that many steps (one decision a
-    loop turn, each turn a decode step), so that arrivals close together share a prefill; a batch's worth
-    of waiting requests, or an idle engine, is admitted at once; a bad value is one line."""
-    engine = Engine(model, max_batch=4, prefill_hold=2)  # not started: the loop's decisions by hand
-    engine.core.running = [object()]  # a sequence decoding
-    engine._waiting.append(object())
-    assert [engine._hold(room=3) for _ in range(4)] == [True, True, False, True]  # held 2 steps, then admitted
-    engine._held = 0
-    engine._waiting.extend([object(), object()])  # as many waiting as there is room: no wait
-    assert not engine._hold(room=3)
-    engine.core.running = []  # nothing decoding: nothing to wait for
-    assert not engine._hold(room=4)
-    assert not Engine(model, prefill_hold=0)._hold(room=4)
-    with pytest.raises(ValueError, match="prefill_hold must be >= 0"):
-        Engine(model, prefill_hold=-1)
 
 
 def test_eos_stop_and_context_end_finish_requests(model):

@@ -23,9 +23,8 @@ import os
 import sys
 
 from ..checkpoint.rundir import RunDir
-from ..serve import PREFILL_HOLD
 from .options import (add_checkpoint_argument, add_graphs_argument, add_placement_arguments, add_tokenizer_argument,
-                      add_verify_argument, non_negative_int, placement_from_args, positive_float, positive_int)
+                      add_verify_argument, placement_from_args, positive_float, positive_int)
 
 DEFAULT_RUN = "runs/default"
 
@@ -36,9 +35,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=positive_int, default=8000, help="TCP port to listen on")
     parser.add_argument("--max-batch", type=positive_int, default=16, help="requests decoded together at most")
-    parser.add_argument("--prefill-hold", type=non_negative_int, default=PREFILL_HOLD,
-                        help="decode steps a request arriving while others decode may wait, so that requests arriving "
-                             f"together share one prefill (default {PREFILL_HOLD}; 0 admits at once)")
     parser.add_argument("--model-name", default=None,
                         help="name clients use in the `model` field (default: the checkpoint's directory name)")
     parser.add_argument("--chat-template", default=None,
@@ -83,8 +79,7 @@ def run(args) -> int:
             raise FileNotFoundError(f"no --ckpt given and no trained default run at {DEFAULT_RUN} "
                                     "(train one with `stemlm train`, or pass --ckpt CKPT)")
         ckpt = DEFAULT_RUN
-    served = load_served(ckpt, placement_from_args(args), max_batch=args.max_batch, prefill_hold=args.prefill_hold,
-                         model_name=args.model_name,
+    served = load_served(ckpt, placement_from_args(args), max_batch=args.max_batch, model_name=args.model_name,
                          chat_template=args.chat_template, tokenizer=args.tokenizer, verify=args.verify,
                          limits=Limits(args.api_key or None, args.max_body_bytes, args.max_prompt_tokens,
                                        args.max_new_tokens, args.max_queue, args.request_timeout),

@@ -6,5 +6,3 @@ core), ``api`` (request schemas, validation), ``guard`` (API key, body and promp
 FastAPI layer) and ``server`` (opening a checkpoint into an engine, running uvicorn). Only ``app`` and
 ``server`` need FastAPI; nothing here is imported by ``import stemlm``.
 """
-
-PREFILL_HOLD = 0  # the server's default Engine.prefill_hold: decode steps a request may wait to share a prefill

@@ -103,21 +103,13 @@ class Engine:
     A request ends when it produces one of the ``eos_id`` tokens (one id or several, e.g. a chat
     model's end of turn), meets its ``stop`` test, uses up its budget, is cancelled or passes its
     deadline (``request_timeout`` seconds after ``submit`` by ``clock``, if set). ``graphs`` picks the
-    decode step (``stemlm.inference.core``).
-
-    ``prefill_hold``: while sequences are decoding, requests that arrive with room to spare in the
-    batch wait up to this many decode steps for others before they are prefilled, so that requests
-    arriving close together share one prefill (each prefill is a forward of its own, which the running
-    sequences wait for). 0 admits at once; a full batch's worth, or an idle engine, never waits."""
+    decode step (``stemlm.inference.core``)."""
 
     def __init__(self, model, eos_id: int | Sequence[int] | None = None, max_batch: int = 16, store=None,
                  metrics: Metrics | None = None, max_queue: int | None = None, request_timeout: float | None = None,
-                 graphs: str = "auto", clock: Callable[[], float] = time.monotonic, prefill_hold: int = 0):
+                 graphs: str = "auto", clock: Callable[[], float] = time.monotonic):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
-        if prefill_hold < 0:
-            raise ValueError(f"prefill_hold must be >= 0 decode steps, got {prefill_hold}")
-        self.prefill_hold, self._held = prefill_hold, 0  # decode steps the waiting requests have been held
         eos = [] if eos_id is None else [eos_id] if isinstance(eos_id, int) else list(eos_id)
         self.model, self.eos_ids, self.max_batch = model, frozenset(eos), max_batch
         self.max_queue, self.request_timeout, self.clock = max_queue, request_timeout, clock
@@ -188,8 +180,7 @@ class Engine:
                 if self._closing and not self._waiting and not self.running:
                     return
                 room = self.max_batch - len(self.running)
-                taken = 0 if self._hold(room) else min(room, len(self._waiting))
-                newcomers = [self._waiting.popleft() for _ in range(taken)]
+                newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 self._admitting = len(newcomers)
                 self.metrics.queued(-len(newcomers))
             try:
@@ -205,13 +196,6 @@ class Engine:
                 for req in list(self._owner.values()):  # every request the engine still owns
                     self._finish(req, "error", f"{type(e).__name__}: {e}")
             self._publish()
-
-    def _hold(self, room: int) -> bool:
-        """Whether the waiting requests wait one more decode step for company (``prefill_hold``)."""
-        hold = (self._held < self.prefill_hold and bool(self.core.running) and 0 < len(self._waiting) < room
-                and not self._closing)
-        self._held = self._held + 1 if hold else 0
-        return hold
 
     def _publish(self) -> None:
         """Show the batch's requests to other threads (``counts``, ``wait_idle``, ``shutdown``)."""

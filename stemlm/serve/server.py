@@ -11,7 +11,6 @@ from pathlib import Path
 from ..data.codec import load_codec
 from ..checkpoint.directory import read_config_extras, resolve_checkpoint
 from ..store import Placement, open_model
-from . import PREFILL_HOLD
 from .app import Served, create_app
 from .chat import ChatTemplate, find_chat_template
 from .engine import Engine
@@ -21,14 +20,13 @@ from .guard import Limits
 def load_served(ckpt: str | os.PathLike, placement: Placement | str | None = None, max_batch: int = 16,
                 model_name: str | None = None, chat_template: str | os.PathLike | None = None,
                 tokenizer: str | os.PathLike | None = None, verify: bool = True, limits: Limits | None = None,
-                graphs: str = "auto", prefill_hold: int = PREFILL_HOLD) -> Served:
+                graphs: str = "auto") -> Served:
     """Open a checkpoint (or a run's newest one) with its tables placed (``stemlm.store.Placement`` or a tier
     name; default: in memory on the CPU) into an engine, not yet started.
 
     The served name defaults to the checkpoint's directory name (the run's, for a run directory);
     ``limits`` bounds what one client may ask (``guard.Limits``; default: no API key, 1 MiB bodies, a
-    queue of 256); ``graphs`` picks the decode step (``stemlm.inference.core``); ``prefill_hold`` is the
-    engine's (decode steps a request arriving mid-flight may wait to share its prefill, ``Engine``).
+    queue of 256); ``graphs`` picks the decode step (``stemlm.inference.core``).
     """
     given = Path(ckpt)
     ckpt = resolve_checkpoint(ckpt, verify)
@@ -42,7 +40,7 @@ def load_served(ckpt: str | os.PathLike, placement: Placement | str | None = Non
     store = model.tables
     limits = limits or Limits()
     engine = Engine(model, eos_id=_end_ids(ckpt, codec), max_batch=max_batch, store=store, max_queue=limits.max_queue,
-                    request_timeout=limits.request_timeout, graphs=graphs, prefill_hold=prefill_hold)
+                    request_timeout=limits.request_timeout, graphs=graphs)
     return Served(engine, codec, model_name or given.resolve().name, chat, store, limits)
 
 
