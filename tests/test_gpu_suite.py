@@ -92,3 +92,18 @@ def test_gpu_checks_dry_run(tmp_path):
     assert k["configs"] == {kk: {**v} for kk, v in tune["configs"].items()}  # the checks ran the tuned configs
     saved = json.loads((tmp_path / "kernel_configs.quick.json").read_text())
     assert saved["configs"] == tune["configs"]
+
+
+def test_goals_of_a_run_of_the_graph_section_alone():
+    """A lease that runs only ``--sections graph,profile`` (no ``train``) is judged from the captured
+    steps (it once stopped on a KeyError): the saved goals of such a run come out again from its results."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_suite
+
+    saved = json.loads((ROOT / "benchmarks" / "results" / "gpu_h200_2026-11-27b" / "suite_b.json").read_text())
+    assert saved["sections"] == ["graph", "profile"] and not saved["results"]["train"]
+    rows = gpu_suite.goals(saved["results"], saved["settings"], False, saved["device"])
+    assert rows == saved["goals"]
+    by_goal = {r["goal"]: r for r in rows}
+    assert by_goal["1b: stem-full ÷ dense step ≤ 0.88 (fastest modes)"]["status"] == "met"
+    assert by_goal["350m: stem-full ÷ dense step ≤ 0.93 (fastest modes)"]["status"] == "not met"
