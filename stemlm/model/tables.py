@@ -173,6 +173,13 @@ class StemTable(WeightRows, TableLookup, nn.Module):
         return f"{self.num_rows}, {self.dim}, sparse_grad={self.sparse_grad}"
 
 
+def trained_whole(tables) -> bool:
+    """Whether ``tables`` (table modules) are in-memory ``StemTable``s without ``sparse_grad``: parameters
+    that torch AdamW trains whole (``optim.table_optimizer=dense``). Their lookups under autograd index the
+    table itself (``Tables.rows``), so a step over them has static shapes and can be captured."""
+    return all(type(t) is StemTable and not t.sparse_grad for t in tables)
+
+
 class LayerRows(Mapping):
     """The rows of every table layer for one batch of ids: ``rows[key] -> ids.shape + (dim,)``.
 
@@ -279,11 +286,10 @@ class Tables(nn.ModuleDict):
         tables = {k: t for k, t in self.items() if layers is None or k in layers}
         if not tables:  # a dense model: nothing to index
             return LayerRows({}, ids, ids.shape)
-        if torch.is_grad_enabled() and all(type(t) is StemTable and not t.sparse_grad for t in tables.values()):
-            # tables trained as whole parameters (optim.table_optimizer=dense): every position indexes the
-            # table itself, with no torch.unique, so the step has static shapes and no host sync and can be
-            # captured (run.step_graph); index_select's backward adds each position's gradient into the
-            # (V, dim) gradient in position order, as the unique rows' expansion did
+        if torch.is_grad_enabled() and trained_whole(tables.values()):
+            # every position indexes the table itself, with no torch.unique: static shapes, no host sync (a
+            # capturable step, run.step_graph); index_select's backward adds each position's gradient into
+            # the (V, dim) gradient in position order, as the unique rows' expansion did
             check_ids(ids, next(iter(tables.values())).num_rows)
             return LayerRows({k: (lambda t=t: t.weight) for k, t in tables.items()}, ids, ids.shape)
         uniq, inverse = next(iter(tables.values())).index(ids)  # as ``index``: the first table indexes for all

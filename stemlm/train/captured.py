@@ -194,15 +194,14 @@ def check_step_graph(trainer) -> str:
 def _step_graph_problem(trainer, mode: str) -> str | None:
     """Why ``trainer``'s step cannot run on fixed buffers in ``mode`` (``static`` or ``graph``), or None."""
     from ..ffn import ffn_kind
-    from ..model.tables import StemTable
+    from ..model.tables import trained_whole
     from .fused import FusedTables, HostTables
 
     cfg = trainer.cfg
     tables = trainer.model.tables
     if isinstance(tables, HostTables):
         return "host-RAM tables move rows between steps (use run.tables=device)"
-    dense_tables = cfg.optim.table_optimizer == "dense" and all(type(t) is StemTable for t in tables.values())
-    if len(tables) and not isinstance(tables, FusedTables) and not dense_tables:  # (whole-table AdamW: static too)
+    if len(tables) and not isinstance(tables, FusedTables) and not trained_whole(tables.values()):
         return "the table path must be fused (run.table_path=fused, or auto on CUDA)"
     if cfg.run.anneal != "off":
         return "run.anneal changes the layers' scales every step"
