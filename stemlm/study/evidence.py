@@ -16,7 +16,7 @@ from collections import defaultdict
 from .dynamics import gap_curves, gap_trend, val_curves
 from .measures import loss_roi
 from .paper import TABLE2
-from .probes import knowledge_score, needle_retrieval, needle_score, probe_of
+from .probes import knowledge_score, mean_or_nan, needle_retrieval, needle_score, probe_of
 from .stability import DEFAULTS as SPIKE_DEFAULTS, paired_spikes, run_stability
 from .variants import BASELINE, is_dense_kind
 from .stats import (Difference, difference, fit_line, one_sample, p_value, seeds_needed, sign_test,
@@ -257,20 +257,15 @@ def needle_parts(runs: list[dict], evals: dict, settings: dict) -> tuple[list, l
         a, b = _common(variants[STEM], variants[BASELINE])
         qa, qb = _common(tail[size].get(STEM, {}), tail[size].get(BASELINE, {}))
         g, f = gains[size], found[size]
-        extra = (f"; greedy retrieval dense {_seed_mean(f.get(BASELINE, {})):.0%}, STEM-1/3 "
-                 f"{_seed_mean(f.get(STEM, {})):.0%}; needle gain (rewards repetition too, not judged) dense "
-                 f"{_seed_mean(g.get(BASELINE, {})):+.3f}, STEM-1/3 {_seed_mean(g.get(STEM, {})):+.3f} nats"
+        retrieved, gain = ({v: mean_or_nan(d.get(v, {}).values()) for v in (BASELINE, STEM)} for d in (f, g))
+        extra = (f"; greedy retrieval dense {retrieved[BASELINE]:.0%}, STEM-1/3 {retrieved[STEM]:.0%}; needle gain "
+                 f"(rewards repetition too, not judged) dense {gain[BASELINE]:+.3f}, STEM-1/3 {gain[STEM]:+.3f} nats"
                  + (f"; loss in the window's last quarter, STEM − dense {difference(qa, qb).text(' nats')}" if qa else ""))
         part = _part(f"{size} needle key − decoy margin, STEM − dense", difference(a, b), +1, " nats", extra)
         if ok is not True:
             part["verdict"] = BLIND
         parts.append(part)
     return parts, ([control] if parts else [])
-
-
-def _seed_mean(by_seed_values: dict) -> float:
-    """The mean over seeds of ``{seed: value}`` (NaN when empty: shown, never judged)."""
-    return sum(by_seed_values.values()) / len(by_seed_values) if by_seed_values else float("nan")
 
 
 def _last_quarter(r: dict) -> float | None:

@@ -213,7 +213,7 @@ def needle_probe(lm: LanguageModel, trials: int = 4, seed: int = 0, lengths: lis
     cells = [(it["depth"], it["length"]) for it in items]
 
     def grid(xs: list[float]) -> list[list[float]]:
-        return [[_mean([x for x, c in zip(xs, cells) if c == (d, n)]) for n in lengths] for d in depths]
+        return [[mean_or_nan([x for x, c in zip(xs, cells) if c == (d, n)]) for n in lengths] for d in depths]
 
     by_length = {str(n): one_sample([g for g, it in zip(per_item["margin"], items) if it["length"] == n]).to_dict()
                  for n in lengths}
@@ -222,10 +222,10 @@ def needle_probe(lm: LanguageModel, trials: int = 4, seed: int = 0, lengths: lis
             "margin": grid(per_item["margin"]), "retrieval": grid(per_item["retrieved"]),
             "gain": grid(per_item["gain"]), "by_length": by_length,
             "mean_margin": one_sample(per_item["margin"], "items").to_dict(),
-            "retrieved": {"mean": _mean(per_item["retrieved"]), "n": len(items)},
+            "retrieved": {"mean": mean_or_nan(per_item["retrieved"]), "n": len(items)},
             "mean_gain": one_sample(per_item["gain"], "items").to_dict(),
-            "with": _mean([k.logprob for k in key]), "decoy": _mean([d.logprob for d in decoy]),
-            "without": _mean([a.logprob for a in alone])}
+            "with": mean_or_nan([k.logprob for k in key]), "decoy": mean_or_nan([d.logprob for d in decoy]),
+            "without": mean_or_nan([a.logprob for a in alone])}
 
 
 def needle_score(probe: dict, measure: str = "margin") -> float | None:
@@ -239,7 +239,9 @@ def needle_retrieval(probe: dict) -> float | None:
     return ((probe or {}).get("retrieved") or {}).get("mean")
 
 
-def _mean(xs: list[float]) -> float:
+def mean_or_nan(xs) -> float:
+    """The mean of ``xs`` (a sequence of numbers), NaN when there are none (shown, never judged)."""
+    xs = list(xs)
     return sum(xs) / len(xs) if xs else float("nan")
 
 
