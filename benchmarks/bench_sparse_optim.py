@@ -32,7 +32,7 @@ import torch
 from _train_bench import write_result, zipf_tokens
 
 from stemlm.train.fused import FusedRowAdamW, install_fused_tables
-from stemlm.model.tables import StemTable
+from stemlm.model.tables import StemTable, Tables
 from stemlm.runtime.malloc import keep_freed_memory
 from stemlm.train.sparse_adam import SparseRowAdamW
 
@@ -48,25 +48,23 @@ class TableSide:
         self.ids = ids
         self.grad_out = None
         self.fused = optimizer == "sparse_fused"
+        self.sparse = optimizer.startswith("sparse")
         if self.fused:  # the table as the only member of a FusedTables
             holder = torch.nn.Module()
             holder.tables = {"0": self.table}
             self.tables = install_fused_tables(holder)
             self.opt = FusedRowAdamW(self.tables, lr=1e-3, weight_decay=0.1, compile=True)
         elif optimizer.startswith("sparse"):
-            self.opt = SparseRowAdamW({"0": self.table}, lr=1e-3, weight_decay=0.1,
-                                      compile=optimizer == "sparse_compiled")
+            self.tables = Tables({"0": self.table})
+            self.opt = SparseRowAdamW(self.tables, lr=1e-3, weight_decay=0.1, compile=optimizer == "sparse_compiled")
         else:
             self.opt = torch.optim.AdamW(self.table.parameters(), lr=1e-3, weight_decay=0.1,
                                          fused=optimizer == "dense_fused" or None)
-        self.sparse = optimizer.startswith("sparse")
 
     def lookup_backward(self) -> None:
         if self.fused:
             self.tables.begin_step([self.ids])
-            rows = self.tables.rows(self.ids)["0"]  # (N, d)
-        else:
-            rows = self.table.lookup(self.ids)  # (N, d)
+        rows = self.tables.rows(self.ids)["0"] if self.sparse else self.table.lookup(self.ids)  # (N, d)
         if self.grad_out is None:
             self.grad_out = torch.randn(rows.shape, generator=torch.Generator().manual_seed(0)) * 1e-3
         rows.backward(self.grad_out)

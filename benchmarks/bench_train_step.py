@@ -55,13 +55,13 @@ def up_projection_matmuls(cfg, tokens: int, n_layers: int, backend: str):
 def stem_own_work(trainer):
     """A function doing what only STEM does in a step: lookups of a real batch (forward and backward)
     and the sparse AdamW update of the touched rows, on a copy of ``trainer``'s tables."""
-    opt = copy.deepcopy(trainer.table_opt)  # copies its tables and moments along: the trainer's stay untouched
-    tables = opt.tables
+    opt = copy.deepcopy(trainer.table_opt)  # copies its tables' container and moments: the trainer's stay untouched
     ids = trainer.batch(0).inputs  # (B, T)
     grad = torch.randn(*ids.shape, trainer.model.cfg.d_ff, generator=torch.Generator().manual_seed(0))
 
     def run():
-        rows = [table.lookup(ids) for table in tables.values()]  # each (B, T, d_ff)
+        layer_rows = opt.container.rows(ids)  # the ids made unique once for every layer, as the model's forward does
+        rows = [layer_rows[k] for k in layer_rows]  # each (B, T, d_ff)
         torch.autograd.backward(rows, [grad] * len(rows))
         opt.step()
     return run

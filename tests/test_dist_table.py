@@ -4,6 +4,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from stemlm.model.tables import Tables
 from stemlm.train.distributed.sharded_table import ShardedTable
 
 V, D = 37, 6
@@ -13,12 +14,13 @@ def _worker(rank, world, init_file, out_file):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     full = torch.randn(V, D, generator=torch.Generator().manual_seed(0))
     table = ShardedTable.from_full(full, rank, world)
+    tables = Tables({"0": table})
     ids = torch.tensor([[3, 5, 3, 36], [0, 5, 9, 9]]) if rank == 0 else torch.tensor([[5, 8, 8, 1], [2, 2, 30, 3]])
-    rows = table.lookup(ids)
+    rows = tables.rows(ids)["0"]
     weights = torch.arange(rows.numel(), dtype=torch.float32).view_as(rows) / 100 + rank
     (rows * weights).sum().backward()
-    touched = table.pop_touched()
-    result = {"rows": rows.detach(), "touched": [(i, leaf.grad) for i, leaf in touched], "full": table.gather_full()}
+    touched = [table.own_grad(union, leaf) for union, leaf in tables.take_step().of("0")]
+    result = {"rows": rows.detach(), "touched": touched, "full": table.gather_full()}
     torch.save(result, f"{out_file}.{rank}")
     dist.destroy_process_group()
 

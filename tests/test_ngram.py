@@ -134,8 +134,9 @@ def test_the_rows_a_step_touches_are_the_distinct_keys_of_its_batch():
     ids = torch.randint(0, 60, (2, 16))
     model(ids, targets=ids).backward()
     want = torch.unique(model.table_keys(ids))
-    for t in model.tables.values():
-        ((uniq, rows),) = t.pop_touched()
+    touched = model.tables.take_step()
+    for key, t in model.tables.items():
+        ((uniq, rows),) = touched.of(key)
         assert torch.equal(uniq, want) and rows.grad.shape == (len(want), model.cfg.d_ff)
         assert rows.grad.abs().sum(1).gt(0).all()  # every touched slot gets a gradient
         dense = torch.zeros_like(t.weight)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.model.tables import StemTable
+from stemlm.model.tables import StemTable, Tables
 from stemlm.train.config import OptimSection
 from stemlm.train.optim import build_optimizers, check_coverage, clip_grad_norm
 from stemlm.train.sparse_adam import SparseRowAdamW
@@ -20,6 +20,11 @@ def _table(seed=0):
     return t
 
 
+def _rows(opt, ids):
+    """Table "0"'s rows at ``ids``, looked up through the optimizer's container (which records them)."""
+    return opt.container.rows(ids)["0"]
+
+
 def _loss(rows, target):
     return ((rows - target) ** 2 * torch.arange(1, D + 1)).sum()
 
@@ -27,7 +32,7 @@ def _loss(rows, target):
 @pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
 def test_all_rows_touched_equals_torch_adamw(decay_untouched):
     sparse_t, dense_t = _table(), _table()
-    opt_s = SparseRowAdamW({"0": sparse_t}, lr=0.05, betas=(0.9, 0.95), weight_decay=0.1,
+    opt_s = SparseRowAdamW(Tables({"0": sparse_t}), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1,
                            decay_untouched=decay_untouched)
     opt_d = torch.optim.AdamW(dense_t.parameters(), lr=0.05, betas=(0.9, 0.95), weight_decay=0.1)
     gen = torch.Generator().manual_seed(1)
@@ -37,7 +42,7 @@ def test_all_rows_touched_equals_torch_adamw(decay_untouched):
         lr = 0.05 * (step + 1) / 6  # a changing lr, as under a schedule
         opt_s.lr = lr
         opt_d.param_groups[0]["lr"] = lr
-        _loss(sparse_t.lookup(ids), target).backward()
+        _loss(_rows(opt_s, ids), target).backward()
         opt_s.step()
         _loss(dense_t.lookup(ids), target).backward()
         opt_d.step()
@@ -49,12 +54,12 @@ def test_all_rows_touched_equals_torch_adamw(decay_untouched):
 def test_untouched_rows_unchanged_and_repeats_coalesced():
     t = _table()
     before = t.weight.detach().clone()
-    opt = SparseRowAdamW({"0": t}, lr=0.1, weight_decay=0.5)
+    opt = SparseRowAdamW(Tables({"0": t}), lr=0.1, weight_decay=0.5)
     ids_a, ids_b = torch.tensor([[1, 3, 3]]), torch.tensor([[3, 7]])  # two micro-batches, id 3 repeats
     target = torch.randn(1, 3, D)
-    _loss(t.lookup(ids_a), target).backward()
+    _loss(_rows(opt, ids_a), target).backward()
     opt.collect()  # collecting in between accumulates, as collecting once does
-    _loss(t.lookup(ids_b), target[:, :2]).backward()
+    _loss(_rows(opt, ids_b), target[:, :2]).backward()
     grads = opt.collect()
     # coalesced grad equals the dense gradient of the same two losses
     ref = before.clone().requires_grad_(True)
@@ -71,12 +76,12 @@ def test_untouched_rows_unchanged_and_repeats_coalesced():
 
 def test_catchup_applies_missed_decay():
     t = _table()
-    opt = SparseRowAdamW({"0": t}, lr=0.1, weight_decay=0.5, decay_untouched="catchup")
+    opt = SparseRowAdamW(Tables({"0": t}), lr=0.1, weight_decay=0.5, decay_untouched="catchup")
     for _ in range(3):  # row 2 touched at steps 1..3; row 4 untouched until step 4
-        t.lookup(torch.tensor([[2]])).sum().backward()
+        _rows(opt, torch.tensor([[2]])).sum().backward()
         opt.step()
     w4 = t.weight[4].detach().clone()
-    t.lookup(torch.tensor([[4]])).mul(0).sum().backward()  # zero gradient: only decay moves it
+    _rows(opt, torch.tensor([[4]])).mul(0).sum().backward()  # zero gradient: only decay moves it
     opt.step()
     torch.testing.assert_close(t.weight[4], w4 * (1 - 0.1 * 0.5) ** 4)
 
@@ -84,16 +89,16 @@ def test_catchup_applies_missed_decay():
 def test_state_round_trip_continues_identically():
     def run(split):
         t = _table()
-        opt = SparseRowAdamW({"0": t}, lr=0.05, weight_decay=0.1)
+        opt = SparseRowAdamW(Tables({"0": t}), lr=0.05, weight_decay=0.1)
         gen = torch.Generator().manual_seed(3)
         for step in range(6):
             if step == split:
                 tensors, meta = opt.state_dict()
                 tensors = {k: v.clone() for k, v in tensors.items()}
-                opt = SparseRowAdamW({"0": t}, lr=1.0)
+                opt = SparseRowAdamW(Tables({"0": t}), lr=1.0)
                 opt.load_state_dict(tensors, meta)
             ids = torch.randint(0, V, (2, 3), generator=gen)
-            _loss(t.lookup(ids), torch.randn(2, 3, D, generator=gen)).backward()
+            _loss(_rows(opt, ids), torch.randn(2, 3, D, generator=gen)).backward()
             opt.step()
         return t.weight.detach()
 
@@ -136,14 +141,14 @@ def test_table_compile_option_reaches_the_sparse_optimizer():
 @pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
 def test_compiled_row_update_equals_eager(decay_untouched):
     tables = [_table(), _table()]
-    opts = [SparseRowAdamW({"0": t}, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched, compile=c)
+    opts = [SparseRowAdamW(Tables({"0": t}), lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched, compile=c)
             for t, c in zip(tables, (False, True))]
     gen = torch.Generator().manual_seed(3)
     for step in range(5):
         ids = torch.randint(0, V, (2, 3 + step), generator=gen)  # varying, repeated ids: U changes per step
         target = torch.randn(2, 3 + step, D, generator=gen)
         for t, opt in zip(tables, opts):
-            _loss(t.lookup(ids), target).backward()
+            _loss(_rows(opt, ids), target).backward()
             opt.step()
         torch.testing.assert_close(tables[1].weight, tables[0].weight, rtol=1e-6, atol=1e-6)
     assert opts[1].compile  # it really ran compiled (a failure would have switched it off with a warning)
@@ -159,10 +164,10 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
 
     monkeypatch.setattr(sa, "_compiled_row_update", broken)
     tables = [_table(), _table()]
-    opts = [SparseRowAdamW({"0": t}, lr=0.05, weight_decay=0.1, compile=c) for t, c in zip(tables, (False, True))]
+    opts = [SparseRowAdamW(Tables({"0": t}), lr=0.05, weight_decay=0.1, compile=c) for t, c in zip(tables, (False, True))]
     ids, target = torch.tensor([[1, 2, 2]]), torch.randn(1, 3, D)
     for t, opt in zip(tables, opts):
-        _loss(t.lookup(ids), target).backward()
+        _loss(_rows(opt, ids), target).backward()
         if opt.compile:
             with pytest.warns(UserWarning, match="no compiler here"):
                 opt.step()
@@ -170,3 +175,27 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
             opt.step()
     assert not opts[1].compile
     torch.testing.assert_close(tables[1].weight, tables[0].weight, rtol=0, atol=0)
+
+
+def test_gradients_are_handed_over_by_the_container_once():
+    t = _table()
+    tables = Tables({"0": t})
+    opt = SparseRowAdamW(tables, lr=0.1)
+    assert t.sparse_grad
+    with pytest.raises(RuntimeError, match="through its container"):
+        t.lookup(torch.tensor([[1, 2]]))  # would silently lose the gradient: refused
+    with torch.no_grad():
+        torch.testing.assert_close(t.lookup(torch.tensor([[1, 2]])), t.weight[[1, 2]][None])  # inference is fine
+    first = tables.begin_step([torch.tensor([[1, 2]])])
+    tables.rows(torch.tensor([[1, 2, 2]]))["0"].sum().backward()
+    tables.rows(torch.tensor([[5]]))["0"].sum().backward()
+    assert [u.tolist() for u, _ in first.of("0")] == [[1, 2], [5]] and first.of("1") == []
+    (grad,) = opt.collect()  # coalesced over the two lookups; the record is taken, nothing is left
+    assert tables.take_step() is None
+    assert torch.equal(grad, torch.tensor([[1.0] * D, [2.0] * D, [1.0] * D]))  # rows 1, 2, 5; 2 seen twice
+    tables.begin_step([torch.tensor([[3]])])
+    tables.rows(torch.tensor([[3]]))["0"].sum().backward()
+    tables.begin_step([torch.tensor([[4]])])  # a step opened again drops what was not taken
+    assert tables.take_step().of("0") == []
+    with pytest.raises(TypeError, match="container"):
+        SparseRowAdamW({"0": t}, lr=0.1)

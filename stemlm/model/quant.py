@@ -189,7 +189,6 @@ class QuantizedTable(TableLookup, nn.Module):
             self.register_buffer("scale", torch.ones(codec.scale_shape(num_rows, dim)))
         else:
             self.scale = None
-        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def sparse_grad(self) -> bool:

@@ -8,12 +8,20 @@ model passes into its blocks (or the caller passes its own mapping as ``table_ro
 Every tier implements the same two levels:
 
 * a table (``StemTable`` here; ``OffloadedTable`` for host/disk, ``ShardedTable`` across ranks):
-  ``index(ids) -> (unique_ids, inverse)``, ``gather(unique_ids) -> (U, dim)`` (differentiable, and
-  recorded as a row-sparse leaf under ``sparse_grad``), ``lookup(ids)`` for one table alone,
-  ``pop_touched()``, ``read_rows``/``write_rows``, ``num_rows``, ``dim``;
+  ``index(ids) -> (unique_ids, inverse)``, ``gather(unique_ids) -> (U, dim)`` (differentiable in
+  the parameter without ``sparse_grad``; plain rows with it), ``own_grad(unique_ids, leaf)`` (the
+  ``(row ids, gradient)`` a row-sparse optimizer applies to this table), ``lookup(ids)`` for one
+  table alone, ``read_rows``/``write_rows``, ``num_rows``, ``dim``;
 * a container (``Tables`` here, for tables in the model's memory; ``stemlm.store.TableStore`` for
-  host/disk), installed as ``model.tables``: ``rows(ids)``, ``prefetch(ids)``, ``stats()``,
-  ``reset_stats()``, ``flush()``, ``close()``. State-dict keys stay ``tables.<layer>.weight``.
+  host/disk; ``stemlm.train.fused`` for the fused path), installed as ``model.tables``: ``rows(ids)``,
+  ``prefetch(ids)``, ``begin_step(ids, ticket)``/``prefetch_step(ids)``/``take_step()`` (a training
+  step's rows and their gradients, handed to the optimizer), ``stats()``, ``reset_stats()``,
+  ``flush()``, ``close()``. State-dict keys stay ``tables.<layer>.weight``.
+
+Gradients of tables under ``sparse_grad`` are handed over explicitly: the container makes each
+layer's gathered rows ``(U, dim)`` a fresh leaf and keeps it in the step's ``TouchedRows``; after
+backward the optimizer takes that record with ``take_step()`` (``SparseRowAdamW.collect``), as the
+fused path's optimizer takes its ``StepRows``. No table keeps gradients of its own.
 
 Lookups deduplicate: each unique row is gathered once and scattered back to every position
 (``expand_rows``).
@@ -107,15 +115,14 @@ class WeightRows:
 
 
 class TableLookup:
-    """What every table kind shares: index ids, look up one table alone, hand out recorded leaves.
+    """What every table kind shares: index ids, look up one table alone, say which rows a gradient is for.
 
-    A subclass provides ``num_rows``, ``dim``, ``sparse_grad``, ``touched`` and ``gather(uniq)``.
+    A subclass provides ``num_rows``, ``dim``, ``sparse_grad`` and ``gather(uniq)``.
     """
 
     num_rows: int
     dim: int
     sparse_grad: bool
-    touched: list[tuple[torch.Tensor, torch.Tensor]]
 
     def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(unique_ids, inverse)`` of ``ids``, checked against the table's rows."""
@@ -127,33 +134,50 @@ class TableLookup:
         raise NotImplementedError
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ``ids`` (any shape) of this table alone -> ``ids.shape + (dim,)``."""
+        """Rows for ``ids`` (any shape) of this table alone -> ``ids.shape + (dim,)``. A table trained
+        row-sparse (``sparse_grad``) is looked up under autograd through its container, which hands
+        the gradient over (``Tables.rows``, ``take_step``): here that is refused in one line."""
+        if self.sparse_grad and torch.is_grad_enabled():
+            raise RuntimeError("a table with sparse_grad is looked up under autograd through its container "
+                               "(Tables.rows), which records the rows' gradient for the optimizer")
         uniq, inverse = self.index(ids)
         rows = self.gather(uniq)
         return expand_rows(rows, inverse.to(rows.device), ids.shape)
 
-    def record(self, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """``rows (U, dim)`` as a fresh leaf kept in ``touched`` when ``sparse_grad`` applies, so
-        backward gives a ``(U, dim)`` gradient for the touched rows only; else ``rows`` itself."""
-        if not (self.sparse_grad and torch.is_grad_enabled()):
-            return rows
-        rows = rows.detach().requires_grad_(True)
-        self.touched.append((uniq, rows))
-        return rows
+    def own_grad(self, uniq: torch.Tensor, leaf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(row ids, gradient (U, dim))`` this table applies for a recorded leaf of the rows of ``uniq``
+        (None without a gradient). Rows are the table's own: ``ShardedTable`` averages over ranks and
+        keeps the rows it stores (a collective there: call it for every leaf, gradient or not)."""
+        return None if leaf.grad is None else (uniq, leaf.grad)
 
-    def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The ``(unique_ids, rows_leaf)`` pairs recorded since the last call."""
-        out, self.touched = self.touched, []
-        return out
+
+class TouchedRows:
+    """The rows a training step gathered under autograd from tables with ``sparse_grad``: per layer key,
+    ``(unique_ids (U,), leaf (U, dim))`` pairs, one per lookup (a micro-batch, a forward); backward
+    fills the leaves' ``.grad``. Opened by the container (``Tables.begin_step``, or the first lookup),
+    handed to the optimizer by ``Tables.take_step``."""
+
+    def __init__(self):
+        self.pairs: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def leaf(self, key: str, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``rows (U, dim)`` as a fresh leaf recorded for layer ``key``: backward gives it a ``(U, dim)``
+        gradient of the touched rows only, never a dense ``V × dim`` one."""
+        leaf = rows.detach().requires_grad_(True)
+        self.pairs.setdefault(key, []).append((uniq, leaf))
+        return leaf
+
+    def of(self, key: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The ``(unique_ids, leaf)`` pairs of layer ``key`` (empty if it was not looked up)."""
+        return self.pairs.get(key, [])
 
 
 class StemTable(WeightRows, TableLookup, nn.Module):
     """A table held as a parameter in the model's own memory (the ``device`` tier).
 
-    With ``sparse_grad`` set, a gather under autograd copies the unique rows into a fresh leaf
-    tensor instead of indexing the parameter, so backward produces a ``(U, d_ff)`` gradient
-    for the touched rows only and never a dense ``V × d_ff`` one. The ``(unique_ids, leaf)``
-    pairs are kept in ``touched`` until an optimizer takes them with ``pop_touched()``.
+    With ``sparse_grad`` set, a gather copies the unique rows out of the parameter (no autograd
+    edge into it): the container makes them a leaf (``TouchedRows``), so backward produces a
+    ``(U, d_ff)`` gradient for the touched rows only and never a dense ``V × d_ff`` one.
     """
 
     def __init__(self, num_rows: int, dim: int):
@@ -161,12 +185,11 @@ class StemTable(WeightRows, TableLookup, nn.Module):
         self.num_rows, self.dim = num_rows, dim
         self.weight = nn.Parameter(torch.empty(num_rows, dim))
         self.sparse_grad = False
-        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def gather(self, uniq: torch.Tensor) -> torch.Tensor:
-        """Rows ``(U, dim)`` for unique ids (a recorded leaf under ``sparse_grad``)."""
-        if self.sparse_grad and torch.is_grad_enabled():
-            return self.record(uniq, self.weight.detach().index_select(0, uniq))
+        """Rows ``(U, dim)`` for unique ids (a copy, outside autograd, under ``sparse_grad``)."""
+        if self.sparse_grad:
+            return self.weight.detach().index_select(0, uniq)
         return F.embedding(uniq, self.weight)
 
     def extra_repr(self) -> str:
@@ -274,6 +297,10 @@ class Tables(nn.ModuleDict):
 
     tier = "device"  # the model's own memory (stemlm.store.tiers.DeviceTier)
 
+    def __init__(self, tables: Mapping[str, nn.Module] | None = None):
+        super().__init__(tables)
+        self.touched: TouchedRows | None = None  # the open training step's recorded rows (sparse_grad)
+
     def index(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(unique_ids, inverse)`` of ``ids`` for all layers at once (the tables of a model index
         alike: the first one does it; a sharded table makes it the union over the ranks)."""
@@ -293,17 +320,35 @@ class Tables(nn.ModuleDict):
             check_ids(ids, next(iter(tables.values())).num_rows)
             return LayerRows({k: (lambda t=t: t.weight) for k, t in tables.items()}, ids, ids.shape)
         uniq, inverse = next(iter(tables.values())).index(ids)  # as ``index``: the first table indexes for all
-        return LayerRows({k: (lambda t=t: t.gather(uniq)) for k, t in tables.items()}, inverse, ids.shape)
+        return LayerRows({k: (lambda k=k, t=t: self.track(k, t, uniq, t.gather(uniq))) for k, t in tables.items()},
+                         inverse, ids.shape)
+
+    def track(self, key: str, table, uniq: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Layer ``key``'s gathered rows ``(U, dim)``, as a leaf recorded in the open step's ``TouchedRows``
+        when ``table`` trains row-sparse under autograd (a step is opened if none is); else as they are."""
+        if not (table.sparse_grad and torch.is_grad_enabled()):
+            return rows
+        if self.touched is None:
+            self.touched = TouchedRows()
+        return self.touched.leaf(key, uniq, rows)
 
     def prefetch(self, ids: torch.Tensor) -> None:
         """Start gathering the rows of ``ids`` ahead of the forward (nothing to do in memory)."""
 
     # -- training: one optimizer step over several micro-batches -----------------------------------
-    def begin_step(self, ids, ticket=None):
+    def begin_step(self, ids, ticket=None) -> TouchedRows:
         """Open an optimizer step over the micro-batches' ids ``ids`` (a list of ``(B, T)``); ``ticket``
-        is what ``prefetch_step`` returned for exactly these ids, or None. Nothing to do here: the
-        fused path gathers the step's rows once (``stemlm.train.fused``)."""
-        return None
+        is what ``prefetch_step`` returned for exactly these ids, or None. Here: a fresh ``TouchedRows``
+        that every lookup of the step records into (rows are gathered per lookup; the fused path
+        gathers the step's rows once, ``stemlm.train.fused``)."""
+        self.touched = TouchedRows()
+        return self.touched
+
+    def take_step(self) -> TouchedRows | None:
+        """The step's recorded rows and, after backward, their gradients (for the optimizer), closing the
+        step; None if nothing was recorded."""
+        touched, self.touched = self.touched, None
+        return touched
 
     def prefetch_step(self, ids):
         """Start moving the rows of the *next* step's ids ``ids`` towards the compute device (host-RAM

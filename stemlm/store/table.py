@@ -45,7 +45,6 @@ class OffloadedTable(TableLookup, nn.Module):
         self.dtype = dtype or backend.dtype
         self.cache = cache
         self.sparse_grad = False
-        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.stats = TableStats()
         self.version = 0  # bumped by every write: rows gathered before it are stale
         self.lock = lock or threading.Lock()
@@ -62,11 +61,11 @@ class OffloadedTable(TableLookup, nn.Module):
 
     def gather(self, uniq: torch.Tensor, fetched: torch.Tensor | None = None) -> torch.Tensor:
         """Rows ``(U, dim)`` for unique ids: ``fetched`` (rows a prefetch gathered) or read now;
-        counted as one lookup, and a recorded leaf under ``sparse_grad``."""
+        counted as one lookup (under ``sparse_grad`` the container makes them a recorded leaf)."""
         rows = self.fetch(uniq) if fetched is None else fetched
         self.stats.lookups += 1  # the consuming thread alone counts lookups: no lock needed
         self.stats.unique_rows += len(uniq)
-        return self.record(uniq, rows)
+        return rows
 
     def advise(self, uniq: torch.Tensor) -> None:
         """Let the backing store start reading the rows of ``uniq`` the cache does not hold.
@@ -180,12 +179,12 @@ class TableStore(Tables):
         """One layer's rows of a prefetch job (gathered again if a write made them stale)."""
         table, got = self[key], self.prefetcher.wait(job, key)
         if got is None:
-            return table.gather(job.uniq)
+            return self.track(key, table, job.uniq, table.gather(job.uniq))
         rows, stall_seconds = got
         table.stats.prefetched += 1
         table.stats.stalls += int(stall_seconds is not None)
         table.stats.stall_seconds += stall_seconds or 0.0
-        return table.gather(job.uniq, rows)
+        return self.track(key, table, job.uniq, table.gather(job.uniq, rows))
 
     def prefetch(self, ids: torch.Tensor) -> LayerRows | None:
         """Start gathering the rows of ``ids`` for every layer; returns the ticket to pass to the forward of

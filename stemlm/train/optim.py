@@ -57,7 +57,7 @@ def build_optimizers(model: nn.Module, cfg: OptimSection) -> tuple[torch.optim.A
                                   weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched,
                                   compile=cfg.table_compile or on_cuda)
     elif tables:
-        table_opt = SparseRowAdamW(tables, lr=cfg.table_peak_lr, betas=cfg.betas, eps=cfg.eps,
+        table_opt = SparseRowAdamW(model.tables, lr=cfg.table_peak_lr, betas=cfg.betas, eps=cfg.eps,
                                    weight_decay=cfg.table_weight_decay, decay_untouched=cfg.decay_untouched,
                                    compile=cfg.table_compile)
     groups = [g for g in groups if g["params"]]

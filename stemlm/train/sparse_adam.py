@@ -1,15 +1,18 @@
 """Row-sparse AdamW for STEM tables: only the rows touched in a step are read, updated and written.
 
-A table object (``stemlm.model.tables.StemTable`` or any off-device tier) follows this protocol:
+It drives the tables' container (``model.tables``: ``stemlm.model.tables.Tables``, or a host/disk
+``TableStore``), whose tables follow this protocol:
 
-* ``sparse_grad`` (set True here): gathers under autograd record ``(unique_ids, rows_leaf)``
-  (``stemlm.model.tables.TableLookup.record``; one forward shares its ``unique_ids`` across layers);
-* ``pop_touched() -> [(unique_ids (U,), rows_leaf (U, dim) with .grad)]``;
+* ``sparse_grad`` (set True here): the container records every lookup under autograd as a
+  ``(unique_ids, rows_leaf)`` pair in the step's ``TouchedRows`` (one forward shares its
+  ``unique_ids`` across layers), and ``take_step()`` hands that record over;
+* ``own_grad(unique_ids, leaf) -> (row_ids, grad (U, dim))``: the rows the table updates (its own
+  rows: a sharded table keeps the ones it stores, the gradient averaged over ranks);
 * ``read_rows(ids) -> (len(ids), dim)`` and ``write_rows(ids, rows)``;
 * ``num_rows``, ``dim``.
 
-One step: ``collect()`` pops the recorded lookups of every table and coalesces the gradients of
-the same id across lookups and micro-batches (``index_add`` over the unique ids), so the result
+One step: ``collect()`` takes the step's recorded lookups from the container and coalesces the
+gradients of the same id across lookups and micro-batches (``index_add`` over the unique ids), so the result
 is exactly the non-zero rows of the dense gradient; the trainer folds them into the global
 gradient norm and clips them in place (``optim.clip_grad_norm``); ``step()`` then applies AdamW
 row by row:
@@ -32,11 +35,9 @@ If every row is touched every step, both modes equal ``torch.optim.AdamW``.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
-
 import torch
 
-from ..model.tables import WeightRows
+from ..model.tables import Tables, WeightRows
 
 
 def table_device(table) -> torch.device:
@@ -94,17 +95,22 @@ def load_scalars(opt, meta: dict) -> None:
 
 
 class SparseRowAdamW:
-    """AdamW over the touched rows of a set of named table objects (see module docstring)."""
+    """AdamW over the touched rows of every table of a container (see module docstring)."""
 
-    def __init__(self, tables: Mapping[str, object], lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+    def __init__(self, tables: Tables, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, decay_untouched: str = "lazy", compile: bool = False):
-        """``compile``: run the row update of in-memory tables as one ``torch.compile``-d kernel that
+        """``tables``: the container (``model.tables``) whose ``take_step`` hands over each step's rows.
+        ``compile``: run the row update of in-memory tables as one ``torch.compile``-d kernel that
         gathers, updates and scatters in place (compiled once per process, ~6 s on CPU; about 2x
         faster steps). Falls back to the eager path, with a warning, where compiling fails."""
         if decay_untouched not in ("lazy", "catchup"):
             raise ValueError(f"decay_untouched must be 'lazy' or 'catchup', got {decay_untouched!r}")
+        if not isinstance(tables, Tables):
+            raise TypeError(f"SparseRowAdamW takes the tables' container (model.tables, a Tables), got "
+                            f"{type(tables).__name__}")
         self.compile = compile
-        self.tables = dict(tables)
+        self.container = tables
+        self.tables = dict(tables.items())
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.decay_untouched = decay_untouched
         self.global_step = 0  # optimizer steps taken (all tables)
@@ -116,9 +122,12 @@ class SparseRowAdamW:
 
     # -- gradients ------------------------------------------------------------------------
     def collect(self) -> list[torch.Tensor]:
-        """Pop every table's recorded lookups and coalesce them; returns the ``(U, dim)`` grads."""
+        """Take the step's recorded lookups from the container and coalesce them per table; returns the
+        ``(U, dim)`` grads."""
+        touched = self.container.take_step()
         for name, table in self.tables.items():
-            pairs = [(ids, leaf.grad) for ids, leaf in table.pop_touched() if leaf.grad is not None]
+            owned = [table.own_grad(ids, leaf) for ids, leaf in (touched.of(name) if touched is not None else [])]
+            pairs = [pair for pair in owned if pair is not None]
             if name in self._pending:  # collect() called again before step(): accumulate
                 pairs.append(self._pending[name])
             got = coalesce(pairs, table.dim, table_device(table))
@@ -129,8 +138,7 @@ class SparseRowAdamW:
     def zero_grad(self) -> None:
         """Drop collected gradients and any lookups recorded since the last step."""
         self._pending = {}
-        for table in self.tables.values():
-            table.pop_touched()
+        self.container.take_step()
 
     # -- update ---------------------------------------------------------------------------
     @torch.no_grad()

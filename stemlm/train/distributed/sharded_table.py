@@ -12,10 +12,10 @@ A lookup is collective (every rank must call it, in the same order):
 2. ``gather(u)``, per layer: each rank fills the rows of ``u`` it owns, zeros elsewhere; an
    all-reduce (sum) gives every rank all rows of ``u`` (each row has exactly one owner, so the sum
    is exact);
-3. with ``sparse_grad``, the ``(len(u), dim)`` result is a leaf; after backward, ``pop_touched``
-   all-reduces its gradient, divides by the world size (the mean over ranks, as DDP does for the
-   backbone) and keeps the owner's rows. Ids it returns are *local* row indices, so the sparse
-   optimizer runs unchanged on the shard.
+3. the ``(len(u), dim)`` result becomes a leaf recorded by the container (``Tables.rows``); after
+   backward, ``own_grad`` all-reduces its gradient, divides by the world size (the mean over ranks,
+   as DDP does for the backbone) and keeps the owner's rows. Ids it returns are *local* row indices,
+   so the sparse optimizer runs unchanged on the shard.
 
 All collectives are plain all_gather / all_reduce, available on gloo (CPU) and NCCL (GPU).
 """
@@ -32,7 +32,7 @@ from ...model.tables import TableLookup, WeightRows, check_ids, unique_ids
 class ShardedTable(WeightRows, TableLookup, nn.Module):
     """Rows ``id % world == rank`` of a ``num_rows × dim`` table, with the table lookup protocol.
 
-    ``read_rows``/``write_rows`` take *local* row indices (``id // world``), as ``pop_touched`` returns.
+    ``read_rows``/``write_rows`` take *local* row indices (``id // world``), as ``own_grad`` returns.
     """
 
     def __init__(self, full_num_rows: int, dim: int, rank: int, world_size: int, group=None):
@@ -42,7 +42,6 @@ class ShardedTable(WeightRows, TableLookup, nn.Module):
         self.num_rows = len(range(rank, full_num_rows, world_size))  # local rows
         self.weight = nn.Parameter(torch.empty(self.num_rows, dim), requires_grad=False)
         self.sparse_grad = True
-        self.touched: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @classmethod
     def from_full(cls, full: torch.Tensor, rank: int, world_size: int, group=None) -> "ShardedTable":
@@ -78,21 +77,16 @@ class ShardedTable(WeightRows, TableLookup, nn.Module):
         rows = torch.zeros(union.numel(), self.dim, dtype=self.weight.dtype, device=self.weight.device)
         rows[owned] = self.weight.detach()[union[owned] // self.world_size]
         dist.all_reduce(rows, group=self.group)  # (U, dim)
-        return self.record(union, rows)
+        return rows
 
-    def pop_touched(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Owned ``(local_row_ids, rows_leaf with .grad)`` pairs, gradients averaged over ranks."""
-        out = []
-        for union, rows in self.touched:
-            grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-            dist.all_reduce(grad, group=self.group)
-            grad /= self.world_size
-            owned = union % self.world_size == self.rank
-            leaf = rows.detach()[owned].requires_grad_(True)
-            leaf.grad = grad[owned]
-            out.append((union[owned] // self.world_size, leaf))
-        self.touched = []
-        return out
+    def own_grad(self, union: torch.Tensor, leaf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(local_row_ids, gradient)`` of the owned rows of a recorded leaf over ``union``, the gradient
+        averaged over ranks (collective: every rank calls it for the same leaves, gradient or not)."""
+        grad = leaf.grad.clone() if leaf.grad is not None else torch.zeros_like(leaf)
+        dist.all_reduce(grad, group=self.group)
+        grad /= self.world_size
+        owned = union % self.world_size == self.rank
+        return union[owned] // self.world_size, grad[owned]
 
     def gather_full(self) -> torch.Tensor:
         """The full ``(V, dim)`` table on every rank (collective), e.g. for saving a checkpoint."""
