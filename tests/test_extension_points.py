@@ -3,7 +3,8 @@
 * an FFN kind: its class (here, in this file) and its line in ``stemlm.ffn.KINDS``; config
   validation, placement, accounting, the table path, training, checkpoints and decoding read it;
 * a storage tier: a backend and a ``Tier`` class with its line in ``TIER_CLASSES``; ``Placement``,
-  ``open_model`` and the decode core serve a model from it.
+  ``open_model`` and the decode core serve a model from it, and the training loop trains on it
+  (``run.tables``: the same ``TableStore``, through the table protocol).
 """
 
 import pytest
@@ -102,3 +103,21 @@ def test_a_new_tier_serves_through_placement_and_open_model(monkeypatch, tmp_pat
         assert served.tables.tier == "counting"
         assert torch.equal(generate_ids(served, prompt, 6), want)
     assert CountingRows.gathered > 0  # the rows came through the new backend
+
+
+def test_a_new_tier_trains_through_the_loop(monkeypatch, tmp_path):
+    from stemlm.train import Trainer
+    from train_helpers import debug_config, losses, make_token_data
+
+    monkeypatch.setitem(tiers_mod.TIER_CLASSES, CountingTier.name, CountingTier)  # its line in the registry
+    data = make_token_data(tmp_path / "data")
+    common = ("model.ffn=stem", "model.stem_layers=1/2", "run.steps=3")
+    with Trainer(debug_config(data, tmp_path / "device", *common)) as t:
+        t.fit()
+    CountingRows.gathered = 0
+    with Trainer(debug_config(data, tmp_path / "counting", *common, "run.tables=counting")) as t:
+        assert t.model.tables.tier == "counting" and t.table_path == "reference"
+        t.fit()
+    assert CountingRows.gathered > 0  # every step's rows came through the new backend
+    assert losses(tmp_path / "counting") == losses(tmp_path / "device")
+    assert generate_ids(open_model(tmp_path / "counting"), torch.tensor([[3, 4]]), 3).shape == (1, 5)

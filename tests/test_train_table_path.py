@@ -1,11 +1,12 @@
-"""``run.table_path`` and ``run.tables`` in the training loop: the fused path and host-RAM
-tables give the reference run's losses and checkpoints (bit for bit on the CPU), checkpoints
-resume across paths, and bad settings fail with one-line errors."""
+"""``run.table_path`` and ``run.tables`` in the training loop: the fused path, host-RAM tables and the
+serving tiers' ``TableStore`` (host, disk) give the reference run's losses and checkpoints (bit for bit
+on the CPU), checkpoints resume across paths and tiers, and bad settings fail with one-line errors."""
 
 import pytest
 import torch
 
 from stemlm.config import ConfigError
+from stemlm.store import TableStore
 from stemlm.train.fused import FusedTables, HostTables
 from stemlm.train import Trainer
 from stemlm.train.state import load_optimizer_state  # noqa: F401  (the format both paths share)
@@ -32,7 +33,9 @@ def test_fused_and_host_runs_equal_the_reference(data, tmp_path):
     assert type(ref.model.tables).__name__ == "Tables"
     for name, extra, kind in (("fused", ("run.table_path=fused",), FusedTables),
                               ("host", ("run.tables=host",), HostTables),
-                              ("host_cache", ("run.tables=host", "run.table_cache_rows=20"), HostTables)):
+                              ("host_cache", ("run.tables=host", "run.table_cache_rows=20"), HostTables),
+                              ("host_store", ("run.tables=host", "run.table_path=reference"), TableStore),
+                              ("disk_store", ("run.tables=disk",), TableStore)):
         t, result = _run(data, tmp_path / name, *extra)
         assert isinstance(t.model.tables, kind)
         assert losses(tmp_path / name) == losses(tmp_path / "ref")
@@ -42,6 +45,18 @@ def test_fused_and_host_runs_equal_the_reference(data, tmp_path):
             assert torch.equal(got[k].cpu(), want[k].cpu()), k
         for k, v in ref.table_opt.state_dict()[0].items():
             assert torch.equal(t.table_opt.state_dict()[0][k].cpu(), v.cpu()), k
+        if kind is TableStore:  # the tier the serving side uses, trained through the table protocol
+            assert t.model.tables.tier == extra[0].split("=")[1] and t.model.tables.stats()["rows_written"] > 0
+    assert (tmp_path / "disk_store" / "tables.safetensors").is_file()  # the disk tier's rows, in the run dir
+
+
+def test_a_disk_tier_run_resumes_bit_for_bit(data, tmp_path):
+    _run(data, tmp_path / "whole", "run.table_path=reference")
+    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.tables=disk")) as t:
+        t.fit(stop_at=3)
+    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.tables=disk"), resume=True) as t:
+        t.fit()
+    assert losses(tmp_path / "split")[3:] == losses(tmp_path / "whole")[3:]
 
 
 def test_checkpoints_resume_across_paths(data, tmp_path):
@@ -55,10 +70,11 @@ def test_checkpoints_resume_across_paths(data, tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (("run.table_path=fast",), "run.table_path: 'fast' is not one of auto, fused, reference"),
-    (("run.tables=disk",), "run.tables: 'disk' is not one of device, host"),
+    (("run.tables=tape",), "run.tables: 'tape' is not one of device, host, disk"),
     (("run.table_cache_rows=8",), "run.table_cache_rows keeps host-RAM rows on the accelerator: it needs run.tables=host"),
     (("run.table_kernels=cuda",), "run.table_kernels: 'cuda' is not one of auto, triton, torch"),
-    (("run.tables=host", "run.table_path=reference"), "run.tables=host trains through the fused table path"),
+    (("run.tables=disk", "run.table_path=fused"), "run.tables=disk trains through the reference table path"),
+    (("run.tables=host", "optim.table_optimizer=dense"), "run.tables=host: tables off the device train with the row-sparse"),
     (("run.table_path=fused", "optim.table_optimizer=dense"), "run.table_path=fused needs optim.table_optimizer=sparse"),
 ])
 def test_bad_settings_fail_clearly(data, tmp_path, overrides, message):

@@ -24,6 +24,7 @@ from .integrity import CheckpointError, verify_checkpoint
 
 CONFIG_FILE = "config.json"  # also in every checkpoint directory
 TRAIN_CONFIG, METRICS, SUMMARY = "config.yaml", "metrics.jsonl", "summary.json"
+TABLES_FILE = "tables.safetensors"  # the rows a run trains on the disk tier (run.tables=disk)
 CHECKPOINTS, STEP_PREFIX, TRAINER_STATE = "checkpoints", "step_", "trainer_state.json"
 
 
@@ -64,6 +65,11 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.path / SUMMARY
+
+    @property
+    def tables_file(self) -> Path:
+        """The tables file of a run that trains its tables on a tier that serves a file (``run.tables=disk``)."""
+        return self.path / TABLES_FILE
 
     @staticmethod
     def holds_run(path: str | os.PathLike) -> bool:

@@ -27,12 +27,12 @@ from ..insert.anneal import ANNEAL_MODES
 from ..kernels import TABLE_KERNELS
 from ..runtime.matmul import BACKENDS as MATMUL_BACKENDS
 from ..presets import PRESETS, model_config
+from ..store.tiers import TIER_CLASSES
 
 STAGES = ("pretrain", "midtrain", "context_extend")
 DECAYS = ("cosine", "linear")
 TABLE_OPTIMIZERS = ("sparse", "dense")
 TABLE_PATHS = ("auto", "fused", "reference")
-TRAIN_TABLE_TIERS = ("device", "host")
 STEP_GRAPH_MODES = ("eager", "static", "graph", "auto")  # run.step_graph (stemlm.train.captured)
 DTYPES = ("float32", "bfloat16")
 # Default table lr = TABLE_LR_SCALE x lr: a table row is updated only in the steps its token occurs
@@ -201,8 +201,11 @@ class RunSection:
     table_cache_rows: int = _f(0, "run.tables=host: rows per table kept on the accelerator in every step's window (the "
                                "most frequent ids of the training data; they never cross the bus again); size it with "
                                "stemlm plan --train --cache-frac")
-    tables: str = _f("device", f"{' | '.join(TRAIN_TABLE_TIERS)}: where the STEM tables and their optimizer state live while "
-                     "training; host = pinned host RAM, the accelerator holds the rows of the current and next step (docs/gpu.md)")
+    tables: str = _f("device", "where the STEM tables live while training: device | host | disk (or any tier registered in "
+                     "stemlm.store.tiers); host on the fused path (auto picks it) = the rows and their optimizer state "
+                     "in pinned host RAM, the accelerator holds those of the current and next step (docs/gpu.md); with "
+                     "run.table_path=reference (disk: always) the tier's own TableStore serves the rows, as in stemlm "
+                     "serve, and the row-sparse optimizer writes them back (disk: <run.out>/tables.safetensors)")
 
     def compile_blocks(self, device) -> bool:
         """Whether to compile the blocks on ``device``: ``run.compile``, with ``auto`` = on CUDA (not
@@ -232,7 +235,7 @@ class RunSection:
                 raise ConfigError(str(e)) from None
             if self.distill_cache and not self.distill_top_k:
                 raise ConfigError("run.distill_cache stores the teacher's top-k: set run.distill_top_k > 0")
-        _choice(self.tables, "run.tables", TRAIN_TABLE_TIERS)
+        _choice(self.tables, "run.tables", tuple(TIER_CLASSES))
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _choice(self.table_kernels, "run.table_kernels", TABLE_KERNELS)
         _choice(self.step_graph, "run.step_graph", STEP_GRAPH_MODES)

@@ -106,7 +106,7 @@ class Trainer:
         cache = (hot_ids(self.train_ds.tokens, self.model.cfg.vocab_size, cfg.run.table_cache_rows)
                  if cfg.run.table_cache_rows else None)
         self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
-                                              cfg.run.table_kernels, cache)
+                                              cfg.run.table_kernels, cache, RunDir(self.run_dir).tables_file)
         try:
             self.teacher = teacher_for_run(cfg.run, self.device, self.model, self.host_batch,  # None without run.distill
                                            cfg.run.steps * cfg.optim.grad_accum, self.run_dir / "distill_topk",

@@ -26,15 +26,21 @@ def fusable(model: nn.Module) -> bool:
 
 def resolve_table_path(table_path: str, tables_tier: str, table_optimizer: str, device: torch.device,
                        model: nn.Module) -> str:
-    """``"fused"`` or ``"reference"`` for these settings, or a one-line ``ConfigError``."""
-    want_host = tables_tier == "host"
+    """``"fused"`` or ``"reference"`` for these settings, or a one-line ``ConfigError``.
+
+    Tables off the device (``tables_tier`` other than ``device``) train row-sparse: on the fused path
+    in host RAM (``HostTables``), on the reference path on any tier, served by its ``TableStore``."""
+    want_host, off_device = tables_tier == "host", tables_tier != "device"
+    if off_device and table_optimizer != "sparse":
+        raise ConfigError(f"run.tables={tables_tier}: tables off the device train with the row-sparse optimizer; "
+                          "use optim.table_optimizer=sparse")
     if table_path == "auto":
         table_path = "fused" if (device.type == "cuda" or want_host) else "reference"
-        if not fusable(model) or table_optimizer != "sparse":
+        if not fusable(model) or table_optimizer != "sparse" or (off_device and not want_host):
             table_path = "reference"
-    if want_host and table_path != "fused":
-        raise ConfigError("run.tables=host trains through the fused table path: use run.table_path=fused "
-                          "(or auto) with optim.table_optimizer=sparse and in-memory tables")
+    if off_device and not want_host and table_path == "fused":
+        raise ConfigError(f"run.tables={tables_tier} trains through the reference table path (the fused one keeps "
+                          "tables on the device or in host RAM): use run.table_path=reference or auto")
     if table_path == "fused":
         if table_optimizer != "sparse":
             raise ConfigError("run.table_path=fused needs optim.table_optimizer=sparse")
@@ -45,12 +51,18 @@ def resolve_table_path(table_path: str, tables_tier: str, table_optimizer: str, 
 
 
 def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device: torch.device,
-                     table_kernels: str = "torch", cache_ids: torch.Tensor | None = None) -> str | None:
-    """Install the fused container (``FusedTables`` or, for ``tables_tier="host"``, ``HostTables``)
-    as ``model.tables`` when ``table_path`` is ``"fused"`` (after the model is on ``device``), with
-    the kernels ``table_kernels`` resolves to (``auto``/``triton``/``torch``) and, for host tables, the
-    rows ``cache_ids`` kept on the device; returns the kernels (None on the reference path)."""
+                     table_kernels: str = "torch", cache_ids: torch.Tensor | None = None,
+                     tables_file=None) -> str | None:
+    """Install the tables' container for training (after the model is on ``device``); returns the kernels of
+    the fused path (None on the reference path).
+
+    Fused: ``FusedTables`` or, for ``tables_tier="host"``, ``HostTables``, with the kernels ``table_kernels``
+    resolves to (``auto``/``triton``/``torch``) and, for host tables, the rows ``cache_ids`` kept on the device.
+    Reference, off the device: the tier's ``TableStore``, as serving installs it (``offload_tables``; a tier
+    that serves a file writes the rows into ``tables_file``)."""
     if table_path != "fused":
+        if tables_tier != "device":
+            offload_for_training(model, tables_tier, device, tables_file)
         return None
     try:
         kernels = resolve_table_kernels(table_kernels, device)
@@ -66,6 +78,20 @@ def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device
     else:
         install_fused_tables(model, kernels=kernels)
     return kernels
+
+
+def offload_for_training(model: nn.Module, tier: str, device: torch.device, tables_file=None):
+    """Move ``model.tables`` to ``tier`` for training on the reference path: the same ``TableStore`` and
+    backends ``stemlm serve`` uses, without a prefetch worker (the forward gathers); rows are written back
+    by the row-sparse optimizer (``write_rows``). A tier that serves a file gets ``tables_file`` (replaced if
+    it exists: a resume then loads the checkpoint's rows into it)."""
+    from ...store import Placement, offload_tables
+    from ...store.tiers import tier_of
+
+    file_tier = tier_of(tier).serves_file
+    placement = Placement(tier, tables_file=tables_file if file_tier else None, writable=file_tier, prefetch=False,
+                          device=device)
+    return offload_tables(model, placement, overwrite=True)
 
 
 def hot_ids(tokens, vocab_size: int, n: int) -> torch.Tensor:
