@@ -7,9 +7,10 @@ hyperparameters and the same numerics on both sides (fp32, or bf16 autocast on b
 ``--dtype bfloat16``); steps are interleaved. Goal: ratio >= 1.3, judged on the median of the
 per-round ratios (robust to the machine's speed drifting during the run); the ratio of the median
 step times and of the fastest steps are printed next to it. stemlm runs with its defaults
-(``run.matmul=auto``: oneDNN GEMMs on CPU). Two more stemlm contestants are timed in the same
-rounds and reported beside: ``run.matmul=aten`` (the GEMMs HF uses, to show what oneDNN adds) and
-``run.compile=true`` (each block compiled).
+(``run.matmul=aten``: PyTorch's GEMMs, as HF). Two more stemlm contestants are timed in the same
+rounds and reported beside: ``run.matmul=onednn`` (oneDNN's GEMMs, the default until a paired A/B
+across processes, ``bench_matmul_ab.py``, found ATen faster) and ``run.compile=true`` (each block
+compiled). Results written before that change hold ``ratio_aten`` (the default was oneDNN then).
 
     python benchmarks/bench_vs_hf.py
     python benchmarks/bench_vs_hf.py --quick
@@ -71,20 +72,20 @@ def main() -> None:
                  f"data.seq_len={args.seq_len}", "model.ffn=dense", f"model.vocab_size={vocab}", "model.d_ff=688",
                  "optim.grad_clip=1.0", f"run.dtype={args.dtype}"]
     trainer = make_trainer(overrides)
-    aten = make_trainer([*overrides, "run.matmul=aten"])
+    onednn = make_trainer([*overrides, "run.matmul=onednn"])
     compiled = make_trainer([*overrides, "run.compile=true"])
     hf_model = build_hf(trainer.model.cfg)
     n_params = (trainer.model.num_parameters(), sum(p.numel() for p in hf_model.parameters()))
     assert n_params[0] == n_params[1], f"shapes differ: {n_params}"
     samples: dict[str, list[float]] = {}
     times = time_interleaved({"stemlm": trainer.train_step, "hf": hf_step_fn(trainer, hf_model, args.dtype),
-                              "stemlm_aten": aten.train_step, "stemlm_compiled": compiled.train_step},
+                              "stemlm_onednn": onednn.train_step, "stemlm_compiled": compiled.train_step},
                              args.steps, samples=samples)
     tokens = args.batch_size * args.seq_len
     tps = {k: tokens / v for k, v in times.items()}
     ratio = paired_ratio(samples["hf"], samples["stemlm"])  # stemlm tokens/s ÷ HF tokens/s, per round
     ratio_medians, ratio_fastest = tps["stemlm"] / tps["hf"], min(samples["hf"]) / min(samples["stemlm"])
-    ratio_aten = paired_ratio(samples["hf"], samples["stemlm_aten"])
+    ratio_onednn = paired_ratio(samples["hf"], samples["stemlm_onednn"])
     ratio_compiled = paired_ratio(samples["hf"], samples["stemlm_compiled"])
     print(f"d=256, 6 layers, V={vocab}, {args.batch_size}x{args.seq_len} tokens/step, {n_params[0] / 1e6:.2f}M params, "
           f"{args.dtype}")
@@ -92,7 +93,7 @@ def main() -> None:
           f"(medians of {args.steps} steps)")
     print(f"  ratio {ratio:.2f} (median of per-round ratios; goal >= 1.3: {'met' if ratio >= 1.3 else 'not met'})   "
           f"ratio of medians {ratio_medians:.2f}   of fastest steps {ratio_fastest:.2f}")
-    for label, key, r in (("run.matmul=aten", "stemlm_aten", ratio_aten),
+    for label, key, r in (("run.matmul=onednn", "stemlm_onednn", ratio_onednn),
                            ("run.compile=true", "stemlm_compiled", ratio_compiled)):
         print(f"  stemlm with {label} {tps[key]:.0f} tok/s: ratio {r:.2f} (median of per-round ratios)")
     name = "vs_hf" if args.dtype == "float32" else f"vs_hf_{args.dtype}"
@@ -100,7 +101,7 @@ def main() -> None:
                                               "steps": args.steps, "seconds_per_step": times, "tokens_per_s": tps,
                                               "ratio": ratio, "ratio_of_medians": ratio_medians,
                                               "ratio_of_fastest": ratio_fastest, "matmul": trainer.matmul_backend,
-                                              "ratio_aten": ratio_aten, "ratio_compiled": ratio_compiled,
+                                              "ratio_onednn": ratio_onednn, "ratio_compiled": ratio_compiled,
                                               "step_seconds": samples,
                                               "goal_met": ratio >= 1.3})
     print(f"wrote {path}")

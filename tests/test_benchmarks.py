@@ -45,6 +45,14 @@ def test_train_step_quick_splits_the_gap(tmp_path):
     assert (tmp_path / "train_step_widths.quick.png").stat().st_size > 0
 
 
+def test_matmul_ab_quick_alternates_separate_processes(tmp_path):
+    out = run_quick("bench_matmul_ab.py", tmp_path, "--shapes", "p3-stem")
+    r = json.loads((tmp_path / "matmul_ab.quick.json").read_text())["shapes"]["p3-stem"]
+    assert set(r["runs"]) == {"onednn", "aten"} and r["runs"]["aten"][0]["arm"] == "aten"
+    assert r["aten_over_onednn"] == [r["runs"]["aten"][0]["median_s"] / r["runs"]["onednn"][0]["median_s"]]
+    assert "aten ÷ onednn" in out
+
+
 def test_train_step_width_plot_keeps_to_one_sweep(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     import bench_train_step as bench
