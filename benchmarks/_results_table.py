@@ -139,7 +139,8 @@ def rerun_cells(r: Row, check: dict | None) -> tuple[str, str] | None:
         return None
     figs = [(name, f) for c in found for name, f in c["figures"].items()]
     n = max(len(f["runs"]) for _, f in figs)
-    commit = check["commit"][:7] + ("-dirty" if check["commit"].endswith("-dirty") else "")
+    at = found[0].get("commit", check["commit"])  # a check merged in by `check.py --only` has its own
+    commit = at[:7] + ("-dirty" if at.endswith("-dirty") else "")
     spreads = "; ".join(f"{name} {f['median']:.3g} [{f['min']:.3g}, {f['max']:.3g}]" for name, f in figs)
     judged = [(name, f["met_every_run"]) for name, f in figs if f.get("met_every_run") is not None]
     failed = [name for name, ok in judged if not ok]

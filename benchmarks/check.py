@@ -1,7 +1,8 @@
 """Re-measure the README's CPU figures at HEAD, several independent times, and compare with the committed JSON.
 
     python benchmarks/check.py                   # every check, 3 runs each, interleaved (make bench-check)
-    python benchmarks/check.py --only P7,serve   # a selection (names below, or their P-numbers)
+    python benchmarks/check.py --only P7,serve   # a selection (names below, or their P-numbers), merged into
+                                                 # the report (the other checks keep their runs and commit)
     python benchmarks/check.py --runs 5 --list
 
 A README figure comes from one run of its benchmark: its within-run rounds say nothing of how the
@@ -81,7 +82,8 @@ CHECKS = [
           # runs is the noise figure here, not the rounds within one
           args=["--repeats", "3"]),
     Check("vs_hf", "P7", "bench_vs_hf.py", "vs_hf.json",
-          lambda r: {"ratio": r["ratio"], "ratio_aten": r["ratio_aten"], "ratio_compiled": r["ratio_compiled"]},
+          lambda r: {"ratio": r["ratio"], "ratio_compiled": r["ratio_compiled"],
+                     **{k: r[k] for k in ("ratio_aten", "ratio_onednn") if k in r}},  # the non-default GEMMs
           {"ratio": ("≥ 1.3×", lambda v: v >= 1.3), "ratio_compiled": ("≥ 1.3×", lambda v: v >= 1.3)}),
     Check("batch_decode", "batch", "bench_batch_decode.py", "batch_decode.json", _batch,
           {"host_b8_over_b1": ("≥ 4×", lambda v: v >= 4), "disk_b8_over_b1": ("≥ 4×", lambda v: v >= 4)}),
@@ -168,30 +170,44 @@ def run_checks(checks: list[Check], runs: int, scratch: Path, results: Path = RE
             log(f"run {i + 1}/{runs} {c.label} {c.name} ({r['wall_s']:.0f} s): {what}")
     from stemlm.version import git_commit
 
-    report = {"commit": git_commit(), "runs": runs, "machine": {"cpus": os.cpu_count()}, "checks": {}}
+    commit = git_commit()
+    report = {"commit": commit, "runs": runs, "machine": {"cpus": os.cpu_count()}, "checks": {}}
     for c in checks:
-        report["checks"][c.name] = {"label": c.label, "script": c.script, "result": c.result,
+        report["checks"][c.name] = {"label": c.label, "script": c.script, "result": c.result, "commit": commit,
                                     "wall_s": [r["wall_s"] for r in raw[c.name]],
                                     "errors": [r["error"] for r in raw[c.name] if "error" in r],
                                     "figures": summarize(c, raw[c.name], committed_figures(c, results))}
     return report
 
 
+def merged(report: dict, previous: dict | None) -> dict:
+    """``report`` (a ``--only`` selection) with the checks of ``previous`` (the committed report) it did not
+    re-run kept as they were, each with the commit it was measured at (a report of every check replaces all)."""
+    if not previous:
+        return report
+    kept = {name: {**c, "commit": c.get("commit", previous["commit"])} for name, c in previous["checks"].items()
+            if name not in report["checks"]}
+    return {**report, "checks": {**kept, **report["checks"]}}
+
+
 def markdown(report: dict) -> str:
     """A readable summary of ``run_checks``'s report."""
-    lines = [f"# Re-measured CPU figures at {report['commit']} ({report['runs']} runs each, interleaved)", "",
-             "| check | figure | committed | runs: median [min, max] | reproduced? | goal | every run met it? | flip? |",
-             "|---|---|---|---|---|---|---|---|"]
+    commits = sorted({c.get("commit", report["commit"]) for c in report["checks"].values()})
+    lines = [f"# Re-measured CPU figures at {', '.join(commits)} (independent runs, interleaved)", "",
+             "| check | commit | figure | committed | runs: median [min, max] | reproduced? | goal | every run met it? "
+             "| flip? |", "|---|---|---|---|---|---|---|---|---|"]
     for name, c in report["checks"].items():
+        at = c.get("commit", report["commit"])
         for fig, e in c["figures"].items():
-            spread = f"{e['median']:.4g} [{e['min']:.4g}, {e['max']:.4g}]" if "median" in e else "—"
+            spread = f"{e['median']:.4g} [{e['min']:.4g}, {e['max']:.4g}] ({len(e['runs'])})" if "median" in e else "—"
             com = "—" if e["committed"] is None else f"{e['committed']:.4g}"
             rep = {True: "yes", False: "**no**"}.get(e.get("reproduced"), "—")
             met = {True: "yes", False: "**no**"}.get(e.get("met_every_run"), "—")
             flip = "**yes**" if e.get("flip") else ("no" if "flip" in e else "—")
-            lines.append(f"| {c['label']} {name} | {fig} | {com} | {spread} | {rep} | {e.get('goal', '—')} | {met} | {flip} |")
+            lines.append(f"| {c['label']} {name} | {at} | {fig} | {com} | {spread} | {rep} | {e.get('goal', '—')} | "
+                         f"{met} | {flip} |")
         if c["errors"]:
-            lines.append(f"| {c['label']} {name} | errors | {'; '.join(c['errors'])} | | | | | |")
+            lines.append(f"| {c['label']} {name} | {at} | errors | {'; '.join(c['errors'])} | | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,6 +217,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", help="comma-separated checks, by name or label (e.g. P7,serve)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--out", default=str(RESULTS / "check"), help="report path without suffix (default: results/check)")
+    ap.add_argument("--replace", action="store_true",
+                    help="with --only: write only the selected checks (default: keep the others of the report at --out, "
+                         "each with the commit it was measured at)")
     args = ap.parse_args(argv)
     if args.list:
         for c in CHECKS:
@@ -213,6 +232,8 @@ def main(argv=None) -> int:
         report = run_checks(checks, args.runs, Path(scratch))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.only and not args.replace and out.with_suffix(".json").exists():
+        report = merged(report, json.loads(out.with_suffix(".json").read_text()))
     from stemlm.runtime.files import atomic_write_text
 
     atomic_write_text(out.with_suffix(".json"), json.dumps(report, indent=2))

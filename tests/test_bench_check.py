@@ -36,7 +36,14 @@ def test_runs_are_interleaved_summarized_and_judged(tmp_path):
     assert e["met_every_run"] is False and e["met_some_run"] and e["committed_met"] and e["flip"]
     assert len(log) == 3 and not report["checks"]["fake"]["errors"]
     md = check.markdown(report)
-    assert "| P9 fake | ratio | 1.36 | 1.35 [1.2, 1.4] | yes | ≥ 1.3× | **no** | **yes** |" in md
+    at = report["commit"]
+    assert f"| P9 fake | {at} | ratio | 1.36 | 1.35 [1.2, 1.4] (3) | yes | ≥ 1.3× | **no** | **yes** |" in md
+    # a later --only selection keeps this check, with the commit it was measured at
+    older = {**report, "commit": "abc1234", "checks": {"fake": {**report["checks"]["fake"], "commit": "abc1234"}}}
+    other = {**report, "checks": {"other": {**report["checks"]["fake"], "label": "P8"}}}
+    both = check.merged(other, older)
+    assert set(both["checks"]) == {"fake", "other"} and both["checks"]["fake"]["commit"] == "abc1234"
+    assert "| P9 fake | abc1234 |" in check.markdown(both) and check.merged(other, None) is other
 
 
 def test_a_failing_run_is_reported_and_unknown_names_refused(tmp_path):
