@@ -187,7 +187,10 @@ def merged(report: dict, previous: dict | None) -> dict:
         return report
     kept = {name: {**c, "commit": c.get("commit", previous["commit"])} for name, c in previous["checks"].items()
             if name not in report["checks"]}
-    return {**report, "checks": {**kept, **report["checks"]}}
+    checks = {**kept, **report["checks"]}
+    order = [c.name for c in CHECKS]  # the report lists the checks in CHECKS's order (others after them)
+    ranked = sorted(checks, key=lambda name: order.index(name) if name in order else len(order))
+    return {**report, "checks": {name: checks[name] for name in ranked}}
 
 
 def markdown(report: dict) -> str:
