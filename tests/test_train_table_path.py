@@ -50,20 +50,15 @@ def test_fused_and_host_runs_equal_the_reference(data, tmp_path):
     assert (tmp_path / "disk_store" / "tables.safetensors").is_file()  # the disk tier's rows, in the run dir
 
 
-def test_a_disk_tier_run_resumes_bit_for_bit(data, tmp_path):
+@pytest.mark.parametrize("first, then", [
+    ("run.tables=host", "run.table_path=reference"),  # host-RAM training tables, resumed on the device
+    ("run.tables=disk", "run.tables=disk"),  # the disk tier's TableStore, resumed on it
+])
+def test_checkpoints_resume_across_paths_and_tiers(data, tmp_path, first, then):
     _run(data, tmp_path / "whole", "run.table_path=reference")
-    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.tables=disk")) as t:
+    with Trainer(debug_config(data, tmp_path / "split", *COMMON, first)) as t:
         t.fit(stop_at=3)
-    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.tables=disk"), resume=True) as t:
-        t.fit()
-    assert losses(tmp_path / "split")[3:] == losses(tmp_path / "whole")[3:]
-
-
-def test_checkpoints_resume_across_paths(data, tmp_path):
-    _run(data, tmp_path / "whole", "run.table_path=reference")
-    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.tables=host")) as t:
-        t.fit(stop_at=3)
-    with Trainer(debug_config(data, tmp_path / "split", *COMMON, "run.table_path=reference"), resume=True) as t:
+    with Trainer(debug_config(data, tmp_path / "split", *COMMON, then), resume=True) as t:
         t.fit()
     assert losses(tmp_path / "split")[3:] == losses(tmp_path / "whole")[3:]
 
