@@ -76,7 +76,8 @@ def test_vs_hf_quick_reports_paired_ratio(tmp_path):
     run_quick("bench_vs_hf.py", tmp_path)
     r = json.loads((tmp_path / "vs_hf.quick.json").read_text())
     steps = r["step_seconds"]
-    assert all(len(steps[k]) == r["steps"] == 2 for k in ("stemlm", "hf", "stemlm_aten", "stemlm_compiled"))
+    assert all(len(steps[k]) == r["steps"] == 2 for k in ("stemlm", "hf", "stemlm_onednn", "stemlm_compiled"))
+    assert r["matmul"] == "aten" and "ratio_onednn" in r  # the default GEMMs, oneDNN timed beside them
     ratios = sorted(h / s for h, s in zip(steps["hf"], steps["stemlm"]))
     assert r["ratio"] == pytest.approx(sum(ratios) / 2)  # median of two rounds
     assert r["goal_met"] == (r["ratio"] >= 1.3)
