@@ -127,6 +127,8 @@ def write_result(name: str, quick: bool, payload: dict) -> Path:
     meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine(),
             "processor": platform.processor(), "quick": quick, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
             "git_commit": git_commit(Path(__file__).resolve().parent)}
-    path.write_text(json.dumps({"meta": meta, **payload}, indent=2))
+    from stemlm.runtime.files import atomic_write_text
+
+    atomic_write_text(path, json.dumps({"meta": meta, **payload}, indent=2))
     return path
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from stemlm.runtime.files import atomic_write_text
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +285,7 @@ def main() -> int:
                        spec.get("swaps_only", False), None if args.quick else spec.get("heldout_pairs"))
         results[name] = {"spec": spec, "git_commit": git_commit(ROOT), "eval_seconds": round(time.time() - t0), **res}
         RESULTS.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(results, indent=1))
+        atomic_write_text(path, json.dumps(results, indent=1))
         print(headline(name, results[name]), flush=True)
     if not args.quick:
         print(f"wrote {plot_levers(results, RESULTS / 'edit_levers.png')}")

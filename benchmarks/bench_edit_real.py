@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from stemlm.runtime.files import atomic_write_text
 from stemlm.edit.strategies import ALIGNS, STRATEGIES
 from stemlm.version import git_commit
 
@@ -200,7 +201,7 @@ def main() -> None:
               "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / ("edit_real" + (f".{args.tag}" if args.tag else "") + (".quick" if args.quick else "") + ".json")
-    out.write_text(json.dumps(result, indent=1))
+    atomic_write_text(out, json.dumps(result, indent=1))
     print(f"wrote {out}")
 
 

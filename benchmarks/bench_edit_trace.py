@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from stemlm.runtime.files import atomic_write_text
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,7 +114,7 @@ def main() -> None:
               "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / ("edit_trace.quick.json" if args.quick else "edit_trace.json")
-    out.write_text(json.dumps(result, indent=1))
+    atomic_write_text(out, json.dumps(result, indent=1))
     print(f"wrote {out} in {result['seconds']:.0f}s")
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from stemlm.runtime.files import atomic_write_text
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,9 +139,9 @@ def main() -> None:
         result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
         print(f"{k}: loss {loss:.3f} (dense {result['runs'][key]['loss']:.3f}, +{entry['delta_vs_dense']:.2f})", flush=True)
         RESULTS.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1))
+        atomic_write_text(out, json.dumps(result, indent=1))
         del model
-    out.write_text(json.dumps(result, indent=1))
+    atomic_write_text(out, json.dumps(result, indent=1))
     print(f"wrote {out}")
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from _gpu_parts import sync
+from stemlm.runtime.files import atomic_write_text
 from stemlm.study.midtrain import converted_model, distill_overrides, midtrain_runs
 from stemlm.study.spec import load_spec
 from stemlm.train import Trainer, load_train_config
@@ -189,7 +190,7 @@ def main(argv=None) -> int:
         result["summary"] = summary(result["seeds"])
         result["wall_s"] = time.perf_counter() - t_start
         out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(result, indent=1))
+        atomic_write_text(out_path, json.dumps(result, indent=1))
         log(f"seed {seed} done in {seed_s:.0f} s; wrote {out_path}")
     for arm, s in result.get("summary", {}).items():
         sd = f" ± {s['final_gap_sd']:.4f} (sd)" if s["final_gap_sd"] is not None else ""

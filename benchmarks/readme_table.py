@@ -473,7 +473,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.readme}: the results table is current")
         return 0
     if new != old:
-        args.readme.write_text(new)
+        from stemlm.runtime.files import atomic_write_text
+
+        atomic_write_text(args.readme, new)
     print(f"{'wrote' if new != old else 'unchanged:'} {args.readme}")
     return 0
 
