@@ -22,6 +22,7 @@ import numpy as np
 from _gpu_midtrain_report import gpu_midtrain_section
 from _insertion_grid_report import grid_section
 from _edit_report import edit_sections, num as _f, pct as _pct, pyplot_or_none as _pyplot
+from stemlm.runtime.files import atomic_write_text
 from stemlm.runtime.plotting import save
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,7 +139,10 @@ def midtrain_section(study: Path) -> list[str]:
         out += ["", *goal_lines(by, dense), "", *gap_lines(by, dense), *screen_lines(study, by)]
     tasks = sorted({t for e in evals.values() for t in e["result"]["tasks"]})
     if tasks:
-        out += ["", "Zero-shot (`stemlm eval`, same items for every model; ± = standard error):", "",
+        limits = sorted({e.get("limit") for e in evals.values()} - {None})
+        items = f"{', '.join(map(str, limits))} items a task, " if limits else ""
+        out += ["", f"Zero-shot (`stemlm eval`, {items}the same items for every model; ± = standard error, so "
+                "an unpaired 95 % interval is ± 1.96 of it; `init` = the model the arm starts from, step 0):", "",
                 "| arm | point | " + " | ".join(tasks) + " |", "|---|---|" + "---:|" * len(tasks)]
         for (run, point), e in sorted(evals.items()):
             cells = []
@@ -146,9 +150,12 @@ def midtrain_section(study: Path) -> list[str]:
                 s = e["result"]["tasks"].get(t) or {}
                 cells.append(f"{s['acc']:.3f} ± {s.get('acc_stderr') or 0:.3f}" if s.get("acc") is not None else "–")
             out.append(f"| {run.split('-', 2)[-1]} | {point} | " + " | ".join(cells) + " |")
-        missing = [name for name, r in by.items() if not any(run == r["name"] for run, _ in evals)]
+        missing = [name for name, r in by.items() if (r["name"], "final") not in evals]
         if missing:
-            out += ["", f"Not evaluated zero-shot (yet): {', '.join(missing)}."]
+            out += ["", f"No zero-shot scores of the final checkpoint (yet): {', '.join(missing)}."]
+        notes = sorted({e["note"] for e in evals.values() if e.get("note")})  # how scores were made, if not by the runner
+        if notes:
+            out += ["", *notes]
     plot = plot_midtrain(by, study.name)
     if plot:
         out += ["", f"![mid-training curves]({Path('..') / plot.relative_to(ROOT)})"]
@@ -266,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     new = f"{head}{BEGIN}\n{render()}\n{END}{tail}"
     if args.check:
         return int(new != text)
-    DOC.write_text(new)
+    atomic_write_text(DOC, new)
     print(f"wrote {DOC}")
     return 0
 
