@@ -154,8 +154,8 @@ def midtrain_section(study: Path) -> list[str]:
         if missing:
             out += ["", f"No zero-shot scores of the final checkpoint (yet): {', '.join(missing)}."]
         notes = sorted({e["note"] for e in evals.values() if e.get("note")})  # how scores were made, if not by the runner
-        if notes:
-            out += ["", *notes]
+        for note in notes:
+            out += ["", note]
     plot = plot_midtrain(by, study.name)
     if plot:
         out += ["", f"![mid-training curves]({Path('..') / plot.relative_to(ROOT)})"]
