@@ -38,6 +38,13 @@ def synthetic_data_dir(vocab: int, n_tokens: int = 400_000, seed: int = 0) -> Pa
     return out
 
 
+def shape_overrides(vocab: int, batch_size: int, seq_len: int) -> list[str]:
+    """The data and shape overrides of a training benchmark: synthetic Zipf data of ``vocab`` ids, ``batch_size``
+    sequences of ``seq_len`` tokens a step, and a model long enough for them."""
+    return [f"data.dir={synthetic_data_dir(vocab)}", f"data.batch_size={batch_size}", f"data.seq_len={seq_len}",
+            f"model.max_seq_len={max(seq_len, 64)}"]
+
+
 def make_trainer(overrides: list[str], preset: str = "tiny"):
     """A ``Trainer`` of the real training loop writing into a throw-away run dir (removed at exit)."""
     from stemlm.train import Trainer, load_train_config
@@ -79,8 +86,7 @@ def preset_run_args(doc: str, name: str, steps: int, compile_option: bool = Fals
     args.result_name = "_".join([name, *(o.removeprefix("model.").replace("=", "") for o in args.overrides)])
     if args.quick:
         args.preset, args.batch_size, args.seq_len, args.steps = "debug", 4, 64, 2
-    common = [f"data.dir={synthetic_data_dir(PRESETS[args.preset]['vocab_size'])}", f"data.batch_size={args.batch_size}",
-              f"data.seq_len={args.seq_len}", f"model.max_seq_len={max(args.seq_len, 64)}", *args.overrides]
+    common = [*shape_overrides(PRESETS[args.preset]["vocab_size"], args.batch_size, args.seq_len), *args.overrides]
     return args, common
 
 

@@ -29,7 +29,6 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 ARMS = ("onednn", "aten")
@@ -44,21 +43,14 @@ VOCAB = {"p7-dense": 8192}  # the others: the tiny preset's 4096
 
 def child(shape: str, arm: str, steps: int, warmup: int, quick: bool) -> dict:
     """Time ``steps`` training steps of one trainer (this process's only one); its median step seconds."""
-    from _train_bench import make_trainer, synthetic_data_dir
+    from _train_bench import make_trainer, shape_overrides, time_interleaved
 
     batch, seq, preset, vocab = (4, 64, "debug", 512) if quick else (16, 256, "tiny", VOCAB.get(shape, 4096))
-    overrides = [f"data.dir={synthetic_data_dir(vocab)}", f"data.batch_size={batch}", f"data.seq_len={seq}",
-                 f"model.max_seq_len={max(seq, 64)}", *SHAPES[shape], f"model.vocab_size={vocab}",
-                 f"run.matmul={arm}"]
-    trainer = make_trainer(overrides, preset)
-    for _ in range(warmup):
-        trainer.train_step()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        trainer.train_step()
-        times.append(time.perf_counter() - t0)
-    return {"shape": shape, "arm": arm, "median_s": statistics.median(times), "step_s": times}
+    trainer = make_trainer([*shape_overrides(vocab, batch, seq), *SHAPES[shape], f"model.vocab_size={vocab}",
+                            f"run.matmul={arm}"], preset)
+    samples: dict[str, list[float]] = {}
+    median = time_interleaved({"step": trainer.train_step}, steps, warmup, samples)["step"]
+    return {"shape": shape, "arm": arm, "median_s": median, "step_s": samples["step"]}
 
 
 def order(pairs: int) -> list[tuple[int, str]]:

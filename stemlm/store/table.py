@@ -179,12 +179,14 @@ class TableStore(Tables):
         """One layer's rows of a prefetch job (gathered again if a write made them stale)."""
         table, got = self[key], self.prefetcher.wait(job, key)
         if got is None:
-            return self.track(key, table, job.uniq, table.gather(job.uniq))
-        rows, stall_seconds = got
-        table.stats.prefetched += 1
-        table.stats.stalls += int(stall_seconds is not None)
-        table.stats.stall_seconds += stall_seconds or 0.0
-        return self.track(key, table, job.uniq, table.gather(job.uniq, rows))
+            rows = table.gather(job.uniq)
+        else:
+            fetched, stall_seconds = got
+            table.stats.prefetched += 1
+            table.stats.stalls += int(stall_seconds is not None)
+            table.stats.stall_seconds += stall_seconds or 0.0
+            rows = table.gather(job.uniq, fetched)
+        return self.track(key, table, job.uniq, rows)
 
     def prefetch(self, ids: torch.Tensor) -> LayerRows | None:
         """Start gathering the rows of ``ids`` for every layer; returns the ticket to pass to the forward of

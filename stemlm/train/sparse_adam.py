@@ -37,7 +37,7 @@ from __future__ import annotations
 import warnings
 import torch
 
-from ..model.tables import Tables, WeightRows
+from ..model.tables import Tables, TouchedRows, WeightRows
 
 
 def table_device(table) -> torch.device:
@@ -124,9 +124,9 @@ class SparseRowAdamW:
     def collect(self) -> list[torch.Tensor]:
         """Take the step's recorded lookups from the container and coalesce them per table; returns the
         ``(U, dim)`` grads."""
-        touched = self.container.take_step()
+        touched = self.container.take_step() or TouchedRows()  # nothing recorded: no lookup since the last take
         for name, table in self.tables.items():
-            owned = [table.own_grad(ids, leaf) for ids, leaf in (touched.of(name) if touched is not None else [])]
+            owned = [table.own_grad(ids, leaf) for ids, leaf in touched.of(name)]
             pairs = [pair for pair in owned if pair is not None]
             if name in self._pending:  # collect() called again before step(): accumulate
                 pairs.append(self._pending[name])

@@ -11,6 +11,8 @@ from ...config import ConfigError
 from ...kernels import load as load_kernels
 from ...kernels import resolve_table_kernels
 from ...model.tables import StemTable
+from ...store import Placement, offload_tables
+from ...store.tiers import tier_of
 from .host import install_host_tables
 from .kernels import indexed_update_
 from .stacked import install_fused_tables
@@ -85,9 +87,6 @@ def offload_for_training(model: nn.Module, tier: str, device: torch.device, tabl
     backends ``stemlm serve`` uses, without a prefetch worker (the forward gathers); rows are written back
     by the row-sparse optimizer (``write_rows``). A tier that serves a file gets ``tables_file`` (replaced if
     it exists: a resume then loads the checkpoint's rows into it)."""
-    from ...store import Placement, offload_tables
-    from ...store.tiers import tier_of
-
     file_tier = tier_of(tier).serves_file
     placement = Placement(tier, tables_file=tables_file if file_tier else None, writable=file_tier, prefetch=False,
                           device=device)
