@@ -199,3 +199,47 @@ def test_gradients_are_handed_over_by_the_container_once():
     assert tables.take_step().of("0") == []
     with pytest.raises(TypeError, match="container"):
         SparseRowAdamW({"0": t}, lr=0.1)
+
+
+@pytest.mark.parametrize("decay_untouched", ["lazy", "catchup"])
+def test_in_place_update_of_most_rows_equals_the_gathered_update(monkeypatch, decay_untouched):
+    """A step touching most rows updates the table in place (``_update_in_place``): the same weights and
+    moments, bit for bit, as gathering and scattering the touched rows; untouched rows keep their values."""
+    def run(share):
+        monkeypatch.setattr(SparseRowAdamW, "in_place_share", share)
+        t = _table()
+        opt = SparseRowAdamW(Tables({"0": t}), lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched)
+        gen = torch.Generator().manual_seed(2)
+        for k in (V, 10, V, 3, 11, V):  # all rows, most rows, a few (the gathered path either way)
+            ids = torch.randperm(V, generator=gen)[:k]  # unordered: a permutation when k == V
+            opt.global_step += 1
+            opt._update_rows("0", ids, torch.randn(k, D, generator=gen))
+        return [t.weight.detach().clone(), *opt.state["0"].values()]
+
+    for got, want in zip(run(0.5), run(2.0)):  # 0.5: k >= 6 in place; 2.0: never
+        assert torch.equal(got, want)
+
+
+def test_unique_ids_by_presence_equals_torch_unique():
+    from stemlm.model.tables import PRESENCE_MIN_IDS, unique_ids
+
+    gen = torch.Generator().manual_seed(0)
+    for rows, n in ((64, PRESENCE_MIN_IDS), (4096, 3 * PRESENCE_MIN_IDS), (10**6, PRESENCE_MIN_IDS), (64, 5)):
+        ids = torch.randint(0, rows, (n // 4, 4), generator=gen)
+        uniq, inverse = unique_ids(ids, rows)
+        want_uniq, want_inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        assert torch.equal(uniq, want_uniq) and torch.equal(inverse, want_inverse)
+
+
+def test_summed_rows_backward_equals_embedding_bag():
+    from stemlm.model.tables import sum_rows
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(30, 7, dtype=torch.float64, generator=gen, requires_grad=True)
+    bags = torch.randint(0, 30, (40, 5), generator=gen)
+    assert torch.autograd.gradcheck(lambda r: sum_rows(r, bags), (rows,))
+    ref = rows.detach().clone().requires_grad_(True)
+    weights = torch.randn(40, 7, dtype=torch.float64, generator=gen)
+    (torch.nn.functional.embedding_bag(bags, ref, mode="sum") * weights).sum().backward()
+    (sum_rows(rows, bags) * weights).sum().backward()
+    torch.testing.assert_close(rows.grad, ref.grad, rtol=0, atol=1e-12)

@@ -97,6 +97,10 @@ def load_scalars(opt, meta: dict) -> None:
 class SparseRowAdamW:
     """AdamW over the touched rows of every table of a container (see module docstring)."""
 
+    # a step touching at least this share of a table's rows updates the whole table in place (``_update_in_place``):
+    # measured on CPU, from about 80 % of the rows that is faster than gathering and scattering them
+    in_place_share = 0.85
+
     def __init__(self, tables: Tables, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, decay_untouched: str = "lazy", compile: bool = False):
         """``tables``: the container (``model.tables``) whose ``take_step`` hands over each step's rows.
@@ -162,6 +166,10 @@ class SparseRowAdamW:
             if self._update_compiled(name, table, st, ids, grad, decay, neg_step, eps_r):
                 return
         buf_m, buf_v, buf_d = self._workspace(name, len(ids), grad)  # reused: no page faults per step
+        if (isinstance(table, WeightRows) and table.weight.dtype == torch.float32
+                and len(ids) >= self.in_place_share * table.num_rows):  # most rows touched (n-gram keys fill their slots)
+            self._update_in_place(name, table, st, ids, grad, decay, neg_step, eps_r)
+            return
         m = torch.index_select(st["exp_avg"], 0, ids, out=buf_m).lerp_(grad, 1 - b1)  # (U, dim)
         v = torch.index_select(st["exp_avg_sq"], 0, ids, out=buf_v).mul_(b2).addcmul_(grad, grad, value=1 - b2)
         st["exp_avg"].index_copy_(0, ids, m)
@@ -175,6 +183,35 @@ class SparseRowAdamW:
             table.weight.data.index_copy_(0, ids, rows.to(table.weight.dtype))
         else:
             table.write_rows(ids, rows)
+
+    def _update_in_place(self, name: str, table, st: dict, ids, grad, decay, neg_step, eps_r) -> None:
+        """The row update of a step that touched most rows, on the whole table and its moments in place: the
+        few untouched rows are saved before and put back after, so they do not change (lazy AdamW). The
+        arithmetic of every touched row is that of the gathered update, bit for bit, in 7 passes over the
+        table instead of 15 over the touched rows (the gathers and scatters of rows and moments go)."""
+        b1, b2 = self.betas
+        n = table.num_rows
+        untouched = torch.ones(n, dtype=torch.bool, device=ids.device).index_fill_(0, ids, False).nonzero().squeeze(1)
+        weight, exp_avg, exp_avg_sq = table.weight.data, st["exp_avg"], st["exp_avg_sq"]
+        kept = [t.index_select(0, untouched) for t in (weight, exp_avg, exp_avg_sq)]  # (n - U, dim) each
+        full_grad, buf_m, buf_d = self._workspace(name, n, grad)  # (n, dim) each
+        in_order = not len(untouched) and bool((ids[1:] > ids[:-1]).all())  # ids = 0 .. n-1: grad is the table's
+        if in_order:
+            full_grad = grad
+        else:
+            full_grad.index_copy_(0, ids, grad).index_fill_(0, untouched, 0.0)
+
+        def per_row(x: torch.Tensor, fill: float) -> torch.Tensor:  # (U, 1) -> (n, 1), untouched rows = fill
+            return x if in_order else x.new_full((n, 1), fill).index_copy_(0, ids, x)
+
+        m = exp_avg.lerp_(full_grad, 1 - b1)
+        v = exp_avg_sq.mul_(b2).addcmul_(full_grad, full_grad, value=1 - b2)
+        if self.weight_decay:
+            weight.mul_(per_row(decay, 1.0))
+        denom = torch.sqrt(v, out=buf_d).add_(per_row(eps_r, 1.0))
+        weight.addcdiv_(torch.mul(m, per_row(neg_step, 0.0), out=buf_m), denom)
+        for t, k in zip((weight, exp_avg, exp_avg_sq), kept):
+            t.index_copy_(0, untouched, k)
 
     def _row_factors(self, st: dict, ids: torch.Tensor, n: torch.Tensor, device) -> tuple[torch.Tensor, ...]:
         """Per-row ``(decay, -step, eps)`` factors ``(U, 1)`` fp32 of this step, from which
