@@ -2,8 +2,10 @@
 
 The model is the tiny preset with STEM in every third layer and random weights, tables on the
 host tier (``_store_bench.bench_checkpoint``; a small BPE tokenizer is trained for the server's
-text side, the prompts are token ids). The server runs in this process (uvicorn on a thread,
-``--max-batch`` 16). The load comes from a separate process, as a server's clients would (in this
+text side, the prompts are token ids). The server runs in this process as ``stemlm serve`` runs it:
+the engine on the main thread, which loaded the model, uvicorn on a thread of its own (``--max-batch``
+16); direct generation runs on the engine's thread too (``Engine.call``), so that one OpenMP team does
+all the model's work, as in the server (``stemlm.runtime.threads``). The load comes from a separate process, as a server's clients would (in this
 process the clients' Python would compete with the engine for the interpreter lock): for each
 concurrency C (1, 2, 4, 8, 16), C client threads there each send ``--requests`` non-streaming
 completions through the ``openai`` client, one after another; each request has its own prompt
@@ -194,21 +196,36 @@ def main() -> None:
     rounds: dict[int, list[tuple[dict, dict]]] = {c: [] for c in levels}
     load = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     stack = {} if args.stack == "auto" else {"loop": "asyncio", "http": "h11"}
-    with ServerThread(served, **stack) as url, load:
-        load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()  # warm-up
-        for r in range(args.repeats):
-            for c in levels[r % len(levels):] + levels[:r % len(levels)]:
-                work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
-                s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens).result())
-                s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
-                e = cpu_timed(lambda: engine_phase(served.engine, work, args.max_tokens))
-                d = cpu_timed(lambda: direct_phase(model, work, args.max_tokens, eos_ids))
-                rounds[c].append((s, d, e))
-                print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 {s['latency_p50_s']:.3f} s, "
-                      f"p95 {s['latency_p95_s']:.3f} s), engine without HTTP {e['tokens_per_s']:8.1f} tok/s, "
-                      f"direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
-        with urllib.request.urlopen(url + "/metrics") as resp:
-            metrics = json.load(resp)
+    engine, metrics, failed = served.engine, {}, []
+
+    def drive():  # the rounds, on a thread of their own: the engine runs on the main thread, as `stemlm serve` does
+        try:
+            with ServerThread(served, **stack) as url, load:
+                load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()
+                for r in range(args.repeats):
+                    for c in levels[r % len(levels):] + levels[:r % len(levels)]:
+                        work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
+                        s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens).result())
+                        s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
+                        e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
+                        # direct generation on the engine's thread, between requests (one OpenMP team, as served)
+                        d = cpu_timed(lambda: engine.call(lambda: direct_phase(model, work, args.max_tokens, eos_ids)))
+                        rounds[c].append((s, d, e))
+                        print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 "
+                              f"{s['latency_p50_s']:.3f} s, p95 {s['latency_p95_s']:.3f} s), engine without HTTP "
+                              f"{e['tokens_per_s']:8.1f} tok/s, direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
+                with urllib.request.urlopen(url + "/metrics") as resp:
+                    metrics.update(json.load(resp))
+        except BaseException as e:
+            failed.append(e)
+        finally:
+            engine.shutdown(drain=True)  # ends run_here (leaving the server's block has drained it already)
+
+    driver = threading.Thread(target=drive, name="bench-driver")
+    engine.run_here(started=driver.start)
+    driver.join()
+    if failed:
+        raise failed[0]
     served.store.close()
     results = {}
     for c, rs in rounds.items():

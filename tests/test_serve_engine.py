@@ -202,3 +202,33 @@ def test_a_failing_sink_drops_only_its_own_request(model):
         engine.shutdown()
     assert bad.cancelled and out.tokens[0] == alone(model, ps[1], SamplingParams(8), None)
     assert engine.counts()["requests_running"] == 0 and engine.metrics.snapshot()["requests_failed"] == 0
+
+
+def test_run_here_serves_on_the_calling_thread_and_call_runs_between_requests(model):
+    """``run_here`` owns the engine on the calling thread (``stemlm serve``: the main thread): requests from
+    other threads decode as alone, ``call`` runs on that thread while nothing decodes, and a ``shutdown``
+    from another thread drains and ends the loop (without joining the thread, which lives on)."""
+    engine = Engine(model, max_batch=4)
+    here = threading.current_thread()
+    outcome = {}
+
+    def clients():
+        ps = prompts((4, 7))
+        params = [SamplingParams(5, temperature=0.0), SamplingParams(6, temperature=0.8, seed=3)]
+        outcome["run"] = run(engine, ps, params)[0]
+        outcome["alone"] = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
+        outcome["call"] = engine.call(lambda: (threading.current_thread(), engine.counts()))
+        with pytest.raises(ZeroDivisionError):
+            engine.call(lambda: 1 / 0)
+        engine.shutdown(drain=True)
+
+    client = threading.Thread(target=clients)
+    engine.run_here(started=client.start)
+    client.join(30)
+    assert not client.is_alive()
+    out = outcome["run"]
+    assert [out.tokens[0], out.tokens[1]] == outcome["alone"]
+    assert outcome["call"] == (here, {"requests_running": 0, "requests_queued": 0})
+    assert engine.start() is engine and engine._thread is here  # a later start spawns nothing
+    with pytest.raises(RuntimeError, match="another thread"):
+        engine.run_here()

@@ -384,3 +384,24 @@ def test_table_rows_passed_explicitly_replace_the_lookup(setup):
         assert not torch.allclose(model(ids, table_rows=zero), ref[0])
         with pytest.raises(ValueError, match=f"no rows for table layer.* {cfg.table_layers[-1]}"):
             model(ids, table_rows={str(cfg.table_layers[0]): rows[str(cfg.table_layers[0])]})
+
+
+def test_the_prefetch_worker_runs_torch_alone_and_others_keep_their_threads():
+    """On a CPU compute device the prefetcher's worker runs torch's operators single-threaded (no OpenMP team
+    of its own, ``stemlm.runtime.threads``); the creating thread and threads started later keep the count."""
+    import threading
+
+    from stemlm.store.prefetch import Prefetcher
+
+    before = torch.get_num_threads()
+    pre = Prefetcher({}, device="cpu")
+    try:
+        assert pre._pool.submit(torch.get_num_threads).result() == 1
+        assert torch.get_num_threads() == before
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+        t.start()
+        t.join()
+        assert seen == [before]
+    finally:
+        pre.close()

@@ -1,5 +1,9 @@
 """The continuous-batching engine: one thread owns the model and schedules requests onto the decode core.
 
+That thread is the engine's own (``start``) or the caller's (``run_here``: ``stemlm serve`` runs the loop on
+the main thread, which loaded the model, so that one OpenMP team does the model's work,
+``stemlm.runtime.threads``); ``call`` runs other work on it between requests.
+
 Requests wait in a queue (at most ``max_queue``). Before each decode step the engine drops the
 requests that were cancelled or ran past their deadline, admits waiting ones (up to ``max_batch``
 rows) as one group (``DecodeCore.add``: a prefill into free rows of the KV cache and the first
@@ -19,6 +23,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..inference.core import DecodeCore, Generation
@@ -121,16 +126,49 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._admitting = 0  # taken from the queue, not yet published in ``running``
         self._cond = threading.Condition()
+        self._calls: deque[tuple[Callable[[], object], Future]] = deque()  # ``call``s waiting for an idle engine
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._stopped = threading.Event()  # the loop has returned
 
     # -- the public face ------------------------------------------------------------------------
     def start(self) -> Engine:
-        """Start the engine thread (once)."""
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="stemlm-engine", daemon=True)
-            self._thread.start()
+        """Start the engine thread (once; nothing if ``run_here`` owns the engine already).
+
+        The loop is faster on the thread that loaded the model (``run_here``: one OpenMP team in the
+        process, ``stemlm.runtime.threads``); a thread of its own is what tests and embedding callers get."""
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="stemlm-engine", daemon=True)
+                self._thread.start()
         return self
+
+    def run_here(self, started: Callable[[], None] | None = None) -> None:
+        """Run the engine loop on the calling thread until ``shutdown`` (``stemlm serve`` runs it on the main
+        thread, which loaded the model, with HTTP on a thread of its own). ``started()`` is called once the
+        engine belongs to this thread (a ``start`` from elsewhere then does nothing): start the HTTP thread
+        there. ``call`` runs work on the loop meanwhile."""
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the engine runs on another thread already")
+            self._thread = threading.current_thread()
+        if started is not None:
+            started()
+        self._run()
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run ``fn()`` on the engine's thread while no request is running or waiting, and return its result
+        (its exception is raised here): work on the engine's model without a second OpenMP team (benchmarks
+        compare generation outside the engine this way)."""
+        if self._thread is None or self._thread is threading.current_thread():
+            return fn()
+        done = Future()
+        with self._cond:
+            if self._closing:
+                raise EngineClosed("the server is shutting down")
+            self._calls.append((fn, done))
+            self._cond.notify_all()
+        return done.result()
 
     def submit(self, *reqs: Request) -> None:
         """Queue ``reqs`` (all or none): ``EngineClosed`` once shutdown has begun, ``QueueFull`` when they
@@ -168,21 +206,31 @@ class Engine:
                 for req in [*self._waiting, *self.running]:
                     req.cancel()
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._stopped.wait(timeout)  # not join(): a loop run_here runs ends before its thread does
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            self._stopped.set()
+
+    def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self.running and not self._closing:
+                while not self._waiting and not self.running and not self._closing and not self._calls:
                     self._cond.wait()
-                if self._closing and not self._waiting and not self.running:
+                call = self._calls.popleft() if self._calls and not self._waiting and not self.running else None
+                if call is None and self._closing and not self._waiting and not self.running:
                     return
                 room = self.max_batch - len(self.running)
-                newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+                newcomers = [] if call else [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
                 self._admitting = len(newcomers)
                 self.metrics.queued(-len(newcomers))
+            if call is not None:
+                _run_call(*call)
+                continue
             try:
                 self._drop_ended()
                 if newcomers:
@@ -255,6 +303,15 @@ class Engine:
         self._owner.pop(id(req.seq), None)
         self.metrics.finished(reason)
         _send(req, Finished(reason, message))
+
+
+def _run_call(fn: Callable[[], object], done: Future) -> None:
+    """``Engine.call``'s work, its result or exception handed to the waiting caller."""
+    if done.set_running_or_notify_cancel():
+        try:
+            done.set_result(fn())
+        except BaseException as e:  # raised in the caller's thread
+            done.set_exception(e)
 
 
 def _send(req: Request, event) -> None:

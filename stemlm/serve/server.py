@@ -67,16 +67,40 @@ def uvicorn_server(served: Served, host: str = "127.0.0.1", port: int = 8000, lo
 
 def serve_forever(served: Served, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve until SIGINT/SIGTERM (main thread): in-flight requests finish, the engine drains, the table
-    store closes, and the call returns (uvicorn re-raises the signal it caught; a quiet handler takes it)."""
-    caught = []
-    previous = {sig: signal.signal(sig, lambda s, frame: caught.append(s)) for sig in (signal.SIGINT, signal.SIGTERM)}
+    store closes, and the call returns. A second signal stops at once (uvicorn's forced exit).
+
+    The engine runs on this thread, the one that loaded the model, and HTTP on a thread of its own: one
+    OpenMP team in the process (``stemlm.runtime.threads``), which is what keeps decode steps at their speed."""
+    server = uvicorn_server(served, host, port, log_level)
+    signals = []
+
+    def stop(sig, frame):  # the main thread's handler; uvicorn, on its own thread, installs none
+        signals.append(sig)
+        server.should_exit = True
+        server.force_exit = len(signals) > 1
+
+    failed: list[BaseException] = []
+
+    def run_http():
+        try:
+            server.run()
+        except BaseException as e:  # e.g. uvicorn's exit when the port is taken: re-raised on the main thread
+            failed.append(e)
+        finally:
+            served.engine.shutdown(drain=True)  # (the app's shutdown has drained it already after a signal)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http = threading.Thread(target=run_http, name="stemlm-http", daemon=True)
     try:
-        uvicorn_server(served, host, port, log_level).run()
+        served.engine.run_here(started=http.start)  # returns once the engine is drained and shut down
+        http.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if served.store is not None:
             served.store.close()
+    if failed:
+        raise failed[0]
 
 
 def free_port(host: str = "127.0.0.1") -> int:

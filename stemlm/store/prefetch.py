@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.tables import check_ids, unique_ids
+from ..runtime.threads import single_threaded_worker
 
 READ_AHEAD_LAYERS = 3  # layers hinted beyond the one being gathered
 
@@ -61,6 +62,8 @@ class Prefetcher:
         self.device = torch.device(device or "cpu")
         self.num_rows = next(iter(self.tables.values())).num_rows if self.tables else 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="stemlm-prefetch")
+        if self.device.type == "cpu":  # the compute is on these cores too: no OpenMP team of the worker's own
+            single_threaded_worker(self._pool)
         self.read_ahead = True  # hint disk reads before gathering (see the module docstring)
         self._jobs = threading.Lock()  # guards the current job, not rows (the tables' lock does)
         self._job: Job | None = None
