@@ -268,3 +268,22 @@ def test_shutdown_lets_in_flight_requests_finish(ckpt, reference):
     assert rest[-1].choices[0].finish_reason in ("length", "stop")
     with pytest.raises(requests.ConnectionError):
         requests.get(url + "/health")
+
+
+def test_serve_forever_raises_when_http_cannot_start_and_the_engine_stops(ckpt):
+    """``serve_forever`` runs the engine on this (main) thread and HTTP on another: a port that is taken ends
+    both — the engine is shut down and uvicorn's exit is raised here — and the signal handlers are restored."""
+    import signal
+    import socket
+
+    from stemlm.serve.server import serve_forever
+
+    served = load_served(ckpt, max_batch=2, model_name="tiny")
+    before = signal.getsignal(signal.SIGTERM)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit):
+            serve_forever(served, "127.0.0.1", taken.getsockname()[1], log_level="critical")
+    assert served.engine._stopped.is_set()
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -213,19 +213,28 @@ def test_run_here_serves_on_the_calling_thread_and_call_runs_between_requests(mo
     outcome = {}
 
     def clients():
-        ps = prompts((4, 7))
-        params = [SamplingParams(5, temperature=0.0), SamplingParams(6, temperature=0.8, seed=3)]
-        outcome["run"] = run(engine, ps, params)[0]
-        outcome["alone"] = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
-        outcome["call"] = engine.call(lambda: (threading.current_thread(), engine.counts()))
-        with pytest.raises(ZeroDivisionError):
-            engine.call(lambda: 1 / 0)
-        engine.shutdown(drain=True)
+        try:
+            ps = prompts((4, 7))
+            params = [SamplingParams(5, temperature=0.0), SamplingParams(6, temperature=0.8, seed=3)]
+            outcome["run"] = run(engine, ps, params)[0]
+            outcome["alone"] = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
+            outcome["call"] = engine.call(lambda: (threading.current_thread(), engine.counts()))
+            try:
+                engine.call(lambda: 1 / 0)
+            except ZeroDivisionError as e:
+                outcome["raised"] = e
+        except BaseException as e:  # reported on the test's thread, never left hanging there
+            outcome["failed"] = e
+        finally:
+            engine.shutdown(drain=True)  # ends run_here
 
     client = threading.Thread(target=clients)
     engine.run_here(started=client.start)
     client.join(30)
     assert not client.is_alive()
+    if "failed" in outcome:
+        raise outcome["failed"]
+    assert isinstance(outcome.get("raised"), ZeroDivisionError)
     out = outcome["run"]
     assert [out.tokens[0], out.tokens[1]] == outcome["alone"]
     assert outcome["call"] == (here, {"requests_running": 0, "requests_queued": 0})
