@@ -61,6 +61,11 @@ def _batch(r: dict) -> dict[str, float]:
             if v.get("summary")}
 
 
+def _ngram(r: dict) -> dict[str, float]:
+    return {**{f"train_{t['placement']}": t["ratio"] for t in r["train"]},
+            "host_decode": r["decode"]["host_over_device"], "hash_share": r["decode"]["hash_share"]}
+
+
 def _offload(r: dict) -> dict[str, float]:
     return {f"{k}_disk_over_ram": v["speed_ratio_vs_ram"] for k, v in r["summary"].items()}
 
@@ -89,6 +94,9 @@ CHECKS = [
           {"host_b8_over_b1": ("≥ 4×", lambda v: v >= 4), "disk_b8_over_b1": ("≥ 4×", lambda v: v >= 4)}),
     Check("serve", "P11", "bench_serve.py", "bench_serve.json", _serve,
           {f"overhead_c{c}": ("≤ +10 %", lambda v: v <= 0.10) for c in (1, 2, 4, 8, 16)}),
+    Check("ngram_cost", "ngram", "bench_ngram.py", "ngram_cost.json", _ngram,
+          {"train_full": ("≤ 1.10×", lambda v: v <= 1.10), "train_1/3": ("≤ 1.10×", lambda v: v <= 1.10),
+           "host_decode": ("≥ 0.9×", lambda v: v >= 0.9), "hash_share": ("≤ 2 %", lambda v: v <= 0.02)}),
 ]
 
 
