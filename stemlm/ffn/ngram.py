@@ -35,6 +35,7 @@ the ids before the forward knows the keys: prefetch, dedup and the row-sparse op
 
 from __future__ import annotations
 
+import array
 import math
 
 import torch
@@ -159,21 +160,22 @@ def _small_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, columns: t
     (``columns``: ``hash_columns`` of the plan)."""
     N, columns = columns
     slots, pad = cfg.ngram_slots or cfg.vocab_size, cfg.vocab_size + 1
-    before = [[] for _ in range(ids.shape[0])] if context is None else context.tolist()
-    out = []
+    B, T = ids.shape
+    before = [[] for _ in range(B)] if context is None else context.tolist()
+    out = array.array("q")  # (B, T, K) flat: one buffer for the tensor, no nested lists to convert
     for row, ctx in zip(ids.tolist(), before):
         ctx = ctx[len(ctx) - (N - 1):] if len(ctx) > N - 1 else ctx
         seq = [pad] * (N - 1 - len(ctx)) + [u + 1 if u >= 0 else pad for u in ctx] + [u + 1 for u in row]
-        keys = []
         for i, t in enumerate(row):  # the window of position i is seq[i:i + N], oldest first
-            keys.append([t])
+            out.append(t)
             for m, terms in columns:
                 h = 0
                 for j, p in terms:
                     h += seq[i + j] * p
-                keys[-1].append(h % HASH_PRIME * m % HASH_PRIME % slots)
-        out.append(keys)
-    return torch.tensor(out, dtype=torch.long)
+                out.append(h % HASH_PRIME * m % HASH_PRIME % slots)
+    if not out:  # no positions
+        return torch.empty(B, T, 1 + len(columns), dtype=torch.long)
+    return torch.frombuffer(out, dtype=torch.long).view(B, T, -1)
 
 
 class NgramKeyed(FFNKind):

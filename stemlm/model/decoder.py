@@ -263,7 +263,9 @@ class StemLM(nn.Module):
         tables are n-gram keyed, keys ``(B, T, K)`` (``stemlm.ffn.ngram.ngram_keys``; ``context`` as in
         ``forward``, ``real (B, T)`` marks text among left padding). Prefetch, dedup and the step's row
         gathers take these."""
-        return ids if self.ngram_keys is None or self.mixed_keys else self.ngram_keys(ids, context, real)
+        if self.ngram_keys is None or self.mixed_keys:
+            return ids
+        return self.ngram_keys.forward(ids, context, real)  # a fixed function: no module hooks to run
 
     def table_rows(self, ids: torch.Tensor, context: torch.Tensor | None = None, tables=None,
                    real: torch.Tensor | None = None) -> Mapping[str, torch.Tensor]:
