@@ -210,3 +210,44 @@ def test_the_small_python_path_gives_the_tensor_path_keys(monkeypatch):
         monkeypatch.setattr(ng, "SMALL", 0)
         assert torch.equal(small, ngram_keys(ids, ctx, cfg, plan)), (B, T, c)
         monkeypatch.setattr(ng, "SMALL", 16)
+
+
+def test_decode_keys_from_token_lists_equal_the_keys_of_the_whole_sequence():
+    """``newest_keys`` (what the decode core hashes from its token lists) gives the keys the tensor path gives the
+    last position of each whole sequence: sequences shorter than the longest order included."""
+    from stemlm.ffn.ngram import hash_columns, newest_keys
+
+    cfg = ModelConfig(ffn="ngram", ngram_orders=(2, 4), ngram_heads=3, ngram_slots=5000)
+    plan = hash_plan(cfg.ngram_orders, cfg.ngram_heads, cfg.ngram_seed)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (1, 2, 3, 4, 9)]
+    got = newest_keys([s[-4:] for s in seqs], cfg, hash_columns(plan))  # N = 4: the window of the newest token
+    for j, s in enumerate(seqs):
+        want = ngram_keys(torch.tensor([s]), None, cfg, plan)[0, -1]
+        assert torch.equal(got[j, 0], want), len(s)
+
+
+def test_decode_hashes_from_token_lists_with_the_full_forwards_tokens(monkeypatch):
+    """The decode core's keys from its token lists (``DecodeCore._step_keys``) lead to the tokens of the
+    tensor path (the model's own ``table_keys`` of ids and context)."""
+    from stemlm.inference.core import DecodeCore
+
+    torch.manual_seed(0)
+    model = StemLM(ModelConfig(ffn="ngram", ngram_orders=(2, 3), vocab_size=97, d_model=32, n_layers=3, n_heads=2,
+                               n_kv_heads=1, d_ff=48, max_seq_len=64, stem_layers="full")).eval()
+    prompts = [[5], [7, 8, 9, 10, 11], [3, 4]]
+    fast = _greedy_batch(model, prompts)
+    monkeypatch.setattr(DecodeCore, "_step_keys", lambda self, seqs: None)  # the ids-and-context path
+    assert _greedy_batch(model, prompts) == fast
+
+
+def _greedy_batch(model, prompts, n=8):
+    from stemlm.inference.core import DecodeCore, Generation
+    from stemlm.inference.sampling import SamplingParams
+
+    core = DecodeCore(model, graphs="off")
+    gens = [Generation(p, SamplingParams(max_new_tokens=n, temperature=0.0)) for p in prompts]
+    core.add(gens)
+    while core.running:
+        core.step()
+    return [g.tokens for g in gens]

@@ -178,6 +178,25 @@ def _small_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, columns: t
     return torch.frombuffer(out, dtype=torch.long).view(B, T, -1)
 
 
+def newest_keys(windows: list[list[int]], cfg, columns: tuple[int, list]) -> torch.Tensor:
+    """Keys ``(n, 1, K)`` of the newest token of ``n`` sequences, from ``windows[j]``: the last ``<= N`` tokens of
+    sequence ``j`` (``N = max(orders)``, oldest first, the newest last; fewer than ``N`` only at a sequence's start).
+    What a decode step feeds, hashed from the decode core's own token lists in Python integers (no tensors in
+    between): the keys ``ngram_keys`` gives the same position (tested). ``columns``: ``hash_columns`` of the plan."""
+    N, columns = columns
+    slots, pad = cfg.ngram_slots or cfg.vocab_size, cfg.vocab_size + 1
+    out = array.array("q")
+    for window in windows:
+        seq = [pad] * (N - len(window)) + [u + 1 for u in window]
+        out.append(window[-1])
+        for m, terms in columns:
+            h = 0
+            for j, p in terms:
+                h += seq[j] * p
+            out.append(h % HASH_PRIME * m % HASH_PRIME % slots)
+    return torch.frombuffer(out, dtype=torch.long).view(len(windows), 1, -1)
+
+
 class NgramKeyed(FFNKind):
     """What the n-gram kinds share: a table of ``ngram_slots`` rows read at K keys per position, whose rows
     reach ``forward`` summed to the memory ``m (B, T, d_ff)``; not converted from a dense Llama (insertion
@@ -259,6 +278,11 @@ class NgramKeys(nn.Module):
         self._columns = hash_columns((powers, mult))  # the same plan for the small path (fixed by the config)
         canon = torch.arange(cfg.vocab_size, device="cpu") if cfg.ngram_normalize else None
         self.register_buffer("canon", canon, persistent=cfg.ngram_normalize)
+
+    def newest(self, windows: list[list[int]]) -> torch.Tensor | None:
+        """``newest_keys`` of ``windows`` (the last tokens of each sequence, newest last) on the CPU; None when the
+        model normalises tokens before hashing (``ngram_normalize``: the tensor path applies ``canon``)."""
+        return None if self.canon is not None else newest_keys(windows, self.cfg, self._columns)
 
     def forward(self, ids: torch.Tensor, context: torch.Tensor | None = None,
                 real: torch.Tensor | None = None) -> torch.Tensor:

@@ -174,10 +174,13 @@ class DecodeCore:
         tokens = [s.tokens[-1] for s in seqs]
         slots = [s.next_slot for s in seqs]
         rows, self._ticket = self._ticket, None  # prefetched by _retire for exactly these tokens
-        context = self._context(seqs)
         if self.static is not None:
-            logits = self.static(tokens, slots, rows, context)
+            logits = self.static(tokens, slots, rows, self._context(seqs))
         else:
+            keys = self._step_keys(seqs) if rows is None else None
+            if keys is not None:  # n-gram keys hashed from the token lists: the rows for exactly these keys
+                rows = self.model.tables.rows(keys.to(self.device))
+            context = None if keys is not None or rows is not None else self._context(seqs)
             logits = self._eager_step(tokens, slots, rows, None if context is None else context.to(self.device))
         emitted = self._sample(seqs, logits)
         return Progress(emitted, self._retire(), None, [1] * len(seqs))
@@ -196,6 +199,18 @@ class DecodeCore:
                 tail = s.prompt[max(0, len(s.prompt) - (r + 1 - len(s.tokens))):] + s.tokens[:-1]
             rows.append([-1] * (r - len(tail)) + tail)
         return torch.tensor(rows, dtype=torch.long)
+
+    def _step_keys(self, seqs: list[Generation]) -> torch.Tensor | None:
+        """Keys ``(n, 1, K)`` (on the host) of the tokens the next step feeds, for a model whose tables are all
+        n-gram keyed, hashed from each sequence's last tokens (``NgramKeys.newest``); None for other models
+        (and with ``ngram_normalize``), which key their rows from the ids and ``_context``."""
+        keys_of = self.model.ngram_keys
+        if not self.reach or keys_of is None or self.model.mixed_keys:
+            return None
+        n = self.reach + 1  # the window each key hashes: the fed token and the reach before it
+        windows = [s.tokens[-n:] if len(s.tokens) >= n else s.prompt[max(0, len(s.prompt) - (n - len(s.tokens))):] + s.tokens
+                   for s in seqs]
+        return keys_of.newest(windows)
 
     def _eager_step(self, tokens: list[int], slots: list[int], rows=None, context=None) -> torch.Tensor:
         span = max(slots) + 1
@@ -246,7 +261,12 @@ class DecodeCore:
         self._ticket = None
         if self.running and self._prefetch:
             device = "cpu" if self.static is not None else self.device  # ids as the step will look them up
-            ids = torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None]
-            context = self._context(self.running)
-            self._ticket = self.model.prefetch_rows(ids, None if context is None else context.to(device), self.store)
+            keys = self._step_keys(self.running) if self.static is None else None
+            if keys is not None:
+                self._ticket = self.store.prefetch(keys.to(device))
+            else:
+                ids = torch.tensor([s.tokens[-1] for s in self.running], device=device)[:, None]
+                context = self._context(self.running)
+                self._ticket = self.model.prefetch_rows(ids, None if context is None else context.to(device),
+                                                        self.store)
         return done
