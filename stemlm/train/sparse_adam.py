@@ -162,14 +162,14 @@ class SparseRowAdamW:
         n = st["step"].index_select(0, ids) + 1  # (U,) per-row update count
         st["step"].index_copy_(0, ids, n)
         decay, neg_step, eps_r = self._row_factors(st, ids, n, grad.device)
-        if self.compile and isinstance(table, WeightRows) and table.weight.dtype == torch.float32:
+        fp32_weight = isinstance(table, WeightRows) and table.weight.dtype == torch.float32  # updated in place
+        if self.compile and fp32_weight:
             if self._update_compiled(name, table, st, ids, grad, decay, neg_step, eps_r):
                 return
-        buf_m, buf_v, buf_d = self._workspace(name, len(ids), grad)  # reused: no page faults per step
-        if (isinstance(table, WeightRows) and table.weight.dtype == torch.float32
-                and len(ids) >= self.in_place_share * table.num_rows):  # most rows touched (n-gram keys fill their slots)
+        if fp32_weight and len(ids) >= self.in_place_share * table.num_rows:  # most rows (n-gram keys fill their slots)
             self._update_in_place(name, table, st, ids, grad, decay, neg_step, eps_r)
             return
+        buf_m, buf_v, buf_d = self._workspace(name, len(ids), grad)  # reused: no page faults per step
         m = torch.index_select(st["exp_avg"], 0, ids, out=buf_m).lerp_(grad, 1 - b1)  # (U, dim)
         v = torch.index_select(st["exp_avg_sq"], 0, ids, out=buf_v).mul_(b2).addcmul_(grad, grad, value=1 - b2)
         st["exp_avg"].index_copy_(0, ids, m)
