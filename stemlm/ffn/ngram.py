@@ -155,6 +155,22 @@ def hash_columns(plan: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, list]:
     return len(powers), [(m, [(j, powers[j][c]) for j in range(len(powers)) if powers[j][c]]) for c, m in enumerate(mult)]
 
 
+def _window_keys(out: array.array, token: int, seq: list[int], start: int, columns: list, slots: int) -> None:
+    """Append the keys of one position to ``out``: its ``token``, then every (order, head) column hashed from the
+    window ``seq[start:start + N]`` (tokens + 1, the pad value before the start; ``columns``: ``hash_columns``'s list)."""
+    out.append(token)
+    for m, terms in columns:
+        h = 0
+        for j, p in terms:
+            h += seq[start + j] * p
+        out.append(h % HASH_PRIME * m % HASH_PRIME % slots)
+
+
+def _keys_tensor(out: array.array, B: int, T: int, K: int) -> torch.Tensor:
+    """The flat keys ``out`` as a ``(B, T, K)`` tensor (sharing the buffer)."""
+    return torch.frombuffer(out, dtype=torch.long).view(B, T, K) if out else torch.empty(B, T, K, dtype=torch.long)
+
+
 def _small_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, columns: tuple[int, list]) -> torch.Tensor:
     """``ngram_keys`` of a few positions on the CPU, in Python integers: the same weighted sum mod ``P``
     (``columns``: ``hash_columns`` of the plan)."""
@@ -167,15 +183,8 @@ def _small_keys(ids: torch.Tensor, context: torch.Tensor | None, cfg, columns: t
         ctx = ctx[len(ctx) - (N - 1):] if len(ctx) > N - 1 else ctx
         seq = [pad] * (N - 1 - len(ctx)) + [u + 1 if u >= 0 else pad for u in ctx] + [u + 1 for u in row]
         for i, t in enumerate(row):  # the window of position i is seq[i:i + N], oldest first
-            out.append(t)
-            for m, terms in columns:
-                h = 0
-                for j, p in terms:
-                    h += seq[i + j] * p
-                out.append(h % HASH_PRIME * m % HASH_PRIME % slots)
-    if not out:  # no positions
-        return torch.empty(B, T, 1 + len(columns), dtype=torch.long)
-    return torch.frombuffer(out, dtype=torch.long).view(B, T, -1)
+            _window_keys(out, t, seq, i, columns, slots)
+    return _keys_tensor(out, B, T, 1 + len(columns))
 
 
 def newest_keys(windows: list[list[int]], cfg, columns: tuple[int, list]) -> torch.Tensor:
@@ -187,14 +196,8 @@ def newest_keys(windows: list[list[int]], cfg, columns: tuple[int, list]) -> tor
     slots, pad = cfg.ngram_slots or cfg.vocab_size, cfg.vocab_size + 1
     out = array.array("q")
     for window in windows:
-        seq = [pad] * (N - len(window)) + [u + 1 for u in window]
-        out.append(window[-1])
-        for m, terms in columns:
-            h = 0
-            for j, p in terms:
-                h += seq[j] * p
-            out.append(h % HASH_PRIME * m % HASH_PRIME % slots)
-    return torch.frombuffer(out, dtype=torch.long).view(len(windows), 1, -1)
+        _window_keys(out, window[-1], [pad] * (N - len(window)) + [u + 1 for u in window], 0, columns, slots)
+    return _keys_tensor(out, len(windows), 1, 1 + len(columns))
 
 
 class NgramKeyed(FFNKind):
