@@ -64,6 +64,14 @@ class Generation:
         return len(self.prompt) + len(self.tokens) - 1
 
 
+def last_tokens(seq: Generation, n: int) -> list[int]:
+    """The last ``n`` tokens of ``seq``'s prompt and generated tokens (fewer at its start), from their tails:
+    no copy of the whole sequence."""
+    if len(seq.tokens) >= n:
+        return seq.tokens[-n:]
+    return seq.prompt[max(0, len(seq.prompt) - (n - len(seq.tokens))):] + seq.tokens
+
+
 @dataclass
 class Progress:
     """What one ``add`` or ``step`` did: ``emitted`` got one new token each (in row order), ``finished``
@@ -191,14 +199,8 @@ class DecodeCore:
         if not self.reach:
             return None
         r = self.reach
-        rows = []
-        for s in seqs:  # the r tokens before the last one, from the tails of tokens and prompt (no full copy)
-            if len(s.tokens) > r:
-                tail = s.tokens[-1 - r:-1]
-            else:
-                tail = s.prompt[max(0, len(s.prompt) - (r + 1 - len(s.tokens))):] + s.tokens[:-1]
-            rows.append([-1] * (r - len(tail)) + tail)
-        return torch.tensor(rows, dtype=torch.long)
+        tails = (last_tokens(s, r + 1)[:-1] for s in seqs)  # the r tokens before the last one
+        return torch.tensor([[-1] * (r - len(tail)) + tail for tail in tails], dtype=torch.long)
 
     def _step_keys(self, seqs: list[Generation]) -> torch.Tensor | None:
         """Keys ``(n, 1, K)`` (on the host) of the tokens the next step feeds, for a model whose tables are all
@@ -207,10 +209,7 @@ class DecodeCore:
         keys_of = self.model.ngram_keys
         if not self.reach or keys_of is None or self.model.mixed_keys:
             return None
-        n = self.reach + 1  # the window each key hashes: the fed token and the reach before it
-        windows = [s.tokens[-n:] if len(s.tokens) >= n else s.prompt[max(0, len(s.prompt) - (n - len(s.tokens))):] + s.tokens
-                   for s in seqs]
-        return keys_of.newest(windows)
+        return keys_of.newest([last_tokens(s, self.reach + 1) for s in seqs])  # the fed token and the reach before it
 
     def _eager_step(self, tokens: list[int], slots: list[int], rows=None, context=None) -> torch.Tensor:
         span = max(slots) + 1
