@@ -196,36 +196,27 @@ def main() -> None:
     rounds: dict[int, list[tuple[dict, dict]]] = {c: [] for c in levels}
     load = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     stack = {} if args.stack == "auto" else {"loop": "asyncio", "http": "h11"}
-    engine, metrics, failed = served.engine, {}, []
+    engine, metrics = served.engine, {}
 
     def drive():  # the rounds, on a thread of their own: the engine runs on the main thread, as `stemlm serve` does
-        try:
-            with ServerThread(served, **stack) as url, load:
-                load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()
-                for r in range(args.repeats):
-                    for c in levels[r % len(levels):] + levels[:r % len(levels)]:
-                        work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
-                        s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens).result())
-                        s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
-                        e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
-                        # direct generation on the engine's thread, between requests (one OpenMP team, as served)
-                        d = cpu_timed(lambda: engine.call(lambda: direct_phase(model, work, args.max_tokens, eos_ids)))
-                        rounds[c].append((s, d, e))
-                        print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 "
-                              f"{s['latency_p50_s']:.3f} s, p95 {s['latency_p95_s']:.3f} s), engine without HTTP "
-                              f"{e['tokens_per_s']:8.1f} tok/s, direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
-                with urllib.request.urlopen(url + "/metrics") as resp:
-                    metrics.update(json.load(resp))
-        except BaseException as e:
-            failed.append(e)
-        finally:
-            engine.shutdown(drain=True)  # ends run_here (leaving the server's block has drained it already)
+        with ServerThread(served, **stack) as url, load:
+            load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()
+            for r in range(args.repeats):
+                for c in levels[r % len(levels):] + levels[:r % len(levels)]:
+                    work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
+                    s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens).result())
+                    s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
+                    e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
+                    # direct generation on the engine's thread, between requests (one OpenMP team, as served)
+                    d = cpu_timed(lambda: engine.call(lambda: direct_phase(model, work, args.max_tokens, eos_ids)))
+                    rounds[c].append((s, d, e))
+                    print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 "
+                          f"{s['latency_p50_s']:.3f} s, p95 {s['latency_p95_s']:.3f} s), engine without HTTP "
+                          f"{e['tokens_per_s']:8.1f} tok/s, direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
+            with urllib.request.urlopen(url + "/metrics") as resp:
+                metrics.update(json.load(resp))
 
-    driver = threading.Thread(target=drive, name="bench-driver")
-    engine.run_here(started=driver.start)
-    driver.join()
-    if failed:
-        raise failed[0]
+    engine.run_here(alongside=drive, name="bench-driver")  # returns once drive() has ended and the engine drained
     served.store.close()
     results = {}
     for c, rs in rounds.items():

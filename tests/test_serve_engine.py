@@ -206,34 +206,24 @@ def test_a_failing_sink_drops_only_its_own_request(model):
 
 def test_run_here_serves_on_the_calling_thread_and_call_runs_between_requests(model):
     """``run_here`` owns the engine on the calling thread (``stemlm serve``: the main thread): requests from
-    other threads decode as alone, ``call`` runs on that thread while nothing decodes, and a ``shutdown``
-    from another thread drains and ends the loop (without joining the thread, which lives on)."""
+    other threads decode as alone, ``call`` runs on that thread while nothing decodes, and the loop drains and
+    ends when the work run ``alongside`` it does."""
     engine = Engine(model, max_batch=4)
     here = threading.current_thread()
     outcome = {}
 
-    def clients():
+    def clients():  # on a thread of its own; an assertion failing here is raised by run_here
+        ps = prompts((4, 7))
+        params = [SamplingParams(5, temperature=0.0), SamplingParams(6, temperature=0.8, seed=3)]
+        outcome["run"] = run(engine, ps, params)[0]
+        outcome["alone"] = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
+        outcome["call"] = engine.call(lambda: (threading.current_thread(), engine.counts()))
         try:
-            ps = prompts((4, 7))
-            params = [SamplingParams(5, temperature=0.0), SamplingParams(6, temperature=0.8, seed=3)]
-            outcome["run"] = run(engine, ps, params)[0]
-            outcome["alone"] = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
-            outcome["call"] = engine.call(lambda: (threading.current_thread(), engine.counts()))
-            try:
-                engine.call(lambda: 1 / 0)
-            except ZeroDivisionError as e:
-                outcome["raised"] = e
-        except BaseException as e:  # reported on the test's thread, never left hanging there
-            outcome["failed"] = e
-        finally:
-            engine.shutdown(drain=True)  # ends run_here
+            engine.call(lambda: 1 / 0)
+        except ZeroDivisionError as e:
+            outcome["raised"] = e
 
-    client = threading.Thread(target=clients)
-    engine.run_here(started=client.start)
-    client.join(30)
-    assert not client.is_alive()
-    if "failed" in outcome:
-        raise outcome["failed"]
+    engine.run_here(alongside=clients)  # returns once clients() has ended and the engine is drained
     assert isinstance(outcome.get("raised"), ZeroDivisionError)
     out = outcome["run"]
     assert [out.tokens[0], out.tokens[1]] == outcome["alone"]

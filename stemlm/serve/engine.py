@@ -143,18 +143,34 @@ class Engine:
                 self._thread.start()
         return self
 
-    def run_here(self, started: Callable[[], None] | None = None) -> None:
+    def run_here(self, alongside: Callable[[], object] | None = None, name: str = "stemlm-alongside") -> None:
         """Run the engine loop on the calling thread until ``shutdown`` (``stemlm serve`` runs it on the main
-        thread, which loaded the model, with HTTP on a thread of its own). ``started()`` is called once the
-        engine belongs to this thread (a ``start`` from elsewhere then does nothing): start the HTTP thread
-        there. ``call`` runs work on the loop meanwhile."""
+        thread, which loaded the model). ``alongside`` (e.g. the HTTP server) runs meanwhile on a thread of its
+        own, started once the engine belongs to this thread (a ``start`` from elsewhere then does nothing);
+        when it returns or raises, the engine drains and stops, and its exception is raised here. ``call``
+        runs other work on the loop."""
         with self._cond:
             if self._thread is not None:
                 raise RuntimeError("the engine runs on another thread already")
             self._thread = threading.current_thread()
-        if started is not None:
-            started()
+        if alongside is None:
+            return self._run()
+        failed: list[BaseException] = []
+
+        def side():
+            try:
+                alongside()
+            except BaseException as e:  # re-raised on the engine's thread
+                failed.append(e)
+            finally:
+                self.shutdown(drain=True)  # ends the loop below
+
+        thread = threading.Thread(target=side, name=name, daemon=True)
+        thread.start()
         self._run()
+        thread.join()
+        if failed:
+            raise failed[0]
 
     def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn()`` on the engine's thread while no request is running or waiting, and return its result

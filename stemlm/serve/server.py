@@ -79,28 +79,14 @@ def serve_forever(served: Served, host: str = "127.0.0.1", port: int = 8000, log
         server.should_exit = True
         server.force_exit = len(signals) > 1
 
-    failed: list[BaseException] = []
-
-    def run_http():
-        try:
-            server.run()
-        except BaseException as e:  # e.g. uvicorn's exit when the port is taken: re-raised on the main thread
-            failed.append(e)
-        finally:
-            served.engine.shutdown(drain=True)  # (the app's shutdown has drained it already after a signal)
-
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
-    http = threading.Thread(target=run_http, name="stemlm-http", daemon=True)
-    try:
-        served.engine.run_here(started=http.start)  # returns once the engine is drained and shut down
-        http.join()
+    try:  # returns once HTTP has stopped and the engine is drained; uvicorn's exit (e.g. a taken port) is raised
+        served.engine.run_here(alongside=server.run, name="stemlm-http")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if served.store is not None:
             served.store.close()
-    if failed:
-        raise failed[0]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
