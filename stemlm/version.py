@@ -24,11 +24,6 @@ def git_head(path: str | Path | None = None, short: bool = False) -> str | None:
     return _git(path, "rev-parse", *(["--short=12"] if short else []), "HEAD") or None
 
 
-def git_dirty(path: str | Path | None = None) -> bool:
-    """True when tracked files of the checkout holding ``path`` differ from its commit."""
-    return bool(_git(path, "status", "--porcelain", "--untracked-files=no"))
-
-
 def code_dirty(path: str | Path | None = None, outputs: tuple[str, ...] = ("results", "benchmarks/results")) -> bool:
     """True when tracked files of the checkout holding ``path`` differ from its commit outside the result
     folders ``outputs`` (relative to the checkout's root): results a run writes do not make the code dirty."""
@@ -46,9 +41,10 @@ def untracked(path: str | Path, *under: str) -> list[str]:
 
 def git_commit(path: str | Path | None = None) -> str | None:
     """Short commit of the checkout holding ``path`` (default: this package), plus ``-dirty`` when
-    tracked files changed; None outside a git checkout or without git."""
+    tracked files changed outside the result folders (``code_dirty``: a benchmark that merges its entries
+    into a committed JSON file stays clean); None outside a git checkout or without git."""
     head = git_head(path, short=True)
-    return head and head + ("-dirty" if git_dirty(path) else "")
+    return head and head + ("-dirty" if code_dirty(path) else "")
 
 
 def version_string() -> str:
