@@ -17,7 +17,7 @@ OOD_GOAL, DISTILLED_GOAL = 1.0, 0.5  # nats above dense at step 0, out of the ca
 NOT_COMPARED = {"tokens", "device", "seq_len", "chunk", "down_iters"}  # fixed by the grid, or not part of the fit
 # What an entry's settings left out meant when the grid's first entries were written (the CalibrationConfig defaults
 # of the time); entries written since record every setting, so a later change of the defaults cannot relabel them.
-MEASURED_BASE = {"refit_down": False, "shrink": 0.0}
+MEASURED_BASE = {"refit_down": False, "shrink": 0.0, "layer_choice": "uniform"}
 
 
 def _settings(calibration: dict) -> dict:
@@ -33,8 +33,10 @@ def default_entry(runs: dict) -> dict | None:
     from stemlm.insert.calibrate import CalibrationConfig
 
     want = {k: v for k, v in asdict(CalibrationConfig()).items() if k not in NOT_COMPARED}
-    return next((r for r in runs.values() if "calibration" in r and not r.get("calib_mixed_sources")  # default text
-                 and _settings(r["calibration"]) == want), None)
+    matches = [r for r in runs.values() if "calibration" in r and not r.get("calib_mixed_sources")  # default text
+               and _settings(r["calibration"]) == want]
+    full = [r for r in matches if r["calibration"].get("tokens") == CalibrationConfig.tokens]  # the token count too
+    return (full or matches or [None])[0]
 
 
 def distilled_entries(runs: dict) -> list[dict]:
@@ -46,6 +48,9 @@ def distilled_entries(runs: dict) -> list[dict]:
 def _describe(r: dict) -> str:
     c = r["calibration"]
     parts = [c.get("method", "gated"), "layer by layer" if c.get("sequential", True) else "parallel (dense hidden states)"]
+    if c.get("layer_choice") == "cheapest":
+        layers = r.get("converted_layers")
+        parts.append("cheapest layers" + (f" ({', '.join(map(str, layers))})" if layers else ""))
     if c.get("als_rounds"):
         parts.append(f"ALS × {c['als_rounds']} (CG {c.get('down_iters', 8)} iters)")
     elif c.get("refit_down"):
@@ -77,14 +82,17 @@ def grid_section(path: Path = GRID) -> list[str]:
            f"{src['technical']['licence']}, sha256 `{src['technical']['sha256'][:12]}…`) and legal prose "
            f"({src['legal']['source']}, sha256 `{src['legal']['sha256'][:12]}…`). Dense: in domain "
            f"**{dense['in_domain']:.3f}**, technical **{dense['technical']:.3f}**, legal **{dense['legal']:.3f}** nats. "
-           f"One thread on the shared 2-core machine; times are for comparison only.", "",
-           "| setting | in domain Δ | technical Δ | legal Δ | out of domain Δ (mean) | time |",
-           "|---|---:|---:|---:|---:|---:|"]
+           f"Times on the shared 2-core machine with the threads shown (the layer choice's scoring pass included); "
+           f"for comparison only.", "",
+           "| setting | calibration tokens | in domain Δ | technical Δ | legal Δ | out of domain Δ (mean) | time |",
+           "|---|---:|---:|---:|---:|---:|---:|"]
     for r in sorted(runs.values(), key=lambda r: r["delta_ood_mean"]):
         mark = " **(default)**" if r is default else ""
         d = r["delta"]
-        out.append(f"| {_describe(r)}{mark} | {d['in_domain']:+.2f} | {d['technical']:+.2f} | {d['legal']:+.2f} | "
-                   f"**{r['delta_ood_mean']:+.2f}** | {r['calib_seconds'] / 60:.1f} min |")
+        threads = r.get("threads", 1)  # entries before per-entry threads all ran with one
+        out.append(f"| {_describe(r)}{mark} | {r['calib_tokens']:,} | {d['in_domain']:+.2f} | {d['technical']:+.2f} | "
+                   f"{d['legal']:+.2f} | **{r['delta_ood_mean']:+.2f}** | {r['calib_seconds'] / 60:.1f} min "
+                   f"({threads} thread{'s' if threads > 1 else ''}) |")
     out += [""] + goal_lines(runs)
     return out
 

@@ -18,7 +18,8 @@ from the same wheel: more kinds of text, neither of the held-out kinds.
     python benchmarks/bench_insertion_grid.py --python-doc ... --grid gated-seq,gated-seq-refit-regress
 
 Settings are merged into the JSON file as they finish (a setting already there is skipped), so an
-interrupted grid resumes. Each entry records every calibration setting it ran with. Each entry records the calibration time and per-layer output errors.
+interrupted grid resumes. Each entry records every calibration setting it ran with. Each entry records the calibration time (the layer choice's scoring pass included), the layers converted, the
+per-layer costs they were chosen by (settings with ``layer_choice: cheapest``) and per-layer output errors.
 """
 
 from __future__ import annotations
@@ -74,6 +75,17 @@ GRID_SETTINGS = {
     "gated-seq-refit-shrink4-mixed": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 4.0},
     # the default (shrink 1024) calibrated on mixed text, and distilled from the default
     "gated-seq-refit-shrink1024-mixed": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0},
+    # every default of `convert --init calibrate`, its 262,144 calibration tokens included, and the same with the
+    # placement's uniform layers
+    "default-262k": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 1024.0,
+                     "layer_choice": "cheapest"},
+    "default-262k-uniform": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 1024.0,
+                             "layer_choice": "uniform"},
+    # the default (shrink 1024) converting the third of the layers of least measured cost (stemlm.insert.placement)
+    "gated-seq-refit-shrink1024-cheapest": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0,
+                                            "layer_choice": "cheapest"},
+    "gated-seq-refit-shrink1024-cheapest-distill200": {"method": "gated", "tokens": K, "refit_down": True,
+                                                       "shrink": 1024.0, "layer_choice": "cheapest", **DISTILL_LONG},
     "gated-seq-refit-shrink1024-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0,
                                               **DISTILL_LONG},
     "gated-seq-als2-regress": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "unseen": "regress"},
@@ -156,20 +168,29 @@ def mixed_tokens(train_tokens: np.ndarray, tok, n_tokens: int) -> tuple[np.ndarr
     return np.concatenate(parts), record
 
 
-def build(dense, train, name: str, layers: str, log, tok=None):
-    from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
-    from stemlm.interop.convert import llama_config_to_stem_of
+def settings_of(name: str) -> dict:
+    """A grid setting's calibration settings; settings that do not name the layer choice convert the
+    placement's own uniform layers (as every setting did before ``layer_choice`` existed)."""
+    return {"layer_choice": "uniform", **GRID_SETTINGS[name]}
 
-    target = llama_config_to_stem_of(dense.cfg, "stem", layers)
-    calib = CalibrationConfig(**GRID_SETTINGS[name], device="cpu")
+
+def build(dense, train, name: str, layers: str, log, tok=None):
+    """The converted model of one setting (layers chosen and rows fitted as ``convert`` does) and what it took."""
+    from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
+    from stemlm.insert.convert import placed_target
+
+    calib = CalibrationConfig(**settings_of(name), device="cpu")
     extra = {}
     if name.endswith("-mixed"):
         stream, extra["calib_mixed_sources"] = mixed_tokens(train.tokens, tok, calib.tokens)
-        ids = calibration_windows(stream, calib.tokens, calib.seq_len)
     else:
-        ids = calibration_windows(train.tokens, calib.tokens, calib.seq_len)
+        stream = train.tokens
+    ids = calibration_windows(stream, calib.tokens, calib.seq_len)
+    work = WORK / "grid" / f"{name}-{layers.replace('/', '_')}"
     t0 = time.perf_counter()
-    fitted = calibrate(dense, target, ids, calib, WORK / "grid" / f"{name}-{layers.replace('/', '_')}", log=log)
+    target, costs = placed_target(dense, "stem", layers, stream, calib, work, log=log)
+    fitted = calibrate(dense, target, ids, calib, work, log=log)
+    extra.update(converted_layers=list(target.stem_layer_ids), layer_costs=costs)
     return assemble(dense, target, fitted), {"calib_seconds": time.perf_counter() - t0, "calib_tokens": ids.numel(),
                                              **extra}
 
@@ -200,7 +221,8 @@ def main() -> None:
         sets[domain] = token_windows(np.asarray(tok.encode(text).ids), args.ood_batches)
     result = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "insertion_grid", "runs": {}}
     result.update(sources=sources, eval={"in_domain_batches": args.eval_batches, "ood_batches": args.ood_batches,
-                                         "batch": "4 x 256"}, threads=args.threads)
+                                         "batch": "4 x 256"})
+    result.pop("threads", None)  # each entry records its own
     if "dense" not in result["runs"]:
         result["runs"]["dense"] = {k: loss_on(dense, s) for k, s in sets.items()}
     base = result["runs"]["dense"]
@@ -213,10 +235,10 @@ def main() -> None:
         model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
         losses = {k: loss_on(model, s) for k, s in sets.items()}
         ood = (losses["technical"] + losses["legal"]) / 2 - (base["technical"] + base["legal"]) / 2
-        settings = {k: v for k, v in asdict(CalibrationConfig(**GRID_SETTINGS[name])).items() if k != "device"}
+        settings = {k: v for k, v in asdict(CalibrationConfig(**settings_of(name))).items() if k != "device"}
         entry = {"setting": name, "layers": args.layers, "calibration": settings, **losses,
                  "delta": {k: losses[k] - base[k] for k in sets}, "delta_ood_mean": ood, **info, "log": lines,
-                 "git_commit": git_commit()}
+                 "threads": args.threads, "git_commit": git_commit()}
         result["runs"][key] = entry
         result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
         print(f"{key}: " + ", ".join(f"{k} {v:.3f} (+{entry['delta'][k]:.2f})" for k, v in losses.items()), flush=True)

@@ -96,7 +96,7 @@ def test_the_insertion_grid_row_reads_the_current_default_from_calibration_confi
 
     d = CalibrationConfig()
     default = {"method": d.method, "unseen": d.unseen, "sequential": d.sequential, "refit_down": d.refit_down,
-               "shrink": d.shrink, "als_rounds": d.als_rounds, "tokens": 1024}
+               "shrink": d.shrink, "als_rounds": d.als_rounds, "layer_choice": d.layer_choice, "tokens": 1024}
 
     def entry(cal, ood):
         return {"calibration": cal, "delta_ood_mean": ood, "delta": {"in_domain": ood / 2}}
@@ -109,3 +109,5 @@ def test_the_insertion_grid_row_reads_the_current_default_from_calibration_confi
     assert "+0.80" in measured and "+0.40" in measured and met
     runs["c"]["delta_ood_mean"] = 0.7
     assert readme_cell({"runs": runs})[1] is False
+    runs["f"] = entry({**default, "tokens": d.tokens}, 0.9)  # the default token count too: that entry is the default
+    assert default_entry({k: v for k, v in runs.items() if k != "dense"}) is runs["f"]

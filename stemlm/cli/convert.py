@@ -21,7 +21,7 @@ import argparse
 
 from ..config import TABLE_INITS
 from ..ffn import DENSE, KINDS, ffn_kind
-from ..insert.calibrate import CalibrationConfig
+from ..insert.calibrate import LAYER_CHOICES, CalibrationConfig
 from ..insert.fit import METHODS, UNSEEN
 from ..interop.convert import INITS
 from ..model.quant import TABLE_DTYPES
@@ -97,6 +97,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="tokens per local-distillation step (default: %(default)s)")
     distill.add_argument("--distill-down", action=argparse.BooleanOptionalAction, default=CalibrationConfig.distill_down,
                          help="also train W_d of the converted layers while distilling (default: %(default)s)")
+    calib.add_argument("--layer-choice", choices=LAYER_CHOICES, default=CalibrationConfig.layer_choice,
+                       help="with a ratio --stem-layers (1/3, 1/2, full): 'cheapest' converts that many layers, the ones "
+                       "whose fitted rows cost the dense model least (each measured alone, one pass); 'uniform' the "
+                       "placement's own evenly spaced layers (default: %(default)s)")
     calib.add_argument("--calib-dagger-rows", choices=["zero", "fit"], default="zero",
                        help="--ffn stem_dagger tables: zero (exactly the dense model) or fit (the calibrated STEM rows, "
                        "the start of gradual insertion with `stemlm train run.anneal=blend`) (default: %(default)s)")
@@ -143,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         calibration = CalibrationConfig(method=args.calib_method, unseen=args.calib_unseen, sequential=not args.calib_parallel,
                                         refit_down=args.calib_refit_down, tokens=args.calib_tokens, seq_len=args.calib_seq_len,
                                         dagger_rows=args.calib_dagger_rows, device=args.calib_device,
+                                        layer_choice=args.layer_choice,
                                         shrink=args.calib_shrink, als_rounds=args.calib_als_rounds,
                                         distill_steps=args.distill_steps,
                                         distill_lr=args.distill_lr, distill_batch=args.distill_batch,

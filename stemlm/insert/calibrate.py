@@ -42,6 +42,8 @@ from ..runtime.files import atomic_file, atomic_write_text
 from .distill import DistillSettings, alternate_layer, distill_layer
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
+LAYER_CHOICES = ("cheapest", "uniform")
+
 
 @dataclass(frozen=True)
 class CalibrationConfig:
@@ -66,6 +68,8 @@ class CalibrationConfig:
     distill_lr: float = 1e-3  # its learning rate (linear decay to a tenth)
     distill_batch: int = 2048  # its minibatch, in tokens
     distill_down: bool = False  # also train W_d of the converted layers while distilling
+    layer_choice: str = "cheapest"  # ratio placements: cheapest (the layers of least measured cost,
+    #                                 stemlm.insert.placement) | uniform (the placement's own layers)
     device: str = "auto"  # where the pass runs: auto (the GPU if there is one) | cpu | cuda[:N]; not part of the key
 
     def __post_init__(self):
@@ -76,6 +80,8 @@ class CalibrationConfig:
         for name in ("tokens", "seq_len", "chunk"):
             if getattr(self, name) < 1:
                 raise ValueError(f"calibration {name} must be a positive integer, got {getattr(self, name)}")
+        if self.layer_choice not in LAYER_CHOICES:
+            raise ValueError(f"unknown layer_choice {self.layer_choice!r}; choose one of {', '.join(LAYER_CHOICES)}")
         if self.dagger_rows not in ("zero", "fit"):
             raise ValueError(f"unknown dagger_rows {self.dagger_rows!r}; choose zero or fit")
         for name in ("als_rounds", "distill_steps", "shrink"):

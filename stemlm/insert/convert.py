@@ -15,9 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig
+from ..config import ModelConfig, resolve_stem_layers
+from ..ffn import ffn_kind
 from ..model.decoder import StemLM
-from .calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
+from .calibrate import CalibrationConfig, _digest, assemble, calibrate, calibration_windows, fitted_kind
+from .placement import cached_layer_costs, cheapest_layers, layer_costs
 
 
 def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, progress: bool = True) -> np.ndarray:
@@ -48,6 +50,39 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
     if ds.vocab_size > vocab_size:
         raise ValueError(f"calibration data {data_dir} has vocab_size {ds.vocab_size}, more than the model's {vocab_size}")
     return ds.tokens
+
+
+def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.ndarray, calib: CalibrationConfig,
+                  work_dir: Path, progress: bool = True, log: Callable[[str], None] = lambda s: None
+                  ) -> tuple[ModelConfig, list[float] | None]:
+    """The converted config of ``dense`` with ``ffn`` layers, and the per-layer costs it was chosen by.
+
+    A ratio or ``full`` placement with ``calib.layer_choice == "cheapest"`` keeps its number of layers
+    and converts the layers of least measured cost (``stemlm.insert.placement``; the costs are kept in
+    ``work_dir`` for a resumed call). A list of layers, ``layer_choice="uniform"``, and kinds whose
+    calibrated rows are zero (nothing to choose by) keep the placement as given (costs None).
+    """
+    from ..interop.convert import llama_config_to_stem_of
+
+    given = llama_config_to_stem_of(dense.cfg, ffn, spec)
+    explicit = isinstance(spec, (list, tuple)) or str(spec).replace(",", "").replace(" ", "").isdigit()
+    zero_rows = calib.method == "zero" or ffn_kind(fitted_kind(ffn, calib)).zero_rows_are_dense
+    if calib.layer_choice == "uniform" or explicit or zero_rows or not given.table_layers:
+        return given, None
+    ids = calibration_windows(tokens, calib.tokens, calib.seq_len)
+    count = len(resolve_stem_layers(spec, dense.cfg.n_layers))
+    log(f"choosing {count} of {dense.cfg.n_layers} layers to convert: each layer's cost alone, measured once")
+    device = calib.torch_device()
+    key = calib.key(_digest(dense.tok_embeddings.weight[:64]), _digest(ids), given)
+    try:
+        costs = cached_layer_costs(work_dir, key, lambda: layer_costs(dense.to(device), ffn, ids, calib,
+                                                                      progress=progress, log=log))
+    finally:
+        dense.cpu()
+    layers = cheapest_layers(costs, count)
+    log(f"converting layers {', '.join(map(str, layers))} (the {count} of least cost; "
+        f"uniform {spec} would be {', '.join(map(str, given.stem_layer_ids))})")
+    return llama_config_to_stem_of(dense.cfg, ffn, layers), costs
 
 
 def calibrated_model(dense: StemLM, target: ModelConfig, tokens: np.ndarray, calib: CalibrationConfig, work_dir: Path,

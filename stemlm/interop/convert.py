@@ -301,16 +301,17 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
     work = None
     if init == "calibrate" and not ffn_kind(ffn).is_dense:
         from ..insert.calibrate import CalibrationConfig
-        from ..insert.convert import calibrated_model, calibration_tokens, work_dir_for
+        from ..insert.convert import calibrated_model, calibration_tokens, placed_target, work_dir_for
 
         calibration = calibration or CalibrationConfig()
         dense = llama_to_stem(llama, ffn=DENSE)
         del llama
-        target = llama_config_to_stem_of(dense.cfg, ffn, stem_layers)
-        tokens = calibration_tokens(calib_data, tokenizer, target.vocab_size, progress)
+        tokens = calibration_tokens(calib_data, tokenizer, dense.cfg.vocab_size, progress)
         work = work_dir_for(out)
+        target, costs = placed_target(dense, ffn, stem_layers, tokens, calibration, work, progress, log)
         model = calibrated_model(dense, target, tokens, calibration, work, progress, log)
-        extra = {"calibration": {**calibration.__dict__, "data": str(calib_data) if calib_data else "default corpus"}}
+        extra = {"calibration": {**calibration.__dict__, "data": str(calib_data) if calib_data else "default corpus",
+                                 "placement": str(stem_layers), "layer_costs": costs}}
     else:
         model = llama_to_stem(llama, ffn=ffn, stem_layers=stem_layers, init="zero" if init == "calibrate" else init,
                               table_init=table_init, seed=seed)
