@@ -393,6 +393,20 @@ def test_a_distilled_midtrain_arm_has_the_dense_conversion_as_its_teacher():
         midtrain_arms({"arms": {"a": {"ffn": "stem", "distill": {"alpha": 1}}}})
 
 
+def test_a_midtrain_arm_s_calibration_settings_go_over_the_stage_s():
+    from stemlm.study.midtrain import midtrain_arms, midtrain_runs
+
+    m = {"source": "smollm2", "steps": 2, "batch_size": 1, "seq_len": 8, "calibration": {"tokens": 512, "shrink": 0.0},
+         "arms": {"dense": {"ffn": "dense"}, "a": {"ffn": "stem", "init": "calibrate"},
+                  "b": {"ffn": "stem", "init": "calibrate", "calibration": {"shrink": 1024, "layer_choice": "cheapest"}}}}
+    runs = {r.labels["variant"]: r for r in midtrain_runs({"budget": {}}, m)}
+    assert runs["a"].convert["calibration"] == {"tokens": 512, "shrink": 0.0}
+    assert runs["b"].convert["calibration"] == {"tokens": 512, "shrink": 1024, "layer_choice": "cheapest"}
+    assert runs["a"].hash_input(None) != runs["b"].hash_input(None)
+    with pytest.raises(ConfigError, match="calibration must be a mapping"):
+        midtrain_arms({"arms": {"a": {"ffn": "stem", "calibration": "cheapest"}}})
+
+
 def test_plan_of_a_midtrain_spec_lists_its_arms(tmp_path, capsys):
     """A spec without model sizes (a pretrained model's mid-training) plans and estimates without error."""
     assert main(["study", "plan", "--spec", "midtrain", "--results", str(tmp_path / "res")]) == 0

@@ -1,10 +1,11 @@
 """Mid-training insertion on a real model: its arms, the converted checkpoints, a corpus in their tokenizer.
 
-The arms (``midtrain.arms``: name -> {ffn, init, stem_layers, dagger_rows, anneal, anneal_ratio,
+The arms (``midtrain.arms``: name -> {ffn, init, stem_layers, dagger_rows, calibration, anneal, anneal_ratio,
 distill, train}) all start from the same converted source and train on the same tokens, lr and schedule, for each
 of ``midtrain.seeds`` (default: ``[midtrain.seed]``, 0); the claim reads arms by their labels
 (``ffn``, ``init``, ``anneal``) and compares each STEM arm with the dense one. An arm's own ``train``
-overrides (e.g. ``[optim.table_lr=3e-2]``: a knob only STEM has) come after the shared ones. An arm with
+overrides (e.g. ``[optim.table_lr=3e-2]``: a knob only STEM has) come after the shared ones, and its own
+``calibration`` settings over the stage's (e.g. ``{layer_choice: cheapest}``). An arm with
 ``distill: {weight, temperature, top_k}`` trains against the dense conversion of the same source as a
 frozen teacher (``run.distill``; the dense arm's own starting checkpoint, converted once).
 
@@ -25,7 +26,8 @@ from ..config import ConfigError
 from ..ffn import KINDS, ffn_kind
 from .runspec import RunSpec, slug
 
-MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "anneal", "anneal_ratio", "distill", "train"}
+MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "calibration", "anneal", "anneal_ratio", "distill",
+                     "train"}
 DISTILL_KEYS = {"weight", "temperature", "top_k"}
 
 
@@ -36,7 +38,7 @@ def _anneals(ffn: str | None) -> bool:
 
 def midtrain_arms(m: dict) -> dict[str, dict]:
     """The arms of a ``midtrain`` stage: ``m["arms"]`` (name -> {ffn, init, stem_layers, dagger_rows,
-    anneal, anneal_ratio, train}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
+    calibration, anneal, anneal_ratio, distill, train}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
     if "arms" not in m:
         ffn, layers = m.get("ffn", "stem"), m.get("stem_layers", "1/3")
         return {"dense": {"ffn": "dense"}, f"{ffn}-{layers}": {"ffn": ffn, "init": m.get("init", "project")}}
@@ -55,6 +57,10 @@ def midtrain_arms(m: dict) -> dict[str, dict]:
         if distill is not None and (not isinstance(distill, dict) or set(distill) - DISTILL_KEYS):
             raise ConfigError(f"study spec: midtrain arm {name!r}: distill must be a mapping with keys from "
                               f"{sorted(DISTILL_KEYS)}, got {distill!r}")
+        calibration = (arm or {}).get("calibration", {})
+        if not isinstance(calibration, dict):
+            raise ConfigError(f"study spec: midtrain arm {name!r}: calibration must be a mapping of CalibrationConfig "
+                              f"settings, got {calibration!r}")
         train = (arm or {}).get("train", [])
         if not isinstance(train, list) or not all(isinstance(o, str) and "=" in o for o in train):
             raise ConfigError(f"study spec: midtrain arm {name!r}: train must be a list of key=value overrides, "
@@ -79,7 +85,7 @@ def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
             init = "zero" if dense else arm.get("init", m.get("init", "project"))
             convert = {"source": source, "ffn": ffn, "stem_layers": layers, "init": init}
             if init == "calibrate":
-                convert["calibration"] = {**(m.get("calibration") or {}),
+                convert["calibration"] = {**(m.get("calibration") or {}), **(arm.get("calibration") or {}),
                                           **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
                 convert["calib_data"] = m.get("calib_data")
             anneal = arm.get("anneal", "off")
