@@ -93,8 +93,62 @@ def grid_section(path: Path = GRID) -> list[str]:
         out.append(f"| {_describe(r)}{mark} | {r['calib_tokens']:,} | {d['in_domain']:+.2f} | {d['technical']:+.2f} | "
                    f"{d['legal']:+.2f} | **{r['delta_ood_mean']:+.2f}** | {r['calib_seconds'] / 60:.1f} min "
                    f"({threads} thread{'s' if threads > 1 else ''}) |")
-    out += [""] + goal_lines(runs)
+    out += [""] + goal_lines(runs) + placement_lines(runs)
     return out
+
+
+def placement_lines(runs: dict) -> list[str]:
+    """The per-layer costs the cheapest layers were chosen by (the entry with the most calibration tokens),
+    as a plot with the uniform placement beside the chosen one, and the paired comparison of the two."""
+    chosen = sorted((r for r in runs.values() if r.get("layer_costs")), key=lambda r: -r["calib_tokens"])
+    if not chosen:
+        return []
+    r = chosen[0]
+    costs, layers = r["layer_costs"], r["converted_layers"]
+    from stemlm.config import resolve_stem_layers
+
+    uniform = list(resolve_stem_layers(r["layers"], len(costs)))
+    out = ["", "#### Which layers: each layer's cost alone", "",
+           f"`--layer-choice cheapest` (the default) measures, for every layer of the dense model, the KL of its "
+           f"next-token distribution when that layer alone is converted (rows fitted as above), and converts the "
+           f"{len(layers)} layers of least cost: {', '.join(map(str, layers))} (sum of their single-layer costs "
+           f"{sum(costs[i] for i in layers):.2f} nats) instead of the uniform {r['layers']} placement's "
+           f"{', '.join(map(str, uniform))} ({sum(costs[i] for i in uniform):.2f}). Costs from the "
+           f"{r['calib_tokens']:,}-token entry."]
+    pairs = []
+    for c in runs.values():  # the same setting with uniform layers: the paired effect of the choice
+        cal = c.get("calibration", {})
+        if c is r or cal.get("layer_choice", "uniform") != "uniform" or c.get("calib_mixed_sources"):
+            continue
+        if {k: v for k, v in cal.items() if k != "layer_choice"} == {k: v for k, v in r["calibration"].items()
+                                                                      if k != "layer_choice"}:
+            pairs.append(c)
+    for c in pairs:
+        out.append(f"Against the uniform layers with the same settings: in domain {c['delta']['in_domain']:+.2f} → "
+                   f"{r['delta']['in_domain']:+.2f}, technical {c['delta']['technical']:+.2f} → "
+                   f"{r['delta']['technical']:+.2f}, legal {c['delta']['legal']:+.2f} → {r['delta']['legal']:+.2f} "
+                   f"nats over dense (the same held-out tokens).")
+    plot = _cost_plot(costs, layers, uniform)
+    if plot is not None:
+        out += ["", f"![per-layer cost of conversion](../{plot.relative_to(ROOT).as_posix()})"]
+    return out
+
+
+def _cost_plot(costs: list[float], chosen: list[int], uniform: list[int]) -> Path | None:
+    from _edit_report import pyplot_or_none
+    from stemlm.runtime.plotting import save
+
+    plt = pyplot_or_none()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    colors = ["tab:green" if i in chosen else "tab:grey" for i in range(len(costs))]
+    ax.bar(range(len(costs)), costs, color=colors, label="converted (cheapest)")
+    ax.scatter(uniform, [costs[i] for i in uniform], marker="v", color="tab:red", zorder=3, label="uniform placement")
+    ax.set(xlabel="layer", ylabel="KL a token, that layer alone (nats)",
+           title="SmolLM2-135M: cost of converting one layer to STEM at step 0")
+    ax.legend(fontsize=8)
+    return save(fig, ROOT / "results" / "insertion" / "layer_costs.png", dpi=110)
 
 
 def _tokens(runs: dict) -> str:
