@@ -164,7 +164,7 @@ def goal_lines(runs: dict) -> list[str]:
         lines.append("The current default of `convert --init calibrate` is not in the grid.")
     else:
         ok = default["delta_ood_mean"] <= OOD_GOAL
-        lines.append(f"Default flags, out of domain: **{default['delta_ood_mean']:+.2f} nats** (goal ≤ +{OOD_GOAL:g}: "
+        lines.append(f"Default flags, out of domain: **{default['delta_ood_mean']:+.3f} nats** (goal ≤ +{OOD_GOAL:g}: "
                      f"{'met' if ok else 'not met'}).")
     if distilled:
         best = distilled[0]
@@ -180,7 +180,7 @@ def readme_cell(g: dict) -> tuple[str, bool]:
     default, distilled = default_entry(runs), distilled_entries(runs)
     cells, met = [], default is not None and bool(distilled)
     if default is not None:
-        cells.append(f"default flags ({_describe(default)}): out of domain **{default['delta_ood_mean']:+.2f}**, "
+        cells.append(f"default flags ({_describe(default)}): out of domain **{default['delta_ood_mean']:+.3f}**, "
                      f"in domain {default['delta']['in_domain']:+.2f}")
         met = met and default["delta_ood_mean"] <= OOD_GOAL
     if distilled:
