@@ -142,8 +142,9 @@ def _cost_plot(costs: list[float], chosen: list[int], uniform: list[int]) -> Pat
     if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    colors = ["tab:green" if i in chosen else "tab:grey" for i in range(len(costs))]
-    ax.bar(range(len(costs)), costs, color=colors, label="converted (cheapest)")
+    kept = [i for i in range(len(costs)) if i not in chosen]
+    ax.bar(chosen, [costs[i] for i in chosen], color="tab:green", label="converted (the cheapest)")
+    ax.bar(kept, [costs[i] for i in kept], color="tab:grey", label="kept dense")
     ax.scatter(uniform, [costs[i] for i in uniform], marker="v", color="tab:red", zorder=3, label="uniform placement")
     ax.set(xlabel="layer", ylabel="KL a token, that layer alone (nats)",
            title="SmolLM2-135M: cost of converting one layer to STEM at step 0")
