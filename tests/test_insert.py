@@ -224,13 +224,18 @@ def test_bad_calibration_settings_are_one_line_errors():
 
 
 # -- conversion -------------------------------------------------------------------------------
-def test_convert_calibrate_from_a_llama_directory_with_raw_text(tmp_path, monkeypatch):
+def convert_tiny_llama_on_text(tmp_path, monkeypatch, stem_layers: str):
+    """A tiny Llama directory converted to STEM at ``stem_layers`` with rows calibrated on a raw text file."""
     monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
     _, src = llama_dir(tmp_path)
     text = tmp_path / "calib.txt"
     text.write_text("\n\n".join(["the cat sat on the mat and the dog ran in the park"] * 40))
-    out = convert_from_hf(src, tmp_path / "out", ffn="stem", stem_layers="2", init="calibrate", calib_data=text,
-                          calibration=CalibrationConfig(tokens=256, seq_len=16), progress=False)
+    return convert_from_hf(src, tmp_path / "out", ffn="stem", stem_layers=stem_layers, init="calibrate",
+                           calib_data=text, calibration=CalibrationConfig(tokens=256, seq_len=16), progress=False)
+
+
+def test_convert_calibrate_from_a_llama_directory_with_raw_text(tmp_path, monkeypatch):
+    out = convert_tiny_llama_on_text(tmp_path, monkeypatch, "2")
     model = open_model(out)
     conv = json.loads((out / "config.json").read_text())["stemlm_conversion"]
     assert conv["init"] == "calibrate" and conv["calibration"]["tokens"] == 256

@@ -9,9 +9,7 @@ import torch.nn.functional as F
 from stemlm.insert import convert as insert_convert
 from stemlm.insert.calibrate import CalibrationConfig
 from stemlm.insert.placement import cheapest_layers, layer_costs
-from stemlm.interop.convert import convert_from_hf
-from test_hf import llama_dir
-from test_insert import FIT_BASE, calib_ids, dense_model, fit
+from test_insert import FIT_BASE, calib_ids, convert_tiny_llama_on_text, dense_model, fit
 
 
 def calib_of(ids, **kw):
@@ -78,12 +76,7 @@ def test_placement_given_as_layers_or_uniform_is_kept_and_costs_are_measured_onc
 
 
 def test_convert_calibrate_converts_the_cheapest_layers_and_records_why(tmp_path, monkeypatch):
-    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
-    _, src = llama_dir(tmp_path)
-    text = tmp_path / "calib.txt"
-    text.write_text("\n\n".join(["the cat sat on the mat and the dog ran in the park"] * 40))
-    out = convert_from_hf(src, tmp_path / "out", ffn="stem", stem_layers="1/2", init="calibrate", calib_data=text,
-                          calibration=CalibrationConfig(tokens=256, seq_len=16), progress=False)
+    out = convert_tiny_llama_on_text(tmp_path, monkeypatch, "1/2")
     conv = json.loads((out / "config.json").read_text())["stemlm_conversion"]
     costs = conv["calibration"]["layer_costs"]
     assert conv["calibration"]["placement"] == "1/2" and conv["calibration"]["layer_choice"] == "cheapest"
