@@ -164,6 +164,8 @@ def main() -> None:
     p.add_argument("--align", default="left", choices=ALIGNS, help="token alignment of --strategy (default: %(default)s)")
     p.add_argument("--protect-shared", action="store_true",
                    help="leave the rows of subwords two or more country names hold (no other country's prompt changes)")
+    p.add_argument("--ckpt-only", action="store_true", help="evaluate only the --ckpt checkpoints (no conversion, "
+                   "no placements); with --tag, e.g. --ckpt RUN --ckpt-only --tag midtrain-kd")
     p.add_argument("--tag", default="", help="results go to edit_real.<tag>.json (default: edit_real.json)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args()
@@ -172,6 +174,15 @@ def main() -> None:
     if args.quick:
         args.pairs, args.locality, args.calib_tokens = 4, 8, 16384
     t0 = time.perf_counter()
+    out = RESULTS / ("edit_real" + (f".{args.tag}" if args.tag else "") + (".quick" if args.quick else "") + ".json")
+    if args.ckpt_only:
+        if not args.ckpt:
+            raise SystemExit("--ckpt-only needs at least one --ckpt")
+        result = {"benchmark": "edit_real", "git_commit": git_commit(), "what": "mid-trained checkpoints (--ckpt-only)",
+                  "pairs": args.pairs, "locality": args.locality, "relation": "capital",
+                  "midtrained": [evaluate_checkpoint(c, args) for c in args.ckpt],
+                  "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
+        return write(out, result)
     n = 30  # SmolLM2-135M
     layers = table_layers(args.table_layers, n)
     name = "full" if args.table_layers == "full" else args.table_layers.replace("/", "_").replace("+", "-")
@@ -199,8 +210,12 @@ def main() -> None:
               "placements": evaluate_placements(model, tok, facts, placements, args),
               "midtrained": [evaluate_checkpoint(c, args) for c in args.ckpt],
               "seconds": time.perf_counter() - t0, "threads": torch.get_num_threads()}
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("edit_real" + (f".{args.tag}" if args.tag else "") + (".quick" if args.quick else "") + ".json")
+    write(out, result)
+
+
+def write(out: Path, result: dict) -> None:
+    """The result JSON, atomically."""
+    out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(result, indent=1))
     print(f"wrote {out}")
 
