@@ -62,9 +62,7 @@ def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.nda
     ``work_dir`` for a resumed call). A list of layers, ``layer_choice="uniform"``, and kinds whose
     calibrated rows are zero (nothing to choose by) keep the placement as given (costs None).
     """
-    from ..interop.convert import llama_config_to_stem_of
-
-    given = llama_config_to_stem_of(dense.cfg, ffn, spec)
+    given = dense.cfg.replace(ffn=ffn, stem_layers=spec)
     explicit = isinstance(spec, (list, tuple)) or str(spec).replace(",", "").replace(" ", "").isdigit()
     zero_rows = calib.method == "zero" or ffn_kind(fitted_kind(ffn, calib)).zero_rows_are_dense
     if calib.layer_choice == "uniform" or explicit or zero_rows or not given.table_layers:
@@ -82,7 +80,7 @@ def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.nda
     layers = cheapest_layers(costs, count)
     log(f"converting layers {', '.join(map(str, layers))} (the {count} of least cost; "
         f"uniform {spec} would be {', '.join(map(str, given.stem_layer_ids))})")
-    return llama_config_to_stem_of(dense.cfg, ffn, layers), costs
+    return dense.cfg.replace(ffn=ffn, stem_layers=layers), costs
 
 
 def calibrated_model(dense: StemLM, target: ModelConfig, tokens: np.ndarray, calib: CalibrationConfig, work_dir: Path,
