@@ -2,8 +2,13 @@
 
 Pretraining places STEM layers at uniform intervals (the paper's 1/3, 1/2, full). A conversion of a
 trained model can do better: layers differ a lot in how far their up-projection ``W_u x`` is a
-function of the current token alone. In SmolLM2-135M, converting one layer costs between 0.25 nats
-of KL (layer 0) and about 0.02 (the last layers) on the dense model's own next-token distribution.
+function of the current token alone. In SmolLM2-135M, converting one layer costs between 0.24 nats
+of KL (layer 0) and 0.03 (the middle layers 14–17; the last layers cost up to 0.19) on the dense
+model's own next-token distribution (benchmarks/results/insertion_grid.json, ``default-262k``).
+
+The reference distribution is kept as the dense model's final hidden states of the probe windows
+(``d`` wide) and turned into log-probabilities again at every layer: one ``lm_head`` product a layer
+instead of ``V``-wide log-probabilities held for the whole pass (0.8 GB at SmolLM2's vocabulary).
 
 ``layer_costs`` measures that cost for every layer in one pass of the dense model: at each layer the
 rows are fitted on the dense stream (the calibration's own method and ``W_d`` refit, on at most
