@@ -91,7 +91,8 @@ def test_offloaded_batch_fetches_each_distinct_row_once_per_step(tier, tmp_path)
         steps = list(decode_batch(model, ps, SamplingParams(5)))
         stats = store.stats()
         assert generate_batch(model, ps, SamplingParams(5)) == want  # same tokens on any tier
-    assert steps[0].rows == 6 and steps[0].request_rows == 3 + 2 + 4  # {0 (padding), 5, 6, 7, 8, 9}
+    # {5, 6, 7, 8, 9}: the prompts of 4 and 2 tokens packed into one row of 6, so no padding id is looked up
+    assert steps[0].rows == 5 and steps[0].request_rows == 3 + 2 + 4
     assert all(s.rows <= s.request_rows for s in steps)
     assert stats["lookups"] == n_tables * len(steps)  # one lookup per table per step, for the whole batch
     assert stats["unique_rows"] == n_tables * sum(s.rows for s in steps)

@@ -8,7 +8,7 @@ import torch
 
 from stemlm import StemLM, model_config
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
-from stemlm.inference.core import DecodeCore, Generation
+from stemlm.inference.core import DecodeCore, Generation, pack_prompts
 from stemlm.inference.generate import generate_ids
 from stemlm.inference.static import bucket, resolve_graphs
 from stemlm.store import Placement, offload_tables
@@ -145,3 +145,36 @@ def test_static_step_reads_host_rows_in_place(stem, tmp_path):
     disk, dstore = on_tier(stem, "disk", tmp_path)
     with dstore:
         assert dstore.device_views("cpu") is None
+
+
+def test_pack_prompts_fits_first_in_decreasing_length():
+    assert pack_prompts([3, 9, 1, 6, 12], 12) == [[4], [1, 0], [3, 2]]
+    assert pack_prompts([5, 5, 5], 5) == [[0], [1], [2]]  # equal lengths: one row each, as right-padded
+    assert pack_prompts([2, 2, 2, 2], 8) == [[0, 1, 2, 3]]
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_packed_prefill_equals_each_prompt_prefilled_alone(stem, tier, tmp_path):
+    """Prompts of unequal length share rows of the prefill forward; each one's first-token logits, prompt
+    logprobs and cache rows are those it gets prefilled by itself."""
+    model, store = on_tier(stem, tier, tmp_path)
+    ps = prompts()
+    with store:
+        packed = DecodeCore(model, max_rows=5, max_len=40)
+        seqs = [Generation(p, SamplingParams(4), prompt_logprobs=2) for p in ps]
+        progress = packed.add(seqs)
+        assert progress.fed.shape == (3, 12)  # 12 | 9 + 3 | 6 + 1: three rows instead of five
+        logits = packed._eager_step([s.tokens[-1] for s in seqs], [s.next_slot for s in seqs])
+        for j, p in enumerate(ps):
+            alone = DecodeCore(model, max_rows=1, max_len=40)
+            seq = Generation(p, SamplingParams(4), prompt_logprobs=2)
+            alone.add([seq])
+            assert seq.tokens == seqs[j].tokens[:1]
+            for (lp, top), (lp_alone, top_alone) in zip(seqs[j].prompt_entries[1:], seq.prompt_entries[1:]):
+                assert lp == pytest.approx(lp_alone, abs=1e-5) and [t for t, _ in top] == [t for t, _ in top_alone]
+            for layer in range(model.cfg.n_layers):
+                for buf, buf_alone in ((packed.cache.k, alone.cache.k), (packed.cache.v, alone.cache.v)):
+                    torch.testing.assert_close(buf[layer][j, :, :len(p)], buf_alone[layer][0, :, :len(p)],
+                                               atol=1e-5, rtol=1e-5)
+            step = alone._eager_step([seq.tokens[-1]], [seq.next_slot])
+            torch.testing.assert_close(logits[j:j + 1], step, atol=1e-5, rtol=1e-5)

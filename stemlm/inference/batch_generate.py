@@ -105,8 +105,8 @@ def _distinct(progress) -> tuple[int, int]:
     """Distinct ids of the forward and the sum of each row's own distinct ids."""
     if progress.ids is None:  # a decode step: one id per row
         return len(set(s.tokens[-2] for s in progress.emitted)), len(progress.emitted)
-    ids = progress.ids
-    return torch.unique(ids).numel(), sum(torch.unique(r[:n]).numel() for r, n in zip(ids, progress.lengths))
+    return (torch.unique(progress.fed).numel(),
+            sum(torch.unique(r[:n]).numel() for r, n in zip(progress.ids, progress.lengths)))
 
 
 def generate_batch(model, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams],

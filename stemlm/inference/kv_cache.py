@@ -29,7 +29,8 @@ class SlotCache:
     * ``ragged(slots, span)``: row ``j`` writes its one new token at ``slots[j]`` (its own position),
       keys ``0..span-1`` are returned and a mask hides each row's slots past its own;
     * ``prefill(rows)``: a group's right-padded prompts go to cache rows ``rows`` at slots ``0..W-1``;
-      the group attends only to itself, so its own keys are returned.
+      the group attends only to itself, so its own keys are returned;
+    * ``packed(rows, places, lengths, width)``: the same for prompts packed several to a row.
 
     ``span`` and the number of rows are Python ints (no host sync); the static decode step passes the
     full ``max_len`` and a bucket of rows, so its shapes never change (``stemlm.inference.static``).
@@ -89,6 +90,23 @@ class SlotCache:
         self._view = ("prefill", index, 0)
         return self
 
+    def packed(self, rows: list[int], places: list[tuple[int, int]], lengths: list[int], width: int) -> "SlotCache":
+        """The next forward (prompts packed into ``(B, width)`` bins, ``stemlm.inference.core.pack_prompts``)
+        stores prompt ``j``, at bin ``places[j] = (b, offset)`` with ``lengths[j]`` tokens, into cache row
+        ``rows[j]`` from slot 0; the bins attend only to themselves, so their own keys are returned.
+
+        One gather and one ``index_copy_`` per layer and per keys / values: ``src`` picks the real tokens
+        out of the ``(B·width)`` bin positions, ``dst`` is where each lands in a layer's
+        ``(rows·heads·slots, head_dim)`` view, for every head."""
+        src, base = [], []
+        for row, (b, off), n in zip(rows, places, lengths):
+            src.extend(range(b * width + off, b * width + off + n))
+            base.extend(range(row * self.cfg.n_kv_heads * self.max_len, row * self.cfg.n_kv_heads * self.max_len + n))
+        heads = torch.arange(self.cfg.n_kv_heads, device=self.device) * self.max_len
+        dst = (torch.tensor(base, device=self.device)[:, None] + heads).reshape(-1)  # (N·heads,): token-major
+        self._view = ("packed", (torch.tensor(src, device=self.device), dst), 0)
+        return self
+
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         """Store ``k, v (n, nkv, T, hd)`` as the current view says; the keys and values to attend to."""
         kind, where, span = self._view
@@ -103,6 +121,13 @@ class SlotCache:
             K.view(-1, hd).index_copy_(0, where, k[:, :, 0].reshape(-1, hd))  # (n·nkv, hd) at each row's own slot
             V.view(-1, hd).index_copy_(0, where, v[:, :, 0].reshape(-1, hd))
             return K[:n, :, :span], V[:n, :, :span]
+        if kind == "packed":
+            src, dst = where
+            hd = k.shape[-1]
+            for buf, new in ((K, k), (V, v)):  # (B, nkv, W, hd) -> the real tokens (N, nkv, hd) -> (N·nkv, hd)
+                tokens = new.transpose(1, 2).reshape(-1, new.shape[1], hd).index_select(0, src)
+                buf.view(-1, hd).index_copy_(0, dst, tokens.reshape(-1, hd))
+            return k, v
         if isinstance(where, slice):
             K[where, :, :T] = k
             V[where, :, :T] = v
