@@ -15,7 +15,9 @@ Measured per C: p50/p95 request latency, generated tokens/s over the wall time o
 requests lost (errors; must be 0) and requests whose token count differs from direct generation
 (same seeds, so 0 expected), and the same
 prompts decoded directly with ``generate_batch`` in batches of C on the same model (while the
-server is idle), side by side in the same round. Overhead = direct tokens/s ÷ served tokens/s − 1
+server is idle), side by side in the same round. Each direct batch mixes prompt lengths as the
+server's batches do (``workload``; ``--aligned-lengths`` gives the earlier workload, whose direct
+batches each held one length). Overhead = direct tokens/s ÷ served tokens/s − 1
 (median over rounds of the per-round value). Goal: overhead <= 10 %. Because the wall time of a
 phase moves with whatever else the machine runs, each round also records the CPU seconds per
 generated token of each side (the server process and its clients' process for the served phase,
@@ -60,15 +62,23 @@ from stemlm.store import Placement
 TEXTS = ["The capital of France is Paris. Once upon a time there was a cat that sat on the mat."] * 40
 
 
-def workload(clients: int, per_client: int, lens: list[int], vocab: int, seed: int) -> list[list[tuple]]:
-    """Per client, its requests as ``(prompt ids, seed)``; the same for a given C in every round."""
+def workload(clients: int, per_client: int, lens: list[int], vocab: int, seed: int,
+             aligned: bool = False) -> list[list[tuple]]:
+    """Per client, its requests as ``(prompt ids, seed)``; the same for a given C in every round.
+
+    Client ``c``'s request ``k`` has length ``lens[(c + k) % len(lens)]``, so the direct phase's batches
+    (request ``k`` of every client) mix the lengths as the served traffic does. ``aligned``: length
+    ``lens[(c·per_client + k) % len(lens)]``, the workload before 2026-11-28, whose direct batches held
+    prompts of one length each (with 8 requests per client and 8 lengths) and so never padded, packed or
+    decoded at ragged positions, unlike any server's batch."""
     out = []
     for c in range(clients):
         reqs = []
         for k in range(per_client):
             i = c * per_client + k
+            n = lens[i % len(lens)] if aligned else lens[(c + k) % len(lens)]
             g = torch.Generator().manual_seed(seed + i)
-            reqs.append((torch.randint(0, vocab, (lens[i % len(lens)],), generator=g).tolist(), seed + i))
+            reqs.append((torch.randint(0, vocab, (n,), generator=g).tolist(), seed + i))
         out.append(reqs)
     return out
 
@@ -175,6 +185,8 @@ def parse_args():
     ap.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and sampling (default 0)")
     ap.add_argument("--stack", default="auto", choices=("auto", "asyncio"),
                     help="uvicorn's loop and HTTP parser: auto (uvloop + httptools when installed) or asyncio + h11")
+    ap.add_argument("--aligned-lengths", action="store_true",
+                    help="the workload before 2026-11-28: every direct batch of one prompt length (see workload)")
     ap.add_argument("--quick", action="store_true", help="concurrency 1,2, 2 requests of 4 tokens, 1 round; "
                                                          "writes bench_serve.quick.json")
     args = ap.parse_args()
@@ -203,7 +215,7 @@ def main() -> None:
             load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4).result()
             for r in range(args.repeats):
                 for c in levels[r % len(levels):] + levels[:r % len(levels)]:
-                    work = workload(c, args.requests, lens, cfg.vocab_size, args.seed)
+                    work = workload(c, args.requests, lens, cfg.vocab_size, args.seed, args.aligned_lengths)
                     s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens).result())
                     s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
                     e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
@@ -240,10 +252,11 @@ def main() -> None:
         print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %; continuous batching "
               f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %), requests lost {max(lost)}; CPU per "
               f"token {100 * results[str(c)]['cpu_overhead']:+.1f} % (HTTP {100 * results[str(c)]['cpu_overhead_of_http']:+.1f} %)")
-    path = write_result("bench_serve", args.quick, {
+    path = write_result("bench_serve_aligned" if args.aligned_lengths else "bench_serve", args.quick, {
         "config": {"preset": args.preset, "stem_layers": args.stem_layers, "tier": "host", "concurrency": args.concurrency,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
-                   "max_batch": args.max_batch, "repeats": args.repeats, "sampling": "temperature 1.0, seed per request",
+                   "max_batch": args.max_batch, "repeats": args.repeats, "aligned_lengths": args.aligned_lengths,
+                   "sampling": "temperature 1.0, seed per request",
                    "clients": "openai client threads in a separate process", "uvicorn": _stack(args.stack)},
         "concurrency": results, "server_metrics": metrics})
     print(f"wrote {path}")

@@ -3,6 +3,7 @@
     python benchmarks/check.py                   # every check, 3 runs each, interleaved (make bench-check)
     python benchmarks/check.py --only P7,serve   # a selection (names below, or their P-numbers), merged into
                                                  # the report (the other checks keep their runs and commit)
+    python benchmarks/check.py --all             # the slow checks too (P5, wide corpus, soak)
     python benchmarks/check.py --runs 5 --list
 
 A README figure comes from one run of its benchmark: its within-run rounds say nothing of how the
@@ -50,6 +51,7 @@ class Check:
     figures: Callable[[dict], dict[str, float]]
     goals: dict[str, tuple[str, Callable[[float], bool]]]
     args: list[str] = field(default_factory=list)
+    slow: bool = False  # run only with --all or --only: outside the default's 40 minutes
 
 
 def _serve(r: dict) -> dict[str, float]:
@@ -64,6 +66,17 @@ def _batch(r: dict) -> dict[str, float]:
 def _ngram(r: dict) -> dict[str, float]:
     return {**{f"train_{t['placement']}": t["ratio"] for t in r["train"]},
             "host_decode": r["decode"]["host_over_device"], "hash_share": r["decode"]["hash_share"]}
+
+
+def _cache_hit(r: dict) -> dict[str, float]:
+    return {f"{stream}_{policy}": v for stream, x in r["streams"].items() for policy, v in x["hit_rate_at_10pct"].items()
+            if policy.endswith("warm")}
+
+
+def _soak(r: dict) -> dict[str, float]:
+    rss = r["rss_mb"]
+    return {"lost": r["lost"], "slots_left": r["slots_left"], "admitted_not_finished": r["admitted_not_finished"],
+            "rss_growth_second_half": (rss["end"] - rss["half"]) / rss["half"]}
 
 
 def _offload(r: dict) -> dict[str, float]:
@@ -97,13 +110,26 @@ CHECKS = [
     Check("ngram_cost", "ngram", "bench_ngram.py", "ngram_cost.json", _ngram,
           {"train_full": ("≤ 1.10×", lambda v: v <= 1.10), "train_1/3": ("≤ 1.10×", lambda v: v <= 1.10),
            "host_decode": ("≥ 0.9×", lambda v: v >= 0.9), "hash_share": ("≤ 2 %", lambda v: v <= 0.02)}),
+    # outside the default run (--all): figures fixed by their seeds (P5's hit rates; the wide corpus's token counts)
+    # re-run to show they reproduce exactly, and the two whose goals are about time and memory under load
+    Check("cache_hit", "P5", "bench_cache_hit.py", "cache_hit.json", _cache_hit,
+          {f"{s}_{p}": ("≥ 90 %", lambda v: v >= 0.9) for s in ("corpus", "smollm2") for p in ("lfu_warm", "window_warm")},
+          slow=True),
+    Check("wide_corpus", "wide", "bench_wide_corpus.py", "wide_corpus.json",
+          lambda r: {"train_tokens": r["n_tokens"]["train"], "build_seconds": r["build_seconds"]},
+          {"train_tokens": ("≥ 20M", lambda v: v >= 20_000_000), "build_seconds": ("≤ 600 s", lambda v: v <= 600)},
+          slow=True),
+    Check("soak", "soak", "soak_serve.py", "soak_serve.json", _soak,
+          {"lost": ("0", lambda v: v == 0), "slots_left": ("0", lambda v: v == 0),
+           "rss_growth_second_half": ("≤ 2 % (flat)", lambda v: v <= 0.02)}, slow=True),
 ]
 
 
-def select(only: str | None) -> list[Check]:
-    """The checks named in ``only`` (names or labels, comma-separated), or all."""
+def select(only: str | None, everything: bool = False) -> list[Check]:
+    """The checks named in ``only`` (names or labels, comma-separated), or the default ones (``everything``:
+    the slow ones too)."""
     if not only:
-        return list(CHECKS)
+        return [c for c in CHECKS if everything or not c.slow]
     want = {x.strip().lower() for x in only.split(",") if x.strip()}
     picked = [c for c in CHECKS if c.name.lower() in want or c.label.lower() in want]
     unknown = want - {c.name.lower() for c in picked} - {c.label.lower() for c in picked}
@@ -226,6 +252,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="independent runs of each benchmark (default 3)")
     ap.add_argument("--only", help="comma-separated checks, by name or label (e.g. P7,serve)")
+    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, soak: about 20 min more "
+                                                       "at 3 runs)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--out", default=str(RESULTS / "check"), help="report path without suffix (default: results/check)")
     ap.add_argument("--replace", action="store_true",
@@ -234,11 +262,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for c in CHECKS:
-            print(f"{c.label:>6}  {c.name:<15} {c.script}  -> {c.result}")
+            print(f"{c.label:>6}  {c.name:<15} {c.script}  -> {c.result}{'  (slow: --all)' if c.slow else ''}")
         return 0
     if args.runs < 1:
         ap.error("--runs must be at least 1")
-    checks = select(args.only)
+    checks = select(args.only, args.all)
     with tempfile.TemporaryDirectory(prefix="stemlm-check-") as scratch:
         report = run_checks(checks, args.runs, Path(scratch))
     out = Path(args.out)
