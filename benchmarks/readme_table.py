@@ -380,8 +380,10 @@ def serve(r: dict) -> tuple[str, str]:
                       for c, v in levels.items())
     top = levels[max(levels, key=int)]
     lost = sum(v["requests_lost"] for v in levels.values())
-    measured = (f"{cfg['preset']} STEM-{cfg['stem_layers']}, {cfg['tier']} tables, C closed-loop clients × "
-                f"{cfg['requests_per_client']} requests × {cfg['max_tokens']} tokens, median of {cfg['repeats']} paired "
+    client = cfg["clients"].split()[0]  # raw (http.client) or openai
+    lengths = "one prompt length per direct batch" if cfg.get("aligned_lengths", True) else "prompt lengths mixed in every batch"
+    measured = (f"{cfg['preset']} STEM-{cfg['stem_layers']}, {cfg['tier']} tables, C closed-loop {client} clients × "
+                f"{cfg['requests_per_client']} requests × {cfg['max_tokens']} tokens, {lengths}, median of {cfg['repeats']} paired "
                 f"rounds: overhead {cells}; of which continuous batching / HTTP: {split}; at C={max(levels, key=int)} "
                 f"{top['served']['tokens_per_s']:.0f} tok/s, latency p50 {top['served']['latency_p50_s']:.2f} s, p95 "
                 f"{top['served']['latency_p95_s']:.2f} s; requests lost {lost} "
