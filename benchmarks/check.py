@@ -252,7 +252,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="independent runs of each benchmark (default 3)")
     ap.add_argument("--only", help="comma-separated checks, by name or label (e.g. P7,serve)")
-    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, soak: about 20 min more "
+    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, soak: about 17 min more "
                                                        "at 3 runs)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--out", default=str(RESULTS / "check"), help="report path without suffix (default: results/check)")
