@@ -39,6 +39,15 @@ def swiglu_hidden_dim(d_model: int, multiple_of: int = 256) -> int:
     return multiple_of * math.ceil(hidden / multiple_of)
 
 
+def is_layer_list(spec) -> bool:
+    """Whether a placement spec names its layers (``[2, 5]``, ``"2,5"``, ``"7"``) rather than a ratio, ``full``
+    or ``none``."""
+    if isinstance(spec, (list, tuple)):
+        return True
+    text = str(spec).strip().lower()
+    return text not in ("", "none", "full") and "/" not in text and "." not in text
+
+
 def resolve_stem_layers(spec: str | float | list[int] | tuple[int, ...] | None, n_layers: int) -> tuple[int, ...]:
     """Turn a placement spec (see module docstring) into sorted 0-based layer indices."""
     if spec is None:
@@ -53,7 +62,7 @@ def resolve_stem_layers(spec: str | float | list[int] | tuple[int, ...] | None, 
             return ()
         if text == "full":
             return tuple(range(1, n_layers))
-        if "/" not in text and "." not in text:  # "2,5" or a single index "7"
+        if is_layer_list(text):  # "2,5" or a single index "7"
             try:
                 layers = [int(p) for p in text.split(",") if p.strip()]
             except ValueError:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import ModelConfig, resolve_stem_layers
+from ..config import ModelConfig, is_layer_list, resolve_stem_layers
 from ..ffn import ffn_kind
 from ..model.decoder import StemLM
 from .calibrate import CalibrationConfig, _digest, assemble, calibrate, calibration_windows, fitted_kind
@@ -105,9 +105,8 @@ def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.nda
     calibrated rows are zero (nothing to choose by) keep the placement as given (costs None).
     """
     given = dense.cfg.replace(ffn=ffn, stem_layers=spec)
-    explicit = isinstance(spec, (list, tuple)) or str(spec).replace(",", "").replace(" ", "").isdigit()
     zero_rows = calib.method == "zero" or ffn_kind(fitted_kind(ffn, calib)).zero_rows_are_dense
-    if calib.layer_choice == "uniform" or explicit or zero_rows or not given.table_layers:
+    if calib.layer_choice == "uniform" or is_layer_list(spec) or zero_rows or not given.table_layers:
         return given, None
     ids = calibration_windows(tokens, calib.tokens, calib.seq_len)
     count = len(resolve_stem_layers(spec, dense.cfg.n_layers))
