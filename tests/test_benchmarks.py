@@ -96,7 +96,8 @@ def test_other_training_benchmarks_quick(tmp_path, script, result):
 @pytest.mark.parametrize("script, result", [("bench_offload_decode.py", "offload_decode.quick.json"),
                                             ("bench_stem_vs_dense_decode.py", "stem_vs_dense_decode.quick.json"),
                                             ("bench_cache_hit.py", "cache_hit.quick.json"),
-                                            ("bench_serve.py", "bench_serve.quick.json")])
+                                            ("bench_serve.py", "bench_serve.quick.json"),
+                                            ("bench_packed_prefill.py", "packed_prefill.quick.json")])
 def test_store_benchmarks_quick(tmp_path, script, result):
     run_quick(script, tmp_path)
     assert json.loads((tmp_path / result).read_text())["meta"]["quick"] is True
