@@ -3,7 +3,7 @@
     python benchmarks/check.py                   # every check, 3 runs each, interleaved (make bench-check)
     python benchmarks/check.py --only P7,serve   # a selection (names below, or their P-numbers), merged into
                                                  # the report (the other checks keep their runs and commit)
-    python benchmarks/check.py --all             # the slow checks too (P5, wide corpus, soak)
+    python benchmarks/check.py --all             # the slow checks too (P5, wide corpus, P8, soak)
     python benchmarks/check.py --runs 5 --list
 
 A README figure comes from one run of its benchmark: its within-run rounds say nothing of how the
@@ -111,7 +111,8 @@ CHECKS = [
           {"train_full": ("≤ 1.10×", lambda v: v <= 1.10), "train_1/3": ("≤ 1.10×", lambda v: v <= 1.10),
            "host_decode": ("≥ 0.9×", lambda v: v >= 0.9), "hash_share": ("≤ 2 %", lambda v: v <= 0.02)}),
     # outside the default run (--all): figures fixed by their seeds (P5's hit rates; the wide corpus's token counts)
-    # re-run to show they reproduce exactly, and the two whose goals are about time and memory under load
+    # re-run to show they reproduce exactly, P8 (a pretrained model against lm-eval, ~2.5 min a run), and the soak
+    # test's goals under load
     Check("cache_hit", "P5", "bench_cache_hit.py", "cache_hit.json", _cache_hit,
           {f"{s}_{p}": ("≥ 90 %", lambda v: v >= 0.9) for s in ("corpus", "smollm2") for p in ("lfu_warm", "window_warm")},
           slow=True),
@@ -119,6 +120,13 @@ CHECKS = [
           lambda r: {"train_tokens": r["n_tokens"]["train"], "build_seconds": r["build_seconds"]},
           {"train_tokens": ("≥ 20M", lambda v: v >= 20_000_000), "build_seconds": ("≤ 600 s", lambda v: v <= 600)},
           slow=True),
+    Check("eval_vs_harness", "P8", "bench_eval_vs_harness.py", "eval_vs_harness_aten.json",
+          lambda r: {"ratio": r["ratio"], "max_abs_logprob_diff": r["max_abs_logprob_diff"],
+                     "accuracies_identical": float(r["accuracies_identical"])},
+          {"ratio": ("≥ 2×", lambda v: v >= 2), "max_abs_logprob_diff": ("≤ 1e-4", lambda v: v <= 1e-4),
+           "accuracies_identical": ("1 (identical)", lambda v: v == 1)},
+          # one timed round a run (the committed run has 3): the runs' spread is the noise figure here
+          args=["--name", "eval_vs_harness_aten", "--rounds", "1"], slow=True),
     Check("soak", "soak", "soak_serve.py", "soak_serve.json", _soak,
           {"lost": ("0", lambda v: v == 0), "slots_left": ("0", lambda v: v == 0),
            "rss_growth_second_half": ("≤ 2 % (flat)", lambda v: v <= 0.02)}, slow=True),
@@ -252,7 +260,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="independent runs of each benchmark (default 3)")
     ap.add_argument("--only", help="comma-separated checks, by name or label (e.g. P7,serve)")
-    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, soak: about 17 min more "
+    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, P8, soak: about 25 min more "
                                                        "at 3 runs)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--out", default=str(RESULTS / "check"), help="report path without suffix (default: results/check)")
