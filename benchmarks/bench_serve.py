@@ -8,7 +8,9 @@ the engine on the main thread, which loaded the model, uvicorn on a thread of it
 all the model's work, as in the server (``stemlm.runtime.threads``). The load comes from a separate process, as a server's clients would (in this
 process the clients' Python would compete with the engine for the interpreter lock): for each
 concurrency C (1, 2, 4, 8, 16), C client threads there each send ``--requests`` non-streaming
-completions through the ``openai`` client, one after another; each request has its own prompt
+completions, one after another, as plain JSON POSTs on a kept-alive connection (``--client raw``,
+the default: ~0.2 ms of CPU a request, which the clients take from the server's two cores) or through
+the ``openai`` client (``--client openai``: ~2-3 ms a request); each request has its own prompt
 (mixed lengths) and seed (temperature 1.0).
 
 Measured per C: p50/p95 request latency, generated tokens/s over the wall time of the phase,
