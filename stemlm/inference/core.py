@@ -185,7 +185,7 @@ class DecodeCore:
             padded[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
         bins = pack_prompts(lengths, width) if not self.reach else None
         if bins is not None and len(bins) < len(group):
-            ids, hidden, ends = self._packed_forward(group, cache_rows, lengths, width, bins)
+            ids, hidden, ends = self._packed_forward(padded, cache_rows, lengths, bins)
         else:
             ids = padded.to(self.device)
             rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
@@ -205,19 +205,20 @@ class DecodeCore:
                 s.prompt_entries = [(None, None)] + token_logprobs(scored, s.prompt[1:], s.prompt_logprobs)
         return padded, ids, lengths, self.model.lm_head(last)  # (n, V)
 
-    def _packed_forward(self, group: list[Generation], cache_rows: list[int], lengths: list[int], width: int,
+    def _packed_forward(self, padded: torch.Tensor, cache_rows: list[int], lengths: list[int],
                         bins: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
-        """The prefill forward of ``group`` packed into ``bins``: the ids fed ``(B, W)``, hidden states
-        ``(B, W, d)`` and each prompt's ``(bin, offset)``."""
+        """The prefill forward of the right-padded prompts ``padded (n, W)`` packed into ``bins``: the ids fed
+        ``(B, W)``, hidden states ``(B, W, d)`` and each prompt's ``(bin, offset)``."""
+        width = padded.shape[1]
         ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
         pos = torch.zeros((len(bins), width), dtype=torch.long)
         doc = torch.full((len(bins), width), -1, dtype=torch.long)  # padding: a document of its own
-        places: list[tuple[int, int]] = [(0, 0)] * len(group)
+        places: list[tuple[int, int]] = [(0, 0)] * len(lengths)
         for b, members in enumerate(bins):
             off = 0
             for j in members:
                 n = lengths[j]
-                ids[b, off:off + n] = torch.tensor(group[j].prompt, dtype=torch.long)
+                ids[b, off:off + n] = padded[j, :n]
                 pos[b, off:off + n] = torch.arange(n)
                 doc[b, off:off + n] = j
                 places[j] = (b, off)
