@@ -102,12 +102,20 @@ def accum_section(s, preset: str) -> dict:
     return out
 
 
-def graph_section(s, preset: str) -> dict:
+def graph_section(s, preset: str, table_kernels: str | None = None) -> dict:
     """Dense, STEM-1/3 and STEM-full with the whole step captured as one CUDA graph
-    (``run.step_graph=graph``) over compiled blocks; ``static`` (fixed buffers, eager) in a dry run."""
+    (``run.step_graph=graph``) over compiled blocks; ``static`` (fixed buffers, eager) in a dry run.
+    ``table_kernels``: the STEM arms' ``run.table_kernels`` (default: the loop's own, Triton on CUDA)."""
     mode = "graph" if s["device"] == "cuda" else "static"
-    arms = {a: o + (["run.table_path=fused"] if a != "dense" else []) for a, o in ARMS.items()}  # (auto on CUDA)
+    stem = ["run.table_path=fused"] + ([f"run.table_kernels={table_kernels}"] if table_kernels else [])
+    arms = {a: o + (stem if a != "dense" else []) for a, o in ARMS.items()}  # (fused: auto on CUDA)
     return train_section(s, preset, arms, (f"run.step_graph={mode}",), ("compiled",) if s["compile"] else ("eager",))
+
+
+def gemm_section(s, preset: str) -> dict:
+    """``graph_section`` with the STEM arms' table work in the GEMMs' epilogues (``run.table_kernels=triton-gemm``,
+    ``stemlm.kernels.gated_gemm``), dense beside them in the same interleaved rounds."""
+    return graph_section(s, preset, "triton-gemm")
 
 
 def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None, cache_rows: int = 0) -> dict:
@@ -212,6 +220,7 @@ def profile_section(s, preset: str, steps: int = 3) -> dict:
     runs = [(arm, arm, ()) for arm in ("dense", "stem-full")]
     if s["device"] == "cuda":
         runs += [(f"graph-{arm}", arm, ("run.step_graph=graph",)) for arm in ("dense", "stem-full")]
+        runs += [("graph-stem-full-gemm", "stem-full", ("run.step_graph=graph", "run.table_kernels=triton-gemm"))]
     for name, arm, extra in runs:
         try:
             out[name] = _profile_arm(s, preset, arm, extra, steps)
@@ -220,6 +229,14 @@ def profile_section(s, preset: str, steps: int = 3) -> dict:
             free(s)
     nongemm = {a: out[a]["kernel_ms_per_step"] - out[a]["gemm_ms_per_step"] for a in ("dense", "stem-full")}
     out["table_path_ms_per_micro_batch"] = (nongemm["stem-full"] - nongemm["dense"]) / out["stem-full"]["micro_batches"]
+    fused = out.get("graph-stem-full-gemm") or {}
+    if "kernel_ms_per_step" in fused and "gemm_ms_per_step" in out.get("graph-stem-full", {}):
+        # the table work now runs inside GEMM kernels: what STEM-full's kernels take beyond dense's, less the GEMM
+        # time STEM saves (dense's GEMMs minus the unfused STEM-full's cuBLAS GEMMs, both captured)
+        dense, unfused = out["graph-dense"], out["graph-stem-full"]
+        saved = dense["gemm_ms_per_step"] - unfused["gemm_ms_per_step"]
+        out["table_path_gemm_ms_per_micro_batch"] = (fused["kernel_ms_per_step"] - dense["kernel_ms_per_step"]
+                                                     + saved) / fused["micro_batches"]
     return out
 
 

@@ -4,6 +4,10 @@
   on the device at the 350M shape of one micro-batch (16 × 512 positions, d_ff 2560, Zipf ids over a
   4096 vocabulary, bf16 gate): relative errors, and each pass's time (CUDA events, median of 20)
   with the bandwidth it reaches (bytes it must move ÷ time) next to the reference's time;
+* ``gemm``: the GEMMs with table epilogues (``stemlm.kernels.gated_gemm``, ``run.table_kernels=triton-gemm``)
+  at the 350M layer shape (x ``(8192, 960)``, d_ff 2560, bf16): their outputs against cuBLAS GEMMs + the
+  ``gated_rows`` kernels, and the times of both per layer (forward: gate GEMM + gathered product; backward:
+  the ``dh`` GEMM + the segmented row gradient), with cuBLAS's gate GEMM alone for the Triton GEMM's rate;
 * ``graph``: the loop's losses with ``run.step_graph=auto`` (the whole step captured as one CUDA
   graph; ``static``, the same step uncaptured, in a dry run) against the eager loop's (same seed, compiled blocks in both), dense, STEM-full
   and STEM-1/3 with its tables in the dense optimizer (``optim.table_optimizer=dense``), with
@@ -40,6 +44,11 @@ from stemlm.runtime.files import atomic_write_text
 
 
 REPS = 20
+GEMM_D = 960  # d_model of the 350M shape (mobilellm-350m)
+
+
+def _gemm(m: int, n: int, k: int, warps: int, stages: int) -> dict:
+    return {"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k, "GROUP_M": 8, "num_warps": warps, "num_stages": stages}
 
 # tile sizes and warps tried by --tune; the first of each kernel is the shipped default (configs.DEFAULTS)
 CANDIDATES = {
@@ -56,6 +65,11 @@ CANDIDATES = {
                       {"BLOCK_S": 4, "BLOCK_F": 512, "num_warps": 4}],
     "row_adamw": [{"BLOCK_D": 256, "num_warps": 4}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 4},
                   {"BLOCK_D": 1024, "num_warps": 8}, {"BLOCK_D": 2048, "num_warps": 8}],
+    # the GEMMs with table epilogues: common Hopper bf16 tiles (M x N x K, warps, stages)
+    "gate_gemm": [_gemm(128, 128, 64, 8, 3), _gemm(128, 256, 64, 8, 3), _gemm(128, 128, 64, 4, 4), _gemm(64, 128, 64, 4, 4),
+                  _gemm(128, 64, 64, 4, 4), _gemm(256, 128, 64, 8, 3), _gemm(128, 128, 32, 4, 4)],
+    "down_backward": [_gemm(64, 128, 64, 4, 3), _gemm(128, 128, 64, 8, 3), _gemm(64, 256, 64, 8, 3), _gemm(64, 64, 64, 4, 4),
+                      _gemm(32, 128, 64, 4, 4), _gemm(128, 64, 64, 4, 4), _gemm(64, 128, 32, 4, 4)],
 }
 TUNE_LAYERS = 31  # STEM-full at the 350M shape: 31 tables a step
 
@@ -139,6 +153,25 @@ def tune_kernels(device: str, N: int, F_: int, V: int, candidates: dict) -> dict
             timings[kernel].append({"config": cfg, "ms": ms, "equal": equal})
         best[kernel] = _fastest(timings[kernel])["config"]
 
+    gemm_in = gemm_inputs(device, N, F_, V)
+    with configs.use({}):
+        want = gemm_fused(gemm_in)
+    gemm_in["g"] = want[0]  # the gate the backward candidates start from
+    for kernel in ("gate_gemm", "down_backward"):
+        timings[kernel] = []
+        for cfg in candidates[kernel]:
+            with configs.use({**best, kernel: cfg}):
+                try:  # a tile too large for the card's shared memory fails to launch: skipped
+                    got = gemm_fused(gemm_in)
+                    equal = all(rel(a, b) < 5e-3 for a, b in zip(got, want))  # tiles change the summation order
+                    part = "forward" if kernel == "gate_gemm" else "backward"
+                    ms = cuda_ms(lambda: gemm_fused(gemm_in, part))
+                except Exception as e:
+                    equal, ms = False, float("inf")
+                    print(f"tune {kernel} {cfg}: {error_text(e)}", flush=True)
+            timings[kernel].append({"config": cfg, "ms": ms, "equal": equal})
+        best[kernel] = _fastest(timings[kernel])["config"]
+
     R, K = TUNE_LAYERS * V, TUNE_LAYERS * P  # a stack of tables, the rows one step touches in each
     gen = torch.Generator(device=device).manual_seed(0)
     state = [torch.randn(R, F_, device=device, generator=gen) for _ in range(2)] + [torch.rand(R, F_, device=device, generator=gen)]
@@ -204,6 +237,73 @@ def kernel_check(device: str, N: int, F_: int, V: int) -> dict:
     return out
 
 
+def gemm_inputs(device: str, N: int, F_: int, V: int) -> dict:
+    """One 350M-shape STEM layer's inputs: x ``(N, 960)``, W_g ``(F, 960)``, W_d ``(960, F)``, dy (bf16 on CUDA),
+    the rows and ids of ``kernel_inputs``."""
+    from stemlm import kernels
+
+    gated, _ = kernels.load(device)
+    inverse, P, dtype, rows, _, _ = kernel_inputs(device, N, F_, V)
+    D = GEMM_D if device == "cuda" else 48
+    gen = torch.Generator(device=device).manual_seed(1)
+    x, w_gate, w_down, dy = (torch.randn(*sh, device=device, generator=gen).div_(sh[-1] ** 0.5).to(dtype)
+                             for sh in ((N, D), (F_, D), (D, F_), (N, D)))
+    return {"x": x, "w_gate": w_gate, "w_down": w_down, "dy": dy, "rows": rows, "inverse": inverse, "P": P,
+            "seg": gated.Segments.of(inverse, P)}
+
+
+def gemm_fused(a: dict, part: str = "both") -> tuple:
+    """``(g, h, dg, row_grad)`` of the GEMMs with table epilogues (``part``: only the forward or the backward)."""
+    from stemlm import kernels
+
+    gemm = kernels.load_gemm(a["x"].device)
+    row_grad = torch.zeros(a["P"], a["rows"].shape[1], device=a["x"].device)
+    g, h = gemm.gate_gemm(a["x"], a["w_gate"], a["rows"], a["inverse"]) if part != "backward" else (a["g"], None)
+    if part == "forward":
+        return g, h
+    return g, h, gemm.down_backward(a["dy"], a["w_down"], g, a["rows"], a["seg"], row_grad), row_grad
+
+
+def gemm_unfused(a: dict, part: str = "both") -> tuple:
+    """The same with torch GEMMs around the ``gated_rows`` kernels (``run.table_kernels=triton``)."""
+    from stemlm import kernels
+
+    gated, _ = kernels.load(a["x"].device)
+    row_grad = torch.zeros(a["P"], a["rows"].shape[1], device=a["x"].device)
+    if part != "backward":
+        g = a["x"] @ a["w_gate"].t()
+        h = gated.gated_rows_forward(g, a["rows"], a["inverse"])
+        if part == "forward":
+            return g, h
+    else:
+        g, h = a["g"], None
+    dg = gated.gated_rows_backward(a["dy"] @ a["w_down"], g, a["rows"], a["seg"], row_grad)
+    return g, h, dg, row_grad
+
+
+def gemm_check(device: str, N: int, F_: int, V: int) -> dict:
+    """The GEMMs with table epilogues against torch GEMMs + the ``gated_rows`` kernels: relative differences
+    and per-layer times (module doc)."""
+    a = gemm_inputs(device, N, F_, V)
+    fused, unfused = gemm_fused(a), gemm_unfused(a)
+    a["g"] = unfused[0]  # the backward's saved gate, the same for both
+    D = a["x"].shape[1]
+    ms = {"fused_forward": cuda_ms(lambda: gemm_fused(a, "forward")),
+          "unfused_forward": cuda_ms(lambda: gemm_unfused(a, "forward")),
+          "fused_backward": cuda_ms(lambda: gemm_fused(a, "backward")),
+          "unfused_backward": cuda_ms(lambda: gemm_unfused(a, "backward")),
+          "torch_gate_gemm": cuda_ms(lambda: a["x"] @ a["w_gate"].t())}
+    ms["saved_per_layer"] = ms["unfused_forward"] + ms["unfused_backward"] - ms["fused_forward"] - ms["fused_backward"]
+    flop = 2 * N * D * F_
+    from stemlm import kernels
+    return {"N": N, "d_model": D, "d_ff": F_, "distinct_rows": a["P"], "configs": {k: kernels.configs.ACTIVE[k]
+                                                                                  for k in ("gate_gemm", "down_backward")},
+            "rel_err": dict(zip(("g", "h", "dg", "row_grad"), (rel(x, y) for x, y in zip(fused, unfused)))),
+            "ms": ms, "saved_ms_31_layers": 31 * ms["saved_per_layer"],
+            "TFLOP_per_s": {"torch_gate_gemm": flop / ms["torch_gate_gemm"] / 1e9,
+                            "fused_forward": flop / ms["fused_forward"] / 1e9}}
+
+
 def graph_check(s: dict) -> dict:
     """Losses and step times of the eager loop and of ``run.step_graph=auto``, dense and STEM-full."""
     out = {}
@@ -267,7 +367,8 @@ def main() -> None:
                                            "configs": result["tune"]["configs"],
                                            "speedup_over_default": result["tune"]["speedup_over_default"]}, indent=2))
         print(f"tune: {result['tune']['speedup_over_default']} -> {out}", flush=True)
-    for name, fn in (("kernels", lambda: kernel_check(device, *shape)), ("graph", lambda: graph_check(s))):
+    for name, fn in (("kernels", lambda: kernel_check(device, *shape)), ("gemm", lambda: gemm_check(device, *shape)),
+                     ("graph", lambda: graph_check(s))):
         try:
             result[name] = fn()
         except Exception as e:  # one check that breaks leaves the other

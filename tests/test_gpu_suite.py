@@ -49,6 +49,8 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert r["graph"]["extra"] == ["run.step_graph=static"] and r["graph"]["eager"]["step_s"]["stem-full"] > 0
     assert r["accum"]["graph"]["step_s"]["stem-full"] > 0  # the fixed-buffer step (static on the CPU)
     assert r["graph_1b"]["eager"]["step_s"]["stem-full"] > 0  # the 1B shape fixed-buffer too
+    for key in ("gemm", "gemm_1b"):  # the table work in the GEMMs' epilogues (Triton interpreter on the CPU)
+        assert r[key]["table_kernels"]["stem-full"] == "triton-gemm" and r[key]["eager"]["step_s"]["stem-full"] > 0
     assert out["partial"] is False and out["sections"]
     assert out["goals"] and all(g["status"] == "unmeasured (dry run)" for g in out["goals"])
     assert "goal" in proc.stdout and "unmeasured" in proc.stdout
@@ -83,6 +85,9 @@ def test_gpu_checks_dry_run(tmp_path):
     k = out["kernels"]
     assert all(err < 1e-5 for err in k["rel_err"].values()), k  # fp32 on the CPU
     assert all(v > 0 for v in k["ms"].values())
+    gm = out["gemm"]  # the GEMMs with table epilogues against torch GEMMs + gated_rows (fp32 on the CPU)
+    assert all(err < 1e-5 for err in gm["rel_err"].values()), gm
+    assert all(gm["ms"][k] > 0 for k in ("fused_forward", "unfused_forward", "fused_backward", "unfused_backward"))
     for arm in ("dense", "stem-full", "stem-1/3-dense-optimizer"):
         assert out["graph"][arm]["max_abs_loss_diff"] == 0.0 and out["graph"][arm]["auto"]["resolved"] == "static"
     tune = out["tune"]  # --tune: two candidates of each kernel, all equal to the default, the fastest kept

@@ -8,6 +8,8 @@ steps with grad accumulation, clipping and catch-up decay through ``FusedTables`
 ``HostTables`` with ``kernels="triton"`` gives the reference path's losses, weights and moments
 (within 1e-5 relative: the kernels compute SiLU as ``g·sigmoid(g)`` and sum in another order), and
 a model whose table layers are not STEM (STEM†) gets its rows expanded with the same result.
+``kernels="triton-gemm"`` (the same table work in the epilogues of the gate's GEMM and of the down
+projection's backward GEMM, ``stemlm.kernels.gated_gemm``) is held to the same references.
 """
 
 import pytest
@@ -21,6 +23,7 @@ from stemlm.train.fused.kernels import indexed_update_  # noqa: E402
 from test_fused_tables import train  # noqa: E402
 
 gated, row_adamw = kernels.load("cpu")
+gemm = kernels.load_gemm("cpu")
 
 
 # tiles smaller than the shapes, so every kernel's masks and the cut of a hot row across tiles are exercised
@@ -55,6 +58,63 @@ def _check_gated_rows(N, F, P):
     torch.testing.assert_close(g.grad, g_ref.grad, **tol)
     torch.testing.assert_close(row_grad - 0.5, rows_ref.grad, **tol)
     assert torch.all(row_grad[P - 1] == 0.5)
+
+
+# GEMM tiles smaller than the shapes: several row and column tiles, a K loop with a masked tail, a hot row
+# cut across tiles of the backward
+SMALL_GEMM = {k: {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 16, "GROUP_M": 2, "num_stages": 2}
+              for k in ("gate_gemm", "down_backward")}
+
+
+@pytest.mark.parametrize("config", ["defaults", "small"])
+@pytest.mark.parametrize("N, D, F, P", [(70, 48, 80, 9), (5, 16, 33, 5), (300, 40, 130, 37)])
+def test_gated_ffn_equals_reference(N, D, F, P, config):
+    """The fused STEM FFN (``gated_ffn``): output, the gradients of x, W_g and W_d, and the row gradient
+    (added into what the buffer holds; a slot no position uses untouched) equal the unfused computation."""
+    gen = torch.Generator().manual_seed(N + D)
+    inverse = torch.randint(0, P, (N,), generator=gen)
+    inverse[: N // 2] = 2 % P  # a hot row
+    inverse[inverse == P - 1] = 0  # an unused slot
+    x, w_gate, w_down = (torch.randn(*s, generator=gen) / s[-1] ** 0.25 for s in ((N, D), (F, D), (D, F)))
+    rows, dy = torch.randn(P, F, generator=gen), torch.randn(N, D, generator=gen)
+    with kernels.configs.use(SMALL_GEMM if config == "small" else {}):
+        xs, wg, wd = (t.clone().requires_grad_(True) for t in (x, w_gate, w_down))
+        row_grad = torch.full((P, F), 0.5)
+        y = gemm.gated_ffn(xs, wg, wd, rows, inverse, gated.Segments.of(inverse, P), row_grad)
+        y.backward(dy)
+    ref = [t.clone().requires_grad_(True) for t in (x, w_gate, w_down, rows)]
+    y_ref = gemm.gated_ffn_reference(*ref, inverse)
+    y_ref.backward(dy)
+    tol = {"rtol": 1e-5, "atol": 1e-5}
+    torch.testing.assert_close(y, y_ref, **tol)
+    for got, want in zip((xs.grad, wg.grad, wd.grad, row_grad - 0.5), (r.grad for r in ref)):
+        torch.testing.assert_close(got, want, **tol)
+    assert torch.all(row_grad[P - 1] == 0.5)
+
+
+def test_gated_ffn_under_bf16_autocast_matches_the_unfused_kernels():
+    """Under autocast the fused FFN casts x and the weights as ``F.linear`` does and returns bf16; it agrees
+    with the unfused Triton path (cuBLAS-style GEMMs around ``gated_rows``) within bf16 rounding."""
+    gen = torch.Generator().manual_seed(3)
+    N, D, F, P = 64, 32, 48, 7
+    inverse = torch.randint(0, P, (N,), generator=gen)
+    x, w_gate, w_down = (torch.randn(*s, generator=gen) / s[-1] ** 0.25 for s in ((N, D), (F, D), (D, F)))
+    rows, dy = torch.randn(P, F, generator=gen), torch.randn(N, D, generator=gen).bfloat16()
+    out = []
+    for fused in (True, False):
+        xs, wg, wd = (t.clone().requires_grad_(True) for t in (x, w_gate, w_down))
+        row_grad, seg = torch.zeros(P, F), gated.Segments.of(inverse, P)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if fused:
+                y = gemm.gated_ffn(xs, wg, wd, rows, inverse, seg, row_grad)
+            else:
+                h = gated.gated_rows(torch.nn.functional.linear(xs, wg), rows, inverse, seg, row_grad)
+                y = torch.nn.functional.linear(h, wd)
+        assert y.dtype == torch.bfloat16
+        y.backward(dy)
+        out.append([y.detach().float(), xs.grad, wg.grad, wd.grad, row_grad])
+    for got, want in zip(*out):
+        assert float((got - want).norm() / want.norm()) < 2e-2
 
 
 def test_segments_group_positions_by_slot():
@@ -101,11 +161,13 @@ def setup():
     return cfg, StemLM(cfg).state_dict(), batches
 
 
-@pytest.mark.parametrize("path, exact", [("fused", False), ("fused", True), ("host", True)])
-def test_training_with_triton_kernels_equals_reference(setup, path, exact):
+@pytest.mark.parametrize("path, exact, which", [("fused", False, "triton"), ("fused", True, "triton"),
+                                               ("host", True, "triton"), ("fused", False, "triton-gemm"),
+                                               ("host", True, "triton-gemm")])
+def test_training_with_triton_kernels_equals_reference(setup, path, exact, which):
     cfg, state, batches = setup
     want = train(cfg, state, batches, "reference", "catchup")
-    got = train(cfg, state, batches, path, "catchup", exact=exact, kernels="triton")
+    got = train(cfg, state, batches, path, "catchup", exact=exact, kernels=which)
     _assert_close_training(got, want)
 
 
@@ -145,11 +207,13 @@ def test_trainer_with_triton_kernels(tmp_path):
     common = ("run.steps=2", "optim.grad_accum=2", "model.ffn=stem", "model.stem_layers=1/2", "run.eval_every=2")
     with Trainer(debug_config(data, tmp_path / "ref", *common, "run.table_path=reference")) as t:
         t.fit()
-    with Trainer(debug_config(data, tmp_path / "tri", *common, "run.table_path=fused", "run.table_kernels=triton")) as t:
-        t.fit()
-        assert t.table_kernels == "triton" and t.model.tables.kernels == "triton"
-    torch.testing.assert_close(torch.tensor(losses(tmp_path / "tri")), torch.tensor(losses(tmp_path / "ref")),
-                               rtol=1e-5, atol=1e-5)
+    for which in ("triton", "triton-gemm"):
+        with Trainer(debug_config(data, tmp_path / which, *common, "run.table_path=fused",
+                                  f"run.table_kernels={which}")) as t:
+            t.fit()
+            assert t.table_kernels == which and t.model.tables.kernels == which
+        torch.testing.assert_close(torch.tensor(losses(tmp_path / which)), torch.tensor(losses(tmp_path / "ref")),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_compile_auto_and_bf16_peak():
@@ -215,13 +279,17 @@ def test_kernel_configs_load_from_the_environment_and_refuse_bad_values(tmp_path
     assert got["forward"] == {**kernels.configs.DEFAULTS["forward"], "BLOCK_N": 32}
     assert got["row_adamw"] == kernels.configs.DEFAULTS["row_adamw"]
     for bad, match in (({"fwd": {}}, "unknown table kernel 'fwd'"), ({"forward": {"BLOCK_X": 8}}, "forward.BLOCK_X"),
-                       ({"forward": {"BLOCK_N": 24}}, "power of two, got 24"), ({"row_adamw": {"num_warps": 0}}, "got 0")):
+                       ({"forward": {"BLOCK_N": 24}}, "power of two, got 24"), ({"row_adamw": {"num_warps": 0}}, "got 0"),
+                       ({"gate_gemm": {"num_stages": 0}}, "positive integer, got 0")):
         with pytest.raises(ValueError, match=match):
             kernels.configs.checked(bad)
     path.write_text("{not json")
     with pytest.raises(ValueError, match="cannot read the kernel configs"):
         kernels.configs.from_env()
     assert kernels.configs.launch("backward_rows") == ({"BLOCK_S": 16, "BLOCK_F": 128}, 4)  # the defaults
+    assert kernels.configs.checked({"gate_gemm": {"num_stages": 3}})["gate_gemm"]["num_stages"] == 3  # any count
+    meta, opts = kernels.configs.launch_options("down_backward")
+    assert set(opts) == {"num_warps", "num_stages"} and "BLOCK_M" in meta
 
 
 def test_self_test_passes_and_a_failing_kernel_falls_back_under_auto(monkeypatch):

@@ -67,7 +67,7 @@ def test_checkpoints_resume_across_paths_and_tiers(data, tmp_path, first, then):
     (("run.table_path=fast",), "run.table_path: 'fast' is not one of auto, fused, reference"),
     (("run.tables=tape",), "run.tables: 'tape' is not one of device, host, disk"),
     (("run.table_cache_rows=8",), "run.table_cache_rows keeps host-RAM rows on the accelerator: it needs run.tables=host"),
-    (("run.table_kernels=cuda",), "run.table_kernels: 'cuda' is not one of auto, triton, torch"),
+    (("run.table_kernels=cuda",), "run.table_kernels: 'cuda' is not one of auto, triton, triton-gemm, torch"),
     (("run.tables=disk", "run.table_path=fused"), "run.tables=disk trains through the reference table path"),
     (("run.tables=host", "optim.table_optimizer=dense"), "run.tables=host: tables off the device train with the row-sparse"),
     (("run.table_path=fused", "optim.table_optimizer=dense"), "run.table_path=fused needs optim.table_optimizer=sparse"),

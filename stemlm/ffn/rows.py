@@ -1,8 +1,8 @@
 """How a layer's table rows reach its FFN: a tensor per position, or ``IndexedRows``.
 
-The fused table path with ``run.table_kernels=triton`` hands each table layer its step's distinct
-rows and an index instead of one row per position; a kind that fuses the gather into its product
-(``FFNKind.fuses_row_gather``) consumes them as they are, every other kind sees ``as_rows(rows)``.
+The fused table path with ``run.table_kernels=triton`` (or ``triton-gemm``) hands each table layer its
+step's distinct rows and an index instead of one row per position; a kind that fuses the gather into its
+product (``FFNKind.fuses_row_gather``) consumes them as they are, every other kind sees ``as_rows(rows)``.
 """
 
 from __future__ import annotations
@@ -17,15 +17,27 @@ class IndexedRows:
     position of a batch of shape ``shape``, ``segments`` the positions sorted by slot (shared by
     every layer of the micro-batch) and ``grad (P, dim)`` fp32 the buffer that the rows' gradient is
     added into (the gradient is handed over there, not through autograd). A kind that fuses the
-    gather into its product (``FFNKind.fuses_row_gather``: STEM) calls ``gated``; any other gets
-    ``expand()``, the rows at every position. Produced by the fused table path with
-    ``run.table_kernels=triton`` (``stemlm.train.fused``).
+    gather into its product (``FFNKind.fuses_row_gather``: STEM) calls ``gated``, or ``gated_ffn`` for the
+    whole layer when ``fuses_gemms`` (``run.table_kernels=triton-gemm``: the table work inside the GEMMs'
+    epilogues); any other gets ``expand()``, the rows at every position. Produced by the fused table path
+    with ``run.table_kernels=triton`` or ``triton-gemm`` (``stemlm.train.fused``).
     """
 
     def __init__(self, rows: torch.Tensor, inverse: torch.Tensor, shape: torch.Size, segments, grad: torch.Tensor,
-                 kernels):
+                 kernels, gemm_kernels=None):
         self.rows, self.inverse, self.shape, self.segments, self.grad = rows, inverse, shape, segments, grad
         self.kernels = kernels  # the module holding gated_rows (stemlm.kernels.gated_rows)
+        self.gemm_kernels = gemm_kernels  # stemlm.kernels.gated_gemm, or None
+
+    @property
+    def fuses_gemms(self) -> bool:
+        """Whether ``gated_ffn`` runs the layer's GEMMs with the table work in their epilogues."""
+        return self.gemm_kernels is not None
+
+    def gated_ffn(self, x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """The whole STEM layer ``W_d (SiLU(W_g x) ⊙ rows[t])`` (``shape + (d,)``) with ``w_gate (d_ff, d)`` and
+        ``w_down (d, d_ff)``: the gather inside the gate's GEMM, the row gradient inside the backward's GEMM."""
+        return _eager(_gated_ffn)(self, x, w_gate, w_down)
 
     def gated(self, gate_pre: torch.Tensor) -> torch.Tensor:
         """``SiLU(gate_pre) ⊙ rows[t]`` (``shape + (dim,)``), the row gathered inside the kernel."""
@@ -38,6 +50,10 @@ class IndexedRows:
 
 def _gated(rows: IndexedRows, gate_pre: torch.Tensor) -> torch.Tensor:
     return rows.kernels.gated_rows(gate_pre, rows.rows, rows.inverse, rows.segments, rows.grad)
+
+
+def _gated_ffn(rows: IndexedRows, x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    return rows.gemm_kernels.gated_ffn(x, w_gate, w_down, rows.rows, rows.inverse, rows.segments, rows.grad)
 
 
 def _expand(rows: IndexedRows) -> torch.Tensor:

@@ -17,6 +17,11 @@ class StemFFN(FFNKind):
     table_from = "w_up"
     fuses_row_gather = True
 
+    def forward(self, x, rows=None, ids=None):
+        if isinstance(rows, IndexedRows) and rows.fuses_gemms:  # the table work inside the GEMMs' epilogues
+            return rows.gated_ffn(x, self.w_gate.weight, self.w_down.weight)
+        return super().forward(x, rows, ids)
+
     @staticmethod
     def hidden(dense, x, rows):
         if isinstance(rows, IndexedRows):  # the fused table kernels: the row is gathered inside the product

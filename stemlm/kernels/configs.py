@@ -5,10 +5,13 @@ Every kernel reads its launch config from ``ACTIVE`` when it is called:
 * ``forward`` (``gated_rows._forward_kernel``): ``BLOCK_N`` positions × ``BLOCK_F`` columns a program;
 * ``backward_tiles`` (the backward's first pass): ``CHUNK`` sorted positions × ``BLOCK_F`` columns;
 * ``backward_rows`` (its second pass): ``BLOCK_S`` slots × ``BLOCK_F`` columns;
-* ``row_adamw``: one row × ``BLOCK_D`` columns.
+* ``row_adamw``: one row × ``BLOCK_D`` columns;
+* ``gate_gemm`` / ``down_backward`` (``gated_gemm.py``, ``run.table_kernels=triton-gemm``): GEMM tiles of
+  ``BLOCK_M`` positions × ``BLOCK_N`` columns, ``BLOCK_K`` deep, ``GROUP_M`` row tiles sharing column tiles
+  in L2, ``num_stages`` software-pipeline stages (the one setting that need not be a power of two).
 
 ``num_warps`` is each kernel's warps a program. The forward's and the AdamW's configs never change a
-number; the backward's ``CHUNK`` sets where a hot row's partial sums are cut, so the row gradients'
+number; the backward's ``CHUNK`` (``down_backward``'s ``BLOCK_M``) sets where a hot row's partial sums are cut, so the row gradients'
 summation order (last bits) follows it, the same on every run with the same config.
 
 ``DEFAULTS`` are what the code ships. ``$STEMLM_TABLE_KERNEL_CONFIGS`` names a JSON file of
@@ -33,12 +36,16 @@ DEFAULTS: dict[str, dict[str, int]] = {
     "backward_tiles": {"CHUNK": 32, "BLOCK_F": 64, "num_warps": 4},
     "backward_rows": {"BLOCK_S": 16, "BLOCK_F": 128, "num_warps": 4},
     "row_adamw": {"BLOCK_D": 256, "num_warps": 4},
+    # not yet timed on a GPU: a common Hopper bf16 GEMM tile; gpu_checks.py --tune tries others
+    "gate_gemm": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "down_backward": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
 }
+STAGES = "num_stages"  # any positive integer; every other setting is a power of two
 
 
 def checked(overrides: dict) -> dict[str, dict[str, int]]:
     """``DEFAULTS`` with ``overrides`` laid over them; ``ValueError`` (one line) on an unknown kernel or key
-    or a value that is not a positive power of two."""
+    or a value that is not a positive power of two (``num_stages``: a positive integer)."""
     out = copy.deepcopy(DEFAULTS)
     if not isinstance(overrides, dict):
         raise ValueError(f"table kernel configs must be a mapping of kernel -> settings, got {type(overrides).__name__}")
@@ -51,7 +58,9 @@ def checked(overrides: dict) -> dict[str, dict[str, int]]:
             if key not in DEFAULTS[kernel]:
                 raise ValueError(f"unknown setting {kernel}.{key} in the kernel configs "
                                  f"(known: {', '.join(DEFAULTS[kernel])})")
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1 or value & (value - 1):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"table kernel setting {kernel}.{key} must be a positive integer, got {value!r}")
+            if key != STAGES and value & (value - 1):
                 raise ValueError(f"table kernel setting {kernel}.{key} must be a power of two, got {value!r}")
             out[kernel][key] = value
     return out
@@ -77,6 +86,12 @@ def launch(kernel: str) -> tuple[dict[str, int], int]:
     """The active ``(meta-parameters, num_warps)`` of ``kernel``."""
     c = dict(ACTIVE[kernel])
     return c, c.pop("num_warps")
+
+
+def launch_options(kernel: str) -> tuple[dict[str, int], dict[str, int]]:
+    """The active ``(meta-parameters, {num_warps, num_stages})`` of ``kernel`` (the GEMM kernels)."""
+    c = dict(ACTIVE[kernel])
+    return c, {k: c.pop(k) for k in ("num_warps", STAGES) if k in c}
 
 
 @contextmanager

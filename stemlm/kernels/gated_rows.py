@@ -83,29 +83,39 @@ def _segment_add(v1, f1, v2, f2):
 
 
 @triton.jit
+def _backward_tile(dh, g_ptr, rows_ptr, slot_ptr, dg_ptr, part_ptr, i, pos, cols, live, cmask, start, N, F,
+                   CHUNK: tl.constexpr, COLS: tl.constexpr):
+    # pass 1 on one tile, given its upstream gradient dh (CHUNK sorted positions i at positions pos x columns,
+    # fp32): writes dg and each segment's partial row gradient at its last position in the tile. Shared by
+    # _backward_tiles_kernel and the down projection's backward GEMM (gated_gemm.py), whose epilogue it is.
+    slot = tl.load(slot_ptr + i, mask=live, other=-1)
+    prev = tl.load(slot_ptr + i - 1, mask=live & (i > start), other=-2)  # the tile's first row starts a segment
+    nxt = tl.load(slot_ptr + i + 1, mask=(i + 1 < N) & (i + 1 < start + CHUNK), other=-3)
+    seg_start = slot != prev
+    seg_end = live & (slot != nxt)  # the last position of a segment inside this tile
+    m = live[:, None] & cmask[None, :]
+    at = pos[:, None] * F + cols[None, :]  # (CHUNK, BLOCK_F)
+    g = tl.load(g_ptr + at, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(rows_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * F + cols[None, :], mask=m,
+                other=0.0).to(tl.float32)
+    sig = _sigmoid(g)
+    tl.store(dg_ptr + at, (dh * r * (sig * (1.0 + g * (1.0 - sig)))).to(dg_ptr.dtype.element_ty), mask=m)
+    flags = tl.broadcast_to(seg_start.to(tl.int32)[:, None], (CHUNK, COLS))
+    run, _ = tl.associative_scan((dh * (g * sig), flags), 0, _segment_add)  # sums from each segment's start
+    tl.store(part_ptr + i.to(tl.int64)[:, None] * F + cols[None, :], run, mask=seg_end[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _backward_tiles_kernel(dh_ptr, g_ptr, rows_ptr, order_ptr, slot_ptr, dg_ptr, part_ptr, N, F,
                            CHUNK: tl.constexpr, BLOCK_F: tl.constexpr):
     start = tl.program_id(0) * CHUNK
     i = start + tl.arange(0, CHUNK)  # (CHUNK,) sorted positions of this tile
     cols = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     live, cmask = i < N, cols < F
-    slot = tl.load(slot_ptr + i, mask=live, other=-1)
-    prev = tl.load(slot_ptr + i - 1, mask=live & (i > start), other=-2)  # the tile's first row starts a segment
-    nxt = tl.load(slot_ptr + i + 1, mask=(i + 1 < N) & (i + 1 < start + CHUNK), other=-3)
-    seg_start = slot != prev
-    seg_end = live & (slot != nxt)  # the last position of a segment inside this tile
     pos = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
-    m = live[:, None] & cmask[None, :]
-    at = pos[:, None] * F + cols[None, :]  # (CHUNK, BLOCK_F)
-    g = tl.load(g_ptr + at, mask=m, other=0.0).to(tl.float32)
-    dh = tl.load(dh_ptr + at, mask=m, other=0.0).to(tl.float32)
-    r = tl.load(rows_ptr + tl.maximum(slot, 0).to(tl.int64)[:, None] * F + cols[None, :], mask=m,
-                other=0.0).to(tl.float32)
-    sig = _sigmoid(g)
-    tl.store(dg_ptr + at, (dh * r * (sig * (1.0 + g * (1.0 - sig)))).to(dg_ptr.dtype.element_ty), mask=m)
-    flags = tl.broadcast_to(seg_start.to(tl.int32)[:, None], (CHUNK, BLOCK_F))
-    run, _ = tl.associative_scan((dh * (g * sig), flags), 0, _segment_add)  # sums from each segment's start
-    tl.store(part_ptr + i.to(tl.int64)[:, None] * F + cols[None, :], run, mask=seg_end[:, None] & cmask[None, :])
+    dh = tl.load(dh_ptr + pos[:, None] * F + cols[None, :], mask=live[:, None] & cmask[None, :], other=0.0)
+    _backward_tile(dh.to(tl.float32), g_ptr, rows_ptr, slot_ptr, dg_ptr, part_ptr, i, pos, cols, live, cmask,
+                   start, N, F, CHUNK, BLOCK_F)
 
 
 @triton.jit

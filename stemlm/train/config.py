@@ -197,7 +197,8 @@ class RunSection:
                          "no anneal, not distributed; a diverged step is reported after its update; docs/gpu.md) | "
                          "auto (graph on CUDA where the step allows it, eager elsewhere)")
     table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
-                            "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | torch | auto (triton on CUDA "
+                            "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | triton-gemm (the same work in the epilogues of "
+                            "the gate's GEMM and of the down projection's backward GEMM; not yet timed on a GPU) | torch | auto (triton on CUDA "
                             "when it imports, torch elsewhere; triton on the CPU runs under the Triton interpreter, slowly)")
     table_cache_rows: int = _f(0, "run.tables=host: rows per table kept on the accelerator in every step's window (the "
                                "most frequent ids of the training data; they never cross the bus again); size it with "

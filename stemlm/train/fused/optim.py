@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import torch
 
 from ..sparse_adam import load_scalars, table_state_dict
+from ...kernels import TRITON_KERNELS
 from . import cpu_kernel
 from .kernels import Kernel, indexed_update_, row_factors, window_update_
 from .stacked import FusedTables
@@ -46,8 +47,8 @@ class FusedRowAdamW:
 
     @property
     def triton(self) -> bool:
-        """Whether the update runs as the Triton row AdamW (``run.table_kernels=triton``)."""
-        return self.container.kernels == "triton"
+        """Whether the update runs as the Triton row AdamW (``run.table_kernels=triton`` or ``triton-gemm``)."""
+        return self.container.kernels in TRITON_KERNELS
 
     @property
     def compile(self) -> bool:

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from ...ffn.rows import IndexedRows
+from ...kernels import TRITON_KERNELS
 from ...model.tables import LayerRows, StemTable, Tables, check_ids
 from .dedup import Dedup, dedup
 from .mover import to_device_async
@@ -109,9 +110,10 @@ class FusedTables(Tables):
     """All tables of a model stacked on one device (see module docstring)."""
 
     def __init__(self, tables: Mapping[str, StemTable], exact: bool | None = None, kernels: str = "torch"):
-        """``kernels``: ``torch`` (autograd expands the rows per position) or ``triton`` (the rows
+        """``kernels``: ``torch`` (autograd expands the rows per position), ``triton`` (the rows
         reach STEM layers as ``IndexedRows``: the gather is fused into the product and the row
-        gradient is a segmented sum, ``stemlm.kernels``)."""
+        gradient is a segmented sum, ``stemlm.kernels``) or ``triton-gemm`` (the same, inside the
+        epilogues of the gate's GEMM and of the down projection's backward GEMM)."""
         super().__init__()
         first = next(iter(tables.values()))
         weights = [t.weight.detach() for t in tables.values()]
@@ -146,16 +148,18 @@ class FusedTables(Tables):
     def open_step(self, d: Dedup, rows: torch.Tensor) -> StepRows:
         """The step's ``StepRows`` over ``rows (n, P, d)``: a leaf that requires grad (torch
         kernels) or plain rows beside a zeroed gradient buffer (Triton kernels)."""
-        if self.kernels == "triton":
+        if self.kernels in TRITON_KERNELS:
             return StepRows(d, rows.detach(), explicit_grad=torch.zeros(rows.shape, dtype=torch.float32,
                                                                         device=rows.device))
         return StepRows(d, rows.requires_grad_(True))
 
     def kernel_modules(self):
-        """``(gated_rows, row_adamw)`` of ``stemlm.kernels`` for this container's device (loaded once)."""
+        """``(gated_rows, row_adamw, gated_gemm or None)`` of ``stemlm.kernels`` for this container's device
+        (loaded once; ``gated_gemm`` with ``kernels="triton-gemm"``)."""
         if self._kernel_modules is None:
             from ... import kernels
-            self._kernel_modules = kernels.load(self.device)
+            gemm = kernels.load_gemm(self.device) if self.kernels == "triton-gemm" else None
+            self._kernel_modules = (*kernels.load(self.device), gemm)
         return self._kernel_modules
 
     def load_rows(self, d: Dedup) -> torch.Tensor:
@@ -184,10 +188,10 @@ class FusedTables(Tables):
                              "a forward pass used token ids that begin_step was not given")
         step.used = True
         inverse = step.dedup.inverse(ids.to(self.device)).reshape(-1)  # (N,)
-        if self.kernels == "triton":
-            gated = self.kernel_modules()[0]
+        if self.kernels in TRITON_KERNELS:
+            gated, _, gemm = self.kernel_modules()
             seg = gated.Segments.of(inverse, step.dedup.size)  # one sort, shared by every layer
-            per_layer = {k: IndexedRows(step.rows[i], inverse, ids.shape, seg, step.explicit_grad[i], gated)
+            per_layer = {k: IndexedRows(step.rows[i], inverse, ids.shape, seg, step.explicit_grad[i], gated, gemm)
                          for i, k in enumerate(self.keys())}
             return PassedRows(per_layer, inverse, ids.shape)
         per_table = ExpandRows.apply(step.rows, inverse)  # n x (N, d)
