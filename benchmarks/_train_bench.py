@@ -18,6 +18,14 @@ import numpy as np
 RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
+def bench_work(default: Path) -> Path:
+    """Where a benchmark keeps what it trains or converts (later runs reuse it): ``default``, or a folder of
+    that name under ``$STEMLM_BENCH_WORK`` (``check.py`` gives every run a fresh one: each re-run trains and
+    converts again instead of reading the last run's models)."""
+    base = os.environ.get("STEMLM_BENCH_WORK")
+    return Path(base) / default.name if base else default
+
+
 def zipf_tokens(n: int, vocab: int, s: float = 1.1, seed: int = 0) -> np.ndarray:
     """``n`` token ids with Zipf(s) frequencies over ``1..vocab-1`` (0 is EOS)."""
     rng = np.random.default_rng(seed)

@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
+from _train_bench import bench_work
+
 from stemlm.runtime.files import atomic_write_text
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
-RUN_DIR = ROOT / "runs" / "edit"
+RUN_DIR = bench_work(ROOT / "runs" / "edit")
 
 # Shape: the debug preset (d_model 64, 4 layers, d_ff 128) with the corpus vocabulary; 2048 tokens/step.
 SHAPES = {"facts": ["data.batch_size=32", "data.seq_len=64"], "r16": ["data.batch_size=16", "data.seq_len=128"],

@@ -37,13 +37,15 @@ from pathlib import Path
 
 import torch
 
+from _train_bench import bench_work
+
 from stemlm.runtime.files import atomic_write_text
 from stemlm.edit.strategies import ALIGNS, STRATEGIES
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
-RUN_DIR = ROOT / "runs" / "edit_real"
+RUN_DIR = bench_work(ROOT / "runs" / "edit_real")
 SPLITS = ("heldout_template", "train")
 
 

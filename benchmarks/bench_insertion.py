@@ -26,12 +26,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from _train_bench import bench_work
+
 from stemlm.runtime.files import atomic_write_text
 from stemlm.version import git_commit
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(os.environ.get("STEMLM_BENCH_RESULTS") or ROOT / "benchmarks" / "results")
-WORK = ROOT / "runs" / "insertion"
+WORK = bench_work(ROOT / "runs" / "insertion")
 K = 65_536
 # name: (ffn, init, calibration settings)
 GRID = {

@@ -180,9 +180,28 @@ def build(dense, train, name: str, layers: str, log, tok=None):
                                              **extra}
 
 
+def python_doc_deb(arg: str) -> Path:
+    """The python3.11-doc .deb: ``arg`` itself, or for ``auto`` the newest in apt's cache, else one fetched with
+    ``apt-get download`` into the stemlm cache (what ``benchmarks/check.py`` passes)."""
+    if arg != "auto":
+        return Path(arg)
+    from stemlm.runtime.artifacts import cache_dir
+
+    where = cache_dir() / "debs"
+    found = sorted(Path("/var/cache/apt/archives").glob("python3.11-doc_*.deb")) + sorted(where.glob("python3.11-doc_*.deb"))
+    if not found:
+        where.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["apt-get", "download", "python3.11-doc"], cwd=where, check=True)
+        found = sorted(where.glob("python3.11-doc_*.deb"))
+    if not found:
+        raise SystemExit("bench_insertion_grid: no python3.11-doc .deb found or downloaded; pass --python-doc PATH")
+    return found[-1]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--python-doc", type=Path, required=True, help="the python3.11-doc .deb (apt-get download)")
+    p.add_argument("--python-doc", required=True, help="the python3.11-doc .deb (apt-get download), or auto: apt's "
+                                                        "cache, else apt-get download into the stemlm cache")
     p.add_argument("--grid", default=",".join(DEFAULT), help=f"settings (default: %(default)s); known: {', '.join(GRID_SETTINGS)}")
     p.add_argument("--layers", default="1/3", help="STEM placement (default: %(default)s)")
     p.add_argument("--eval-batches", type=int, default=16, help="in-domain held-out batches of 4 x 256 (default: %(default)s)")
@@ -200,7 +219,7 @@ def main() -> None:
 
     dense, train, val = dense_and_data()
     tok = Tokenizer.from_file(str(WORK / "smollm2-dense" / "tokenizer.json"))
-    texts, sources = ood_texts(args.python_doc)
+    texts, sources = ood_texts(python_doc_deb(args.python_doc))
     sets = {"in_domain": token_windows(val.tokens, args.eval_batches)}
     for domain, text in texts.items():
         sets[domain] = token_windows(np.asarray(tok.encode(text).ids), args.ood_batches)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from _store_bench import timed_decode
-from _train_bench import paired_ratio, round_ratios, write_result
+from _train_bench import bench_work, paired_ratio, round_ratios, write_result
 
 from stemlm.runtime.artifacts import cache_dir
 from stemlm.checkpoint.directory import resolve_checkpoint
@@ -41,7 +41,7 @@ from stemlm.model.quant import TABLE_DTYPES, RowCodec
 from stemlm.store import Placement, export_tables, open_model
 from stemlm.train.evaluate import evaluate
 
-HOME = cache_dir() / "bench" / "quant"
+HOME = bench_work(cache_dir() / "bench" / "quant")
 
 
 def trained_tiny(steps: int, preset: str = "tiny") -> Path:

@@ -3,14 +3,17 @@
     python benchmarks/check.py                   # every check, 3 runs each, interleaved (make bench-check)
     python benchmarks/check.py --only P7,serve   # a selection (names below, or their P-numbers), merged into
                                                  # the report (the other checks keep their runs and commit)
-    python benchmarks/check.py --all             # the slow checks too (P5, wide corpus, P8, soak)
+    python benchmarks/check.py --all             # the slow checks too (P5, wide corpus, P8, soak, edit, quant,
+                                                 # insertion, real edit: hours)
     python benchmarks/check.py --runs 5 --list
 
 A README figure comes from one run of its benchmark: its within-run rounds say nothing of how the
 machine's state moves the figure between runs (issue 38: P7 read 1.36× in its committed run and
 1.15× / 1.11× when re-run on the same code). Here each selected benchmark runs ``--runs`` times, each
 time as its own process, the benchmarks interleaved (round 1: A B C, round 2: A B C, ...), each
-writing its JSON into a scratch directory (``STEMLM_BENCH_RESULTS``), never over the committed one.
+writing its JSON into a scratch directory (``STEMLM_BENCH_RESULTS``), never over the committed one, and
+keeping what it trains or converts in a fresh one (``STEMLM_BENCH_WORK``): a re-run never reads an earlier
+run's models.
 
 For every figure the report gives the committed value, every run's value, their spread
 ``[min, max]`` and median, whether the spread excludes the committed value ("not reproduced"), and
@@ -79,6 +82,39 @@ def _soak(r: dict) -> dict[str, float]:
             "rss_growth_second_half": (rss["end"] - rss["half"]) / rss["half"]}
 
 
+EDIT_RUN = "r16_full_tlr30_emb0_s4000"  # the README's knowledge-edit figure (frozen input embedding)
+
+
+def _edit(r: dict) -> dict[str, float]:
+    run = r[EDIT_RUN]
+    held, seen = (next(x for x in run[f"swap_{split}"]["runs"] if x["layers_label"] == "all")
+                  for split in ("heldout_template", "train"))
+    return {"heldout_success": held["success"], "trained_success": seen["success"],
+            "locality": held["locality_top1"], "undo_exact": float(held["reversible"] == 1)}
+
+
+def _quant(r: dict) -> dict[str, float]:
+    out = {f"{m}_{dt}_ppl_change_pct": x["ppl_change_pct"] for m, v in r["models"].items()
+           for dt, x in v["by_dtype"].items() if dt != "fp32"}
+    if r.get("decode"):
+        out["decode_disk_int8_over_ram_fp32"] = r["decode"]["ratio_disk_int8_vs_ram_fp32"]
+    return out
+
+
+def _insertion(r: dict) -> dict[str, float]:
+    e = r["runs"]["default-262k@1/3"]
+    return {"delta_ood_mean": e["delta_ood_mean"], "delta_in_domain": e["in_domain"] - r["runs"]["dense"]["in_domain"]}
+
+
+def _edit_real(r: dict) -> dict[str, float]:
+    out = {}
+    for k, v in r["placements"]["heldout_template"].items():
+        if not k.isdigit():
+            out[f"flips_{k}"] = v["success"] if v["success"] is not None else 0.0
+            out[f"locality_{k}"] = v["locality_top1"]
+    return out
+
+
 def _offload(r: dict) -> dict[str, float]:
     return {f"{k}_disk_over_ram": v["speed_ratio_vs_ram"] for k, v in r["summary"].items()}
 
@@ -132,6 +168,19 @@ CHECKS = [
           {"lost": ("0", lambda v: v == 0), "slots_left": ("0", lambda v: v == 0),
            "admitted_not_finished": ("0", lambda v: v == 0),  # the README's soak verdict asks all three
            "rss_growth_second_half": ("≤ 2 % (flat)", lambda v: v <= 0.02)}, slow=True),
+    # trained or converted models, each run from scratch in its own work dir (fixed seeds: the runs should agree
+    # exactly); 10-35 min a run
+    Check("edit", "edit", "bench_edit.py", "edit_eval.json", _edit,
+          {"heldout_success": ("≥ 90 %", lambda v: v >= 0.9), "locality": ("≥ 99 %", lambda v: v >= 0.99),
+           "undo_exact": ("1 (exact)", lambda v: v == 1)}, args=["--runs", EDIT_RUN], slow=True),
+    Check("quant", "quant", "bench_quant_tables.py", "quant_tables.json", _quant,
+          {f"{m}_int8_ppl_change_pct": ("≤ +0.5 %", lambda v: v <= 0.5) for m in ("tiny", "smollm2")},
+          args=["--repeats", "3"], slow=True),
+    Check("insertion", "insert", "bench_insertion_grid.py", "insertion_grid.json", _insertion,
+          {"delta_ood_mean": ("≤ +1.0 nats", lambda v: v <= 1.0)},
+          args=["--python-doc", "auto", "--grid", "default-262k", "--threads", "2"], slow=True),
+    Check("edit_real", "realedit", "bench_edit_real.py", "edit_real.json", _edit_real,
+          {"flips_1/3": ("≥ 80 %", lambda v: v >= 0.8), "locality_1/3": ("≥ 99 %", lambda v: v >= 0.99)}, slow=True),
 ]
 
 
@@ -149,11 +198,12 @@ def select(only: str | None, everything: bool = False) -> list[Check]:
     return picked
 
 
-def run_once(check: Check, scratch: Path, python: str = sys.executable, timeout: float = 3600) -> dict:
+def run_once(check: Check, scratch: Path, python: str = sys.executable, timeout: float = 7200) -> dict:
     """One run of ``check``'s benchmark in its own process; its figures (``{"error": ...}`` if it failed)."""
     out = scratch / f"{check.name}-{time.time_ns()}"
     out.mkdir(parents=True)
-    env = {**os.environ, "STEMLM_BENCH_RESULTS": str(out), "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
+    env = {**os.environ, "STEMLM_BENCH_RESULTS": str(out), "STEMLM_BENCH_WORK": str(out / "work"),
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE}"}
     t0 = time.perf_counter()
     proc = subprocess.run([python, str(HERE / check.script), *check.args], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
@@ -262,8 +312,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3, help="independent runs of each benchmark (default 3)")
     ap.add_argument("--only", help="comma-separated checks, by name or label (e.g. P7,serve)")
-    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, P8, soak: about 25 min more "
-                                                       "at 3 runs)")
+    ap.add_argument("--all", action="store_true", help="the slow checks too (P5, wide corpus, P8, soak: about 25 min "
+                                                       "more at 3 runs; edit, quant, insertion, real edit: about 4 h more)")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
     ap.add_argument("--out", default=str(RESULTS / "check"), help="report path without suffix (default: results/check)")
     ap.add_argument("--replace", action="store_true",

@@ -60,8 +60,27 @@ def test_a_failing_run_is_reported_and_unknown_names_refused(tmp_path):
 def test_slow_checks_run_only_when_asked_and_read_their_committed_results():
     default, everything = check.select(None), check.select(None, everything=True)
     slow = [c.name for c in everything if c not in default]
-    assert slow == ["cache_hit", "wide_corpus", "eval_vs_harness", "soak"] and not any(c.slow for c in default)
+    assert slow == ["cache_hit", "wide_corpus", "eval_vs_harness", "soak", "edit", "quant", "insertion", "edit_real"]
+    assert not any(c.slow for c in default)
     assert [c.name for c in check.select("P5,soak")] == ["cache_hit", "soak"]  # --only reaches them
     for c in everything:  # every figure extractor reads the committed JSON it re-measures
         figures = check.committed_figures(c)
         assert figures and set(c.goals) <= set(figures), c.name
+
+
+def test_each_run_gets_a_fresh_work_dir(tmp_path, monkeypatch):
+    """``run_once`` points ``STEMLM_BENCH_WORK`` at a new folder per run, and the benchmarks that train or convert
+    keep their models under it (``bench_work``), so a re-run never reads the last run's models."""
+    from _train_bench import bench_work
+
+    seen = []
+    monkeypatch.setattr(check.subprocess, "run", lambda cmd, env, **kw: seen.append(env["STEMLM_BENCH_WORK"]) or
+                        type("P", (), {"returncode": 1, "stderr": "x", "stdout": ""})())
+    c = check.select("edit")[0]
+    for _ in range(2):
+        assert "error" in check.run_once(c, tmp_path)
+    assert len(set(seen)) == 2 and all(str(tmp_path) in w for w in seen)
+    monkeypatch.setenv("STEMLM_BENCH_WORK", str(tmp_path / "w"))
+    assert bench_work(Path("runs") / "edit") == tmp_path / "w" / "edit"
+    monkeypatch.delenv("STEMLM_BENCH_WORK")
+    assert bench_work(Path("runs") / "edit") == Path("runs") / "edit"
