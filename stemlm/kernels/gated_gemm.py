@@ -11,9 +11,9 @@ layer at the 350M shape on an H200 (docs/gpu.md). Here they become the epilogues
 * **Backward** (``down_backward``): a Triton GEMM computes ``dh = dy W_d`` over the positions *sorted by
   slot* (its A rows read through ``Segments.order``), and its epilogue is pass 1 of the segmented
   backward (``gated_rows._backward_tile``): the gate's gradient ``dg`` at every position and each
-  segment's partial row gradient inside the tile. Pass 2 (``gated_rows._backward_rows_kernel``) adds the
-  partials into the step's row gradient. ``dh`` never reaches memory. The other three products
-  (``dW_d = dyᵀ h``, ``dx = dg W_g``, ``dW_g = dgᵀ x``) stay cuBLAS's.
+  segment's partial row gradient inside the tile. Pass 2 (``gated_rows.add_partials``) adds the partials
+  into the step's row gradient. ``dh`` never reaches memory. The other three products (``dW_d = dyᵀ h``,
+  ``dx = dg W_g``, ``dW_g = dgᵀ x``) stay cuBLAS's.
 
 Numerics: ``g`` and ``dh`` are rounded to the activations' dtype before the epilogue uses them, which is
 what the unfused path's GEMMs hand on; only the GEMMs' summation order differs. The row gradient is
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .gated_rows import Segments, _backward_rows_kernel, _backward_tile, _sigmoid
+from .gated_rows import Segments, _backward_tile, _sigmoid, add_partials
 
 
 @triton.jit
@@ -141,10 +141,7 @@ def down_backward(dy: torch.Tensor, w_down: torch.Tensor, g: torch.Tensor, rows:
     c, opts = configs.launch_options("down_backward")
     _down_backward_kernel[_grid(N, F_, c)](dy, w_down, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_, D,
                                            **c, **_dot_options(dy), **opts)
-    P = row_grad.shape[0]
-    r, r_warps = configs.launch("backward_rows")
-    _backward_rows_kernel[(triton.cdiv(P, r["BLOCK_S"]), triton.cdiv(F_, r["BLOCK_F"]))](
-        part, seg.starts, row_grad, P, F_, CHUNK=c["BLOCK_M"], **r, num_warps=r_warps)
+    add_partials(part, seg, row_grad, c["BLOCK_M"])  # pass 2, as gated_rows runs it
     return dg
 
 

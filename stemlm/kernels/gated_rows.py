@@ -163,11 +163,17 @@ def gated_rows_backward(dh: torch.Tensor, g: torch.Tensor, rows: torch.Tensor, s
     t, t_warps = configs.launch("backward_tiles")
     _backward_tiles_kernel[(triton.cdiv(N, t["CHUNK"]), triton.cdiv(F_, t["BLOCK_F"]))](
         dh, g, rows, seg.order, seg.sorted_slot, dg, part, N, F_, **t, num_warps=t_warps)
-    P = row_grad.shape[0]
+    add_partials(part, seg, row_grad, t["CHUNK"])
+    return dg
+
+
+def add_partials(part: torch.Tensor, seg: Segments, row_grad: torch.Tensor, chunk: int) -> None:
+    """Pass 2: add each slot's partial sums (``part (N, F)``, at its segment's last position in every tile of
+    ``chunk`` sorted positions) into ``row_grad (P, F)``; slots no position uses stay untouched."""
+    P, F_ = row_grad.shape
     r, r_warps = configs.launch("backward_rows")
     _backward_rows_kernel[(triton.cdiv(P, r["BLOCK_S"]), triton.cdiv(F_, r["BLOCK_F"]))](
-        part, seg.starts, row_grad, P, F_, CHUNK=t["CHUNK"], **r, num_warps=r_warps)
-    return dg
+        part, seg.starts, row_grad, P, F_, CHUNK=chunk, **r, num_warps=r_warps)
 
 
 class GatedRows(torch.autograd.Function):
