@@ -44,6 +44,27 @@ def _tile_of_program(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M
 
 
 @triton.jit
+def _dot_loop(a_ptrs, b_ptrs, a_step, b_step, rk, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    # the fp32 product of a (BLOCK_M, D) and a (D, BLOCK_N) operand, BLOCK_K at a time (the pointers' steps given)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, (D + BLOCK_K - 1) // BLOCK_K):
+        if D % BLOCK_K == 0:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            kmask = rk + k * BLOCK_K < D
+            a = tl.load(a_ptrs, mask=kmask[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=kmask[:, None], other=0.0)
+        if UPCAST:  # the Triton interpreter multiplies bf16 as raw integers: give it fp32 (same values)
+            a, b = a.to(tl.float32), b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        a_ptrs += a_step
+        b_ptrs += b_step
+    return acc
+
+
+@triton.jit
 def _gate_gemm_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, h_ptr, N, F, D: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                       PRECISION: tl.constexpr, UPCAST: tl.constexpr):
@@ -52,18 +73,11 @@ def _gate_gemm_kernel(x_ptr, w_ptr, rows_ptr, inv_ptr, g_ptr, h_ptr, N, F, D: tl
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns of d_ff
     rk = tl.arange(0, BLOCK_K)
     mmask, nmask = rm < N, rn < F
-    a_ptrs = x_ptr + rm.to(tl.int64)[:, None] * D + rk[None, :]  # (BLOCK_M, BLOCK_K) of x (N, D)
-    b_ptrs = w_ptr + rn.to(tl.int64)[None, :] * D + rk[:, None]  # (BLOCK_K, BLOCK_N) of W_gᵀ, W_g (F, D)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (D + BLOCK_K - 1) // BLOCK_K):
-        kmask = rk + k * BLOCK_K < D
-        a = tl.load(a_ptrs, mask=mmask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if UPCAST:  # the Triton interpreter multiplies bf16 as raw integers: give it fp32 (same values)
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+    # rows past N and columns past F read wrapped-around rows (valid memory, results never stored): no masks
+    # in the K loop but the tail's, and none at all when BLOCK_K divides D
+    a_ptrs = x_ptr + (rm % N).to(tl.int64)[:, None] * D + rk[None, :]  # (BLOCK_M, BLOCK_K) of x (N, D)
+    b_ptrs = w_ptr + (rn % F).to(tl.int64)[None, :] * D + rk[:, None]  # (BLOCK_K, BLOCK_N) of W_gᵀ, W_g (F, D)
+    acc = _dot_loop(a_ptrs, b_ptrs, BLOCK_K, BLOCK_K, rk, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     m = mmask[:, None] & nmask[None, :]
     at = rm.to(tl.int64)[:, None] * F + rn[None, :]
     g = acc.to(g_ptr.dtype.element_ty)  # what a GEMM writing g hands on
@@ -86,17 +100,8 @@ def _down_backward_kernel(dy_ptr, w_ptr, g_ptr, rows_ptr, order_ptr, slot_ptr, d
     live, nmask = i < N, rn < F
     pos = tl.load(order_ptr + i, mask=live, other=0).to(tl.int64)
     a_ptrs = dy_ptr + pos[:, None] * D + rk[None, :]  # (BLOCK_M, BLOCK_K): rows of dy (N, D) in slot order
-    b_ptrs = w_ptr + rk.to(tl.int64)[:, None] * F + rn[None, :]  # (BLOCK_K, BLOCK_N) of W_d (D, F)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, (D + BLOCK_K - 1) // BLOCK_K):
-        kmask = rk + k * BLOCK_K < D
-        a = tl.load(a_ptrs, mask=live[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=kmask[:, None] & nmask[None, :], other=0.0)
-        if UPCAST:
-            a, b = a.to(tl.float32), b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K * F
+    b_ptrs = w_ptr + rk.to(tl.int64)[:, None] * F + (rn % F)[None, :]  # (BLOCK_K, BLOCK_N) of W_d (D, F)
+    acc = _dot_loop(a_ptrs, b_ptrs, BLOCK_K, BLOCK_K * F, rk, D, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION, UPCAST)
     dh = acc.to(dy_ptr.dtype.element_ty).to(tl.float32)  # what a GEMM writing dh hands on
     _backward_tile(dh, g_ptr, rows_ptr, slot_ptr, dg_ptr, part_ptr, i, pos, rn, live, nmask, start, N, F,
                    BLOCK_M, BLOCK_N)
