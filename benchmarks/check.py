@@ -101,8 +101,11 @@ def _quant(r: dict) -> dict[str, float]:
     return out
 
 
+INSERTION_DEFAULT = "default-262k-shrink4096"  # the grid entry of convert's current defaults (2026-11-28)
+
+
 def _insertion(r: dict) -> dict[str, float]:
-    e = r["runs"]["default-262k@1/3"]
+    e = r["runs"][f"{INSERTION_DEFAULT}@1/3"]
     return {"delta_ood_mean": e["delta_ood_mean"], "delta_in_domain": e["in_domain"] - r["runs"]["dense"]["in_domain"]}
 
 
@@ -178,7 +181,7 @@ CHECKS = [
           args=["--repeats", "3"], slow=True),
     Check("insertion", "insert", "bench_insertion_grid.py", "insertion_grid.json", _insertion,
           {"delta_ood_mean": ("≤ +1.0 nats", lambda v: v <= 1.0)},
-          args=["--python-doc", "auto", "--grid", "default-262k", "--threads", "2"], slow=True),
+          args=["--python-doc", "auto", "--grid", INSERTION_DEFAULT, "--threads", "2"], slow=True),
     Check("edit_real", "realedit", "bench_edit_real.py", "edit_real.json", _edit_real,
           {"flips_1/3": ("≥ 80 %", lambda v: v >= 0.8), "locality_1/3": ("≥ 99 %", lambda v: v >= 0.99)}, slow=True),
 ]

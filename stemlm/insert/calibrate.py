@@ -62,7 +62,7 @@ class CalibrationConfig:
     down_iters: int = 8  # conjugate-gradient iterations of ``method=down``
     dagger_rows: str = "zero"  # stem_dagger tables: zero (exactly the dense model) | fit (rows replacing W_u x,
     #                            for run.anneal=blend, which weighs them against the annealed-out up-projection)
-    shrink: float = 1024.0  # pseudo-contexts of the pooled fit added to every seen id (rare ids lean to the pooled row)
+    shrink: float = 4096.0  # pseudo-contexts of the pooled fit added to every seen id (rare ids lean to the pooled row)
     als_rounds: int = 0  # rounds of alternating least squares after the fit: rows given W_d, then W_d given rows
     distill_steps: int = 0  # Adam steps of local distillation per converted layer (stemlm.insert.distill)
     distill_lr: float = 1e-3  # its learning rate (linear decay to a tenth)

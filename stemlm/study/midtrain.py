@@ -118,7 +118,7 @@ def distill_overrides(run: RunSpec, root: Path, log: Callable[[str], None] = pri
 
 # A study's conversion is what its spec names on these calibration settings, not on the CLI's defaults of
 # the day: its runs' hashes and cached conversions cover only what the spec names, so a new default of
-# `stemlm convert` (shrink 1024 since issue 37) must not change what an unchanged spec computes. A spec
+# `stemlm convert` (shrink 1024 since issue 37, 4096 since 2026-11-28) must not change what an unchanged spec computes. A spec
 # that wants the new setting names it (calibration: {shrink: 1024}), which changes its hash. The same holds for
 # the layers converted (layer_choice cheapest since issue 37: calibration: {layer_choice: cheapest}).
 STUDY_CALIBRATION = {"shrink": 0.0, "layer_choice": "uniform"}
