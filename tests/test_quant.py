@@ -33,11 +33,12 @@ def _codes(model) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
 
 
-@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("name", [*QUANT, "int8-per-row"])
 def test_encode_decode_is_a_fixpoint_and_errors_are_small(name):
-    rows = torch.randn(300, 70) * torch.rand(300, 1) * 5  # 70: not a multiple of the int4 group
+    rows = torch.randn(300, 70) * torch.rand(300, 1) * 5  # 70: not a multiple of the int4 / int8 group
     rows[7] = 0
-    codec = RowCodec(name)
+    codec = RowCodec("int8", 0) if name == "int8-per-row" else RowCodec(name)
+    name = codec.name
     codes, scale = codec.encode(rows)
     back = codec.decode(codes, scale, 70)
     codes2, scale2 = codec.encode(back)
@@ -49,7 +50,31 @@ def test_encode_decode_is_a_fixpoint_and_errors_are_small(name):
     per_value = (back - rows).abs().max(dim=1).values / rows.abs().max(dim=1).values.clamp_min(1e-12)
     if name == "int8":  # absmax: at most half a step of absmax / 127 off
         assert per_value.max() <= 0.5 / 127 + 1e-6
-    assert codec.row_bytes(70) == {"bf16": 140, "int8": 74, "int4": 96 // 2 + 4 * 3}[name]  # 3 groups of 32, the last one padded
+    want = {"bf16": 140, "int8": 74 if not codec.grouped else 128 + 4 * 2,  # 2 groups of 64, the last one padded
+            "int4": 96 // 2 + 4 * 3}[name]  # 3 groups of 32, the last one padded
+    assert codec.row_bytes(70) == want
+
+
+def test_int8_groups_keep_an_outlier_column_from_setting_every_step():
+    """One column far above the rest (as in SmolLM2's calibrated tables): one scale per row rounds the other
+    columns to a few levels; groups of 64 confine the outlier to its own group. Files written with one scale per
+    row (no group size in their metadata) still decode as such."""
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randn(200, 256, generator=gen)
+    rows[:, 17] = 30.0  # ~30x the rows' RMS, in every row
+    errs = {}
+    for codec in (RowCodec("int8"), RowCodec("int8", 0)):
+        codes, scale = codec.encode(rows)
+        others = torch.ones(256, dtype=torch.bool)
+        others[:64] = False  # columns outside the outlier's group
+        errs[codec.grouped] = float((codec.decode(codes, scale, 256) - rows)[:, others].abs().max())
+    assert errs[True] < 0.02 and errs[False] > 0.1  # 0.5 step of |x|max/127 in each group vs 30/254 everywhere
+    assert RowCodec("int8").group_size == 64 and RowCodec("int4").group_size == 32
+    assert RowCodec.from_metadata({"stemlm_table_dtype": "int8"}) == RowCodec("int8", 0)  # before groups
+    assert RowCodec.from_metadata(RowCodec("int8").metadata()) == RowCodec("int8")
+    assert RowCodec("int8", 0).label == "int8 (one scale per row)" and RowCodec("int8").label == "int8"
+    with pytest.raises(ValueError, match="int8 group size"):
+        RowCodec("int8", -1)
 
 
 def test_bad_codecs_and_rows_are_refused():

@@ -112,8 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: the config default, xavier_normal)")
     parser.add_argument("--seed", type=non_negative_int, default=0, help="seed of --init random tables (default: 0)")
     parser.add_argument("--table-dtype", choices=TABLE_DTYPES, default=None,
-                        help="store the STEM tables as fp32, bf16, int8 (per-row absmax scale) or int4 (absmax scale "
-                             "per group of 32); with --from-hf or alone with --ckpt (default: fp32 / as stored)")
+                        help="store the STEM tables as fp32, bf16, int8 (absmax scale per group of 64) or int4 (absmax "
+                             "scale per group of 32); with --from-hf or alone with --ckpt (default: fp32 / as stored)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,8 +4,13 @@ A ``RowCodec`` turns fp32 rows ``(n, dim)`` into stored tensors and back:
 
 * ``fp32``: the rows themselves (no codec at work).
 * ``bf16``: the rows rounded to bfloat16 (half the bytes).
-* ``int8``: one fp32 absmax scale per row, codes in [-127, 127] (``dim + 4`` bytes a row).
-* ``int4``: one fp32 absmax scale per group of ``group_size`` values, codes in [-7, 7] packed two
+* ``int8``: one fp32 absmax scale per group of ``group_size`` (64) values, codes in [-127, 127]
+  (``dim + 4 * ceil(dim / 64)`` bytes a row, the last group zero-padded). ``group_size=0`` is one scale
+  per row (``dim + 4`` bytes), what int8 files written before 2026-11-28 hold (they carry no group size
+  in their metadata and still load as such). One scale per row lets a single outlier column set every
+  row's step: SmolLM2-135M's calibrated tables have one column ~30× the rows' RMS, and per-row int8 cost
+  them +10.6 % perplexity where groups of 64 cost ~0 (docs/quantization.md).
+* ``int4``: one fp32 absmax scale per group of ``group_size`` (32) values, codes in [-7, 7] packed two
   to a byte (``dim / 2 + 4 * ceil(dim / group_size)`` bytes a row; the last group is zero-padded).
 
 Stored tensors keep the table's key for the codes (``tables.<layer>.weight``, int8 / uint8 /
@@ -33,22 +38,41 @@ import torch.nn as nn
 from .tables import TableLookup, Tables, check_ids
 
 TABLE_DTYPES = ("fp32", "bf16", "int8", "int4")
-DEFAULT_GROUP_SIZE = 32
+DEFAULT_GROUP_SIZE = 32  # int4
+DEFAULT_GROUP_SIZES = {"int8": 64, "int4": DEFAULT_GROUP_SIZE}
 METADATA_DTYPE, METADATA_GROUP = "stemlm_table_dtype", "stemlm_table_group_size"
 
 
 @dataclass(frozen=True)
 class RowCodec:
-    """How a table's rows are stored: ``name`` in ``TABLE_DTYPES``; ``group_size`` for ``int4``."""
+    """How a table's rows are stored: ``name`` in ``TABLE_DTYPES``; ``group_size`` for ``int8`` (default 64;
+    0: one scale per row) and ``int4`` (default 32)."""
 
     name: str = "fp32"
-    group_size: int = DEFAULT_GROUP_SIZE
+    group_size: int | None = None  # None: the name's default (DEFAULT_GROUP_SIZES)
 
     def __post_init__(self):
         if self.name not in TABLE_DTYPES:
             raise ValueError(f"unknown table dtype {self.name!r}; choose one of {', '.join(TABLE_DTYPES)}")
+        if self.group_size is None:
+            object.__setattr__(self, "group_size", DEFAULT_GROUP_SIZES.get(self.name, DEFAULT_GROUP_SIZE))
         if self.name == "int4" and (self.group_size < 2 or self.group_size % 2):
             raise ValueError(f"int4 group size must be an even number >= 2, got {self.group_size}")
+        if self.name == "int8" and self.group_size < 0:
+            raise ValueError(f"int8 group size must be >= 1 (or 0: one scale per row), got {self.group_size}")
+
+    @property
+    def grouped(self) -> bool:
+        """Whether scales are per group of ``group_size`` values (else one per row)."""
+        return self.name == "int4" or (self.name == "int8" and self.group_size > 0)
+
+    @property
+    def label(self) -> str:
+        """The codec in words: ``int8`` (groups of 64), ``int8 (one scale per row)``, ..."""
+        if self.name == "int8" and not self.grouped:
+            return "int8 (one scale per row)"
+        return self.name if self.group_size == DEFAULT_GROUP_SIZES.get(self.name) or not self.grouped \
+            else f"{self.name} (groups of {self.group_size})"
 
     @property
     def quantized(self) -> bool:
@@ -65,10 +89,12 @@ class RowCodec:
 
     def groups(self, dim: int) -> int:
         """Scales per row."""
-        return math.ceil(dim / self.group_size) if self.name == "int4" else 1
+        return math.ceil(dim / self.group_size) if self.grouped else 1
 
     def code_shape(self, n: int, dim: int) -> tuple[int, int]:
-        return (n, self.groups(dim) * self.group_size // 2) if self.name == "int4" else (n, dim)
+        if self.name == "int4":
+            return (n, self.groups(dim) * self.group_size // 2)
+        return (n, self.groups(dim) * self.group_size) if self.grouped else (n, dim)
 
     def scale_shape(self, n: int, dim: int) -> tuple[int, int]:
         return (n, self.groups(dim))
@@ -83,15 +109,19 @@ class RowCodec:
         if not self.quantized:
             return {}
         out = {METADATA_DTYPE: self.name}
-        if self.name == "int4":
+        if self.name in ("int8", "int4"):
             out[METADATA_GROUP] = str(self.group_size)
         return out
 
     @classmethod
     def from_metadata(cls, metadata: dict | None) -> "RowCodec":
         metadata = metadata or {}
+        name = metadata.get(METADATA_DTYPE, "fp32")
+        group = metadata.get(METADATA_GROUP)
+        if group is None:  # int8 files from before int8 had groups: one scale per row
+            group = 0 if name == "int8" else DEFAULT_GROUP_SIZES.get(name, DEFAULT_GROUP_SIZE)
         try:
-            return cls(metadata.get(METADATA_DTYPE, "fp32"), int(metadata.get(METADATA_GROUP, DEFAULT_GROUP_SIZE)))
+            return cls(name, int(group))
         except ValueError as e:
             raise ValueError(f"table metadata: {e}") from None  # names the bad value
 
@@ -106,13 +136,17 @@ class RowCodec:
         if not bool(torch.isfinite(rows).all()):
             raise ValueError("cannot quantize table rows holding NaN/inf")
         n, dim = rows.shape
-        if self.name == "int8":
+        if self.name == "int8" and not self.grouped:
             scale = _snapped_scale(rows.abs().amax(dim=1, keepdim=True), 127.0)  # (n, 1)
             return torch.round(rows / scale).clamp_(-127, 127).to(torch.int8), scale
         g = self.groups(dim)
         padded = torch.zeros(n, g * self.group_size, dtype=torch.float32, device=rows.device)
         padded[:, :dim] = rows
         grouped = padded.view(n, g, self.group_size)  # (n, G, group)
+        if self.name == "int8":
+            scale = _snapped_scale(grouped.abs().amax(dim=2), 127.0)  # (n, G)
+            q = torch.round(grouped / scale.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+            return q.view(n, -1), scale
         scale = _snapped_scale(grouped.abs().amax(dim=2), 7.0)  # (n, G)
         q = torch.round(grouped / scale.unsqueeze(-1)).clamp_(-7, 7).to(torch.uint8).add_(8)  # 1..15; 8 is zero
         pairs = q.view(n, -1, 2)  # (n, G*group/2, 2)
@@ -122,9 +156,11 @@ class RowCodec:
         """Stored ``(codes, scales)`` -> fp32 rows ``(n, dim)``."""
         if self.name in ("fp32", "bf16"):
             return codes.float()
-        if self.name == "int8":
-            return codes.float() * scale
         n = codes.shape[0]
+        if self.name == "int8":
+            if not self.grouped:
+                return codes.float() * scale
+            return (codes.float().view(n, -1, self.group_size) * scale.unsqueeze(-1)).view(n, -1)[:, :dim]
         q = torch.stack((codes & 0xF, codes >> 4), dim=-1).view(n, -1, self.group_size)  # (n, G, group)
         rows = (q.float() - 8.0) * scale.unsqueeze(-1)
         return rows.view(n, -1)[:, :dim]
@@ -141,7 +177,7 @@ def _snapped_scale(absmax: torch.Tensor, qmax: float) -> torch.Tensor:
     return (s * qmax) / qmax
 
 
-def parse_codec(table_dtype: str | RowCodec | None, group_size: int = DEFAULT_GROUP_SIZE) -> RowCodec | None:
+def parse_codec(table_dtype: str | RowCodec | None, group_size: int | None = None) -> RowCodec | None:
     """A ``RowCodec`` from a name (``None`` stays ``None``: keep what is stored)."""
     if table_dtype is None or isinstance(table_dtype, RowCodec):
         return table_dtype
@@ -239,8 +275,9 @@ def quantized_tables(rows_of: dict, dim: int, codec: RowCodec) -> Tables:
     return Tables({str(k): QuantizedTable(n, dim, codec) for k, n in rows_of.items()})
 
 
-def quantize_tables(model: nn.Module, table_dtype: str | RowCodec, group_size: int = DEFAULT_GROUP_SIZE) -> Tables:
-    """Re-encode the model's tables on the device tier with ``table_dtype``; returns the new ``model.tables``.
+def quantize_tables(model: nn.Module, table_dtype: str | RowCodec, group_size: int | None = None) -> Tables:
+    """Re-encode the model's tables on the device tier with ``table_dtype`` (``group_size``: int8's or int4's
+    values per scale, default 64 / 32); returns the new ``model.tables``.
 
     ``fp32`` turns quantized tables back into ``StemTable``s (their decoded rows). Tables on the host
     or disk tier are re-encoded with ``store.offload_tables(model, Placement(tier, table_dtype=...))`` instead.

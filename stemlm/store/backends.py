@@ -246,7 +246,7 @@ class QuantRows:
         self.close()
 
     def describe(self) -> str:
-        return f"{self.codes.describe()} as {self.codec.name}"
+        return f"{self.codes.describe()} as {self.codec.label}"
 
 
 def _close_descriptors(file, hint_fd: int | None) -> None:

@@ -215,8 +215,8 @@ class DiskTier(Tier):
 
     def from_file(self, src, cfg, stored, codec, placement, device, dtype):
         if codec != stored:
-            raise ValueError(f"{src} stores its tables as {stored.name}; the disk tier serves them as stored: write "
-                             f"{codec.name} tables first (`stemlm convert --ckpt "
+            raise ValueError(f"{src} stores its tables as {stored.label}; the disk tier serves them as stored: write "
+                             f"{codec.label} tables first (`stemlm convert --ckpt "
                              f"{src.parent if src.name == WEIGHTS_FILE else 'CKPT'} --table-dtype {codec.name} --out DIR`)")
         mode = ("r+" if placement.tables_file is not None else "c") if placement.writable else "r"
         list(_stored_layers(src, cfg, stored))  # every table checked finite before it is served
