@@ -413,6 +413,7 @@ def soak(r: dict) -> tuple[str, str]:
 
 
 QUANT_GOAL = 0.5  # % perplexity
+QUANT_INT8_BYTES = 3.9  # "÷4": d_ff + 4 bytes a row (one scale per row) reached 3.98-3.99
 
 
 @row(f"quantized tables: int8 validation perplexity within +{QUANT_GOAL} % of fp32, table bytes ÷2 (bf16) / ÷4 (int8); "
@@ -423,7 +424,9 @@ def quant_tables(r: dict) -> tuple[str, str]:
         by = m["by_dtype"]
         parts.append(f"{name}: " + ", ".join(f"{k} {by[k]['ppl_change_pct']:+.2f} % (÷{by[k]['bytes_ratio_vs_fp32']:.2f})"
                                             for k in by if k != "fp32"))
-        verdicts.append(f"{name}: {yes(by['int8']['ppl_change_pct'] <= QUANT_GOAL)}")
+        int8 = by["int8"]
+        verdicts.append(f"{name}: perplexity {yes(int8['ppl_change_pct'] <= QUANT_GOAL)}, bytes ÷4 "
+                        f"{yes(int8['bytes_ratio_vs_fp32'] >= QUANT_INT8_BYTES)} (÷{int8['bytes_ratio_vs_fp32']:.2f})")
     measured = "perplexity vs fp32 (table bytes ÷): " + "; ".join(parts)
     if (d := r.get("decode")):
         measured += (f"; decode int8 on disk ÷ fp32 in RAM **{d['ratio_disk_int8_vs_ram_fp32']:.2f}×** (median of "
