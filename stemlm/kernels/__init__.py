@@ -66,7 +66,6 @@ def load(device: torch.device | str):
     return importlib.import_module(".gated_rows", __name__), importlib.import_module(".row_adamw", __name__)
 
 
-
 def load_gemm(device: torch.device | str):
     """The module of the GEMMs with table epilogues (``gated_gemm``) for tensors on ``device`` (after ``load``)."""
     load(device)

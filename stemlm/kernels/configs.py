@@ -11,8 +11,9 @@ Every kernel reads its launch config from ``ACTIVE`` when it is called:
   in L2, ``num_stages`` software-pipeline stages (the one setting that need not be a power of two).
 
 ``num_warps`` is each kernel's warps a program. The forward's and the AdamW's configs never change a
-number; the backward's ``CHUNK`` (``down_backward``'s ``BLOCK_M``) sets where a hot row's partial sums are cut, so the row gradients'
-summation order (last bits) follows it, the same on every run with the same config.
+number; the backward's ``CHUNK`` (``down_backward``'s ``BLOCK_M``) sets where a hot row's partial sums are
+cut, so the row gradients' summation order (last bits) follows it, the same on every run with the same
+config; the GEMMs' ``BLOCK_K`` sets their summation order likewise.
 
 ``DEFAULTS`` are what the code ships. ``$STEMLM_TABLE_KERNEL_CONFIGS`` names a JSON file of
 overrides (``{"forward": {"BLOCK_N": 32}, ...}``; what ``benchmarks/gpu_checks.py --tune`` writes
