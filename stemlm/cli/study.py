@@ -85,7 +85,11 @@ def run(args) -> int:
             print("estimate (step times of timing.json): " + ", ".join(f"{k} {v / 60:.0f} min" for k, v in est["stages"].items())
                   + f"; total {total / 60:.0f} min" + (f" ({len(est['untimed'])} runs not timed)" if est["untimed"] else ""))
         return 0
-    log = lambda msg: print(f"stemlm study: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+    def log(msg: str) -> None:  # one write a line: workers share stderr, and print writes the newline apart
+        sys.stderr.write(f"stemlm study: {msg}\n")
+        sys.stderr.flush()
+
     stages, t0 = parse_stages(args.stages), time.perf_counter()
     if args.jobs < 1:
         raise ValueError(f"--jobs must be >= 1, got {args.jobs}")
