@@ -249,14 +249,12 @@ def gemm_inputs(device: str, N: int, F_: int, V: int) -> dict:
     x, w_gate, w_down, dy = (torch.randn(*sh, device=device, generator=gen).div_(sh[-1] ** 0.5).to(dtype)
                              for sh in ((N, D), (F_, D), (D, F_), (N, D)))
     return {"x": x, "w_gate": w_gate, "w_down": w_down, "dy": dy, "rows": rows, "inverse": inverse, "P": P,
-            "seg": gated.Segments.of(inverse, P)}
+            "seg": gated.Segments.of(inverse, P), "gated": gated, "gemm": kernels.load_gemm(device)}
 
 
 def gemm_fused(a: dict, part: str = "both") -> tuple:
     """``(g, h, dg, row_grad)`` of the GEMMs with table epilogues (``part``: only the forward or the backward)."""
-    from stemlm import kernels
-
-    gemm = kernels.load_gemm(a["x"].device)
+    gemm = a["gemm"]
     row_grad = torch.zeros(a["P"], a["rows"].shape[1], device=a["x"].device)
     g, h = gemm.gate_gemm(a["x"], a["w_gate"], a["rows"], a["inverse"]) if part != "backward" else (a["g"], None)
     if part == "forward":
@@ -266,9 +264,7 @@ def gemm_fused(a: dict, part: str = "both") -> tuple:
 
 def gemm_unfused(a: dict, part: str = "both") -> tuple:
     """The same with torch GEMMs around the ``gated_rows`` kernels (``run.table_kernels=triton``)."""
-    from stemlm import kernels
-
-    gated, _ = kernels.load(a["x"].device)
+    gated = a["gated"]
     row_grad = torch.zeros(a["P"], a["rows"].shape[1], device=a["x"].device)
     if part != "backward":
         g = a["x"] @ a["w_gate"].t()
@@ -284,6 +280,8 @@ def gemm_unfused(a: dict, part: str = "both") -> tuple:
 def gemm_check(device: str, N: int, F_: int, V: int) -> dict:
     """The GEMMs with table epilogues against torch GEMMs + the ``gated_rows`` kernels: relative differences
     and per-layer times (module doc)."""
+    from stemlm.kernels import configs
+
     a = gemm_inputs(device, N, F_, V)
     fused, unfused = gemm_fused(a), gemm_unfused(a)
     a["g"] = unfused[0]  # the backward's saved gate, the same for both
@@ -295,11 +293,10 @@ def gemm_check(device: str, N: int, F_: int, V: int) -> dict:
           "torch_gate_gemm": cuda_ms(lambda: a["x"] @ a["w_gate"].t())}
     ms["saved_per_layer"] = ms["unfused_forward"] + ms["unfused_backward"] - ms["fused_forward"] - ms["fused_backward"]
     flop = 2 * N * D * F_
-    from stemlm import kernels
-    return {"N": N, "d_model": D, "d_ff": F_, "distinct_rows": a["P"], "configs": {k: kernels.configs.ACTIVE[k]
+    return {"N": N, "d_model": D, "d_ff": F_, "distinct_rows": a["P"], "configs": {k: configs.ACTIVE[k]
                                                                                   for k in ("gate_gemm", "down_backward")},
             "rel_err": dict(zip(("g", "h", "dg", "row_grad"), (rel(x, y) for x, y in zip(fused, unfused)))),
-            "ms": ms, "saved_ms_31_layers": 31 * ms["saved_per_layer"],
+            "ms": ms, f"saved_ms_{TUNE_LAYERS}_layers": TUNE_LAYERS * ms["saved_per_layer"],
             "TFLOP_per_s": {"torch_gate_gemm": flop / ms["torch_gate_gemm"] / 1e9,
                             "fused_forward": flop / ms["fused_forward"] / 1e9}}
 

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import configs
-from .gated_rows import Segments, _backward_tile, _sigmoid, add_partials
+from .gated_rows import Segments, _backward_tile, _sigmoid, add_partials, gated_rows_reference
 
 
 @triton.jit
@@ -188,5 +188,4 @@ def gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_down: torch.Tensor, rows:
 
 def gated_ffn_reference(x, w_gate, w_down, rows, inverse):
     """What the unfused path computes: ``(SiLU(x W_gᵀ) ⊙ rows[inverse]) W_dᵀ`` (shape of ``x``)."""
-    g = x @ w_gate.t()
-    return (torch.nn.functional.silu(g) * rows.index_select(0, inverse.reshape(-1)).view(g.shape)) @ w_down.t()
+    return gated_rows_reference(x @ w_gate.t(), rows, inverse) @ w_down.t()

@@ -69,10 +69,11 @@ class RowCodec:
     @property
     def label(self) -> str:
         """The codec in words: ``int8`` (groups of 64), ``int8 (one scale per row)``, ..."""
-        if self.name == "int8" and not self.grouped:
-            return "int8 (one scale per row)"
-        return self.name if self.group_size == DEFAULT_GROUP_SIZES.get(self.name) or not self.grouped \
-            else f"{self.name} (groups of {self.group_size})"
+        if not self.grouped:
+            return "int8 (one scale per row)" if self.name == "int8" else self.name
+        if self.group_size == DEFAULT_GROUP_SIZES[self.name]:
+            return self.name
+        return f"{self.name} (groups of {self.group_size})"
 
     @property
     def quantized(self) -> bool:
@@ -118,10 +119,10 @@ class RowCodec:
         metadata = metadata or {}
         name = metadata.get(METADATA_DTYPE, "fp32")
         group = metadata.get(METADATA_GROUP)
-        if group is None:  # int8 files from before int8 had groups: one scale per row
-            group = 0 if name == "int8" else DEFAULT_GROUP_SIZES.get(name, DEFAULT_GROUP_SIZE)
+        if group is None and name == "int8":  # written before int8 had groups: one scale per row
+            group = 0
         try:
-            return cls(name, int(group))
+            return cls(name, None if group is None else int(group))  # None: the name's default
         except ValueError as e:
             raise ValueError(f"table metadata: {e}") from None  # names the bad value
 
