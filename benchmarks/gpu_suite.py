@@ -184,7 +184,7 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
                 None if ratio is None else f"{ratio:.3f} vs {roof:.3f}", ratio is not None and ratio <= roof + 0.03)
     a = r.get("accum") or {}
     if a and "error" not in a:
-        modes = {m: a[m]["step_s"] for m in ("eager", "compiled", "graph") if m in a and "error" not in a[m]}
+        modes = {m: a[m]["step_s"] for m in ("eager", "compiled", "graph", "graph-gemm") if m in a and "error" not in a[m]}
         mode, ratio = fastest(modes, "stem-full")
         add("350m grad_accum=8: stem-full ÷ dense ≤ 0.90", f"{ratio:.3f} ({mode}; roofline "
             f"{a['roofline_ratio']['stem-full']:.3f})", ratio <= 0.90)

@@ -48,6 +48,8 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert r["rates"]["gemm"] > 0 and r["rates"]["bandwidth"] > 0
     assert r["graph"]["extra"] == ["run.step_graph=static"] and r["graph"]["eager"]["step_s"]["stem-full"] > 0
     assert r["accum"]["graph"]["step_s"]["stem-full"] > 0  # the fixed-buffer step (static on the CPU)
+    assert set(r["accum"]["graph"]["step_s"]) == {"dense", "stem-full"}  # its triton-gemm arm apart, same dense
+    assert r["accum"]["graph-gemm"]["step_s"]["dense"] == r["accum"]["graph"]["step_s"]["dense"]
     assert r["graph_1b"]["eager"]["step_s"]["stem-full"] > 0  # the 1B shape fixed-buffer too
     for key in ("gemm", "gemm_1b"):  # the table work in the GEMMs' epilogues (Triton interpreter on the CPU)
         assert r[key]["table_kernels"]["stem-full"] == "triton-gemm" and r[key]["eager"]["step_s"]["stem-full"] > 0
