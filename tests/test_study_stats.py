@@ -375,3 +375,20 @@ def test_a_claim_measured_on_the_wide_corpus_is_settled_beyond_it():
     assert settle_text("roi", None) == SETTLE["roi"]
     verdict, text = reading("roi", "contradicted", wide)
     assert verdict == "not recovered" and text.startswith("not recovered within 32.1M tokens")
+
+
+def test_the_scale_text_names_the_fewest_seeds_when_variants_differ():
+    """A comparison with 3 dense seeds and 2 of a STEM placement is as strong as its 2 pairs: the text says so."""
+    from stemlm.study.scale import PAPER, measured
+
+    stage = PAPER["roi"][0]
+
+    def run(variant, seed):
+        return {"stage": stage, "status": "finished", "metrics": {"tokens_seen": 32.1e6},
+                "labels": {"size": "d384", "variant": variant, "seed": seed}}
+
+    uneven = [run("dense", s) for s in range(3)] + [run("stem-1/3", s) for s in range(2)]
+    m = measured(uneven, "roi")
+    assert m["seeds"] == 2 and m["text"] == "d384, 32.1M tokens per run, 2–3 seeds per variant"
+    even = [run(v, s) for v in ("dense", "stem-1/3") for s in range(3)]
+    assert measured(even, "roi")["text"] == "d384, 32.1M tokens per run, 3 seeds"

@@ -76,10 +76,15 @@ def measured(runs: list[dict], key: str) -> dict | None:
     if not rs or not tokens:
         return None
     sizes = sorted({r["labels"].get("size") or r["labels"].get("source") or "-" for r in rs})
-    seeds = len({r["labels"].get("seed", 0) for r in rs})
+    per_variant: dict[str, set] = {}
+    for r in rs:
+        per_variant.setdefault(r["labels"].get("variant", "-"), set()).add(r["labels"].get("seed", 0))
+    fewest, most = min(map(len, per_variant.values())), max(map(len, per_variant.values()))
+    seeds_text = (f"{most} seed{'s' if most > 1 else ''}" if fewest == most
+                  else f"{fewest}–{most} seeds per variant")  # a comparison is as strong as its fewest pairs
     t = max(tokens)
-    return {"sizes": sizes, "tokens": t, "seeds": seeds,
-            "text": f"{', '.join(sizes)}, {tokens_text(t)} tokens per run, {seeds} seed{'s' if seeds > 1 else ''}"}
+    return {"sizes": sizes, "tokens": t, "seeds": fewest,
+            "text": f"{', '.join(sizes)}, {tokens_text(t)} tokens per run, {seeds_text}"}
 
 
 def reading(key: str, verdict: str, scale: dict | None) -> tuple[str, str]:
