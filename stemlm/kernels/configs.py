@@ -30,16 +30,17 @@ from contextlib import contextmanager
 
 ENV = "STEMLM_TABLE_KERNEL_CONFIGS"
 
-# forward and backward_tiles: the fastest of benchmarks/gpu_checks.py --tune on one H200 (2026-11-27; forward
-# 0.069 -> 0.052 ms, backward 0.193 -> 0.130 ms at 8192 positions × d_ff 2560); the other two were within noise
+# the fastest of benchmarks/gpu_checks.py --tune on one H200 at 8192 positions × d_ff 2560 (d_model 960 for the GEMMs):
+# forward (2026-11-27: 0.069 -> 0.052 ms); backward_tiles (2026-11-27: 0.193 -> 0.130 ms; 2026-11-28: CHUNK 64 ×
+# BLOCK_F 32 another 1.10×); gate_gemm 1.17× and down_backward 1.11× over the first untimed tiles (2026-11-28,
+# benchmarks/results/gpu_h200_2026-11-28/gpu_checks.json); the others within noise of their alternatives
 DEFAULTS: dict[str, dict[str, int]] = {
     "forward": {"BLOCK_N": 8, "BLOCK_F": 256, "num_warps": 4},
-    "backward_tiles": {"CHUNK": 32, "BLOCK_F": 64, "num_warps": 4},
+    "backward_tiles": {"CHUNK": 64, "BLOCK_F": 32, "num_warps": 4},
     "backward_rows": {"BLOCK_S": 16, "BLOCK_F": 128, "num_warps": 4},
     "row_adamw": {"BLOCK_D": 256, "num_warps": 4},
-    # not yet timed on a GPU: a common Hopper bf16 GEMM tile; gpu_checks.py --tune tries others
-    "gate_gemm": {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
-    "down_backward": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 3},
+    "gate_gemm": {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3},
+    "down_backward": {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 4},
 }
 STAGES = "num_stages"  # any positive integer; every other setting is a power of two
 
