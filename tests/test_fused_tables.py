@@ -216,3 +216,24 @@ def test_fallbacks_when_nothing_can_be_built(monkeypatch):
     assert not k.compiled
     for got, ref in zip((W, M, S), want):
         assert torch.equal(got, ref)
+
+
+def test_the_cuda_row_sums_equal_the_cpu_ones():
+    """On CUDA rows are expanded with ``F.embedding`` and their gradients summed with the sorting
+    ``index_put_(accumulate=True)`` (fixed order; ``index_select``'s backward and ``index_add_`` use fp32
+    atomics there). Both give index_select's / index_add_'s values: checked here on the CPU, where each runs."""
+    import torch.nn.functional as F
+
+    from stemlm.ffn.rows import add_rows_
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(5, 7, generator=g, dtype=torch.float64, requires_grad=True)
+    inverse = torch.tensor([3, 0, 3, 3, 1, 4, 0, 2])
+    upstream = torch.randn(8, 7, generator=g, dtype=torch.float64)
+    (a,) = torch.autograd.grad((F.embedding(inverse, rows) * upstream).sum(), rows)
+    (b,) = torch.autograd.grad((rows.index_select(0, inverse) * upstream).sum(), rows)
+    assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    out = torch.zeros(5, 7, dtype=torch.float64)
+    want = out.clone().index_add_(0, inverse, upstream)
+    assert torch.allclose(out.clone().index_put_((inverse,), upstream, accumulate=True), want, rtol=0, atol=1e-12)
+    assert torch.equal(add_rows_(out, inverse, upstream), want)  # (the CPU branch)

@@ -79,6 +79,14 @@ def _anchor() -> torch.Tensor:
     return torch.empty(0, requires_grad=True)
 
 
+def add_rows_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out.index_add_(0, index, src)`` in a fixed summation order on every device: on CUDA the sorting
+    ``index_put_(accumulate=True)`` (``index_add_`` uses fp32 atomics there, whose order varies)."""
+    if out.is_cuda:
+        return out.index_put_((index,), src, accumulate=True)
+    return out.index_add_(0, index, src)
+
+
 class _ExpandIndexed(torch.autograd.Function):
     """``rows[inverse]`` whose backward adds into a gradient buffer (``IndexedRows.expand``)."""
 
@@ -91,7 +99,7 @@ class _ExpandIndexed(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (inverse,) = ctx.saved_tensors
-        ctx.grad.index_add_(0, inverse, g.to(ctx.grad.dtype))
+        add_rows_(ctx.grad, inverse, g.to(ctx.grad.dtype))
         return None, None, None, None
 
 

@@ -68,10 +68,14 @@ def unique_ids(ids: torch.Tensor, num_rows: int | None = None) -> tuple[torch.Te
 def expand_rows(rows: torch.Tensor, inverse: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Unique rows ``(U, dim)`` -> one row per position, ``shape + (dim,)``.
 
-    ``index_select`` rather than ``rows[inverse]``: its backward is an ``index_add`` into
-    ``(U, dim)``, about 2.5x faster on CPU than the accumulating ``index_put`` of advanced indexing.
+    On the CPU ``index_select``: its backward is an ``index_add`` into ``(U, dim)``, about 2.5x faster
+    there than the accumulating ``index_put`` of advanced indexing. On CUDA ``F.embedding``, whose
+    backward sums a row's positions in a fixed order (``index_select``'s backward adds them with fp32
+    atomics, so two runs of the same seed would drift apart in the last bits).
     """
-    return rows.index_select(0, inverse.reshape(-1)).view(*shape, rows.shape[-1])
+    flat = inverse.reshape(-1)
+    out = F.embedding(flat, rows) if rows.is_cuda else rows.index_select(0, flat)
+    return out.view(*shape, rows.shape[-1])
 
 
 _IDS_CHECKED = contextvars.ContextVar("stemlm_ids_checked", default=False)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import warnings
 import torch
 
+from ..ffn.rows import add_rows_
 from ..model.tables import Tables, TouchedRows, WeightRows
 
 
@@ -59,7 +60,7 @@ def coalesce(pairs: list[tuple[torch.Tensor, torch.Tensor]], dim: int, device) -
     grads = torch.cat([g.to(device, torch.float32) for _, g in pairs])  # (sum U_i, dim)
     uniq, inverse = torch.unique(all_ids, sorted=True, return_inverse=True)
     out = torch.zeros(len(uniq), dim, dtype=torch.float32, device=device)
-    return uniq, out.index_add_(0, inverse, grads)  # (U, dim)
+    return uniq, add_rows_(out, inverse, grads)  # (U, dim)
 
 
 def _row_update(weight, exp_avg, exp_avg_sq, ids, grad, decay, neg_step, eps_r, buf_m, buf_v, buf_w,

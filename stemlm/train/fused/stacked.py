@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from ...ffn.rows import IndexedRows
+from ...ffn.rows import IndexedRows, add_rows_
 from ...kernels import TRITON_KERNELS
 from ...model.tables import LayerRows, StemTable, Tables, check_ids
 from .dedup import Dedup, dedup
@@ -71,7 +71,7 @@ class ExpandRows(torch.autograd.Function):
             if g is not None:
                 if out is None:
                     out = g.new_zeros(n, P, d)
-                out[i].index_add_(0, inverse, g.reshape(-1, d))  # as index_select's backward does
+                add_rows_(out[i], inverse, g.reshape(-1, d))  # index_select's backward, in a fixed order
         return out, None
 
 
