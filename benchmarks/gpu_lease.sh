@@ -8,6 +8,9 @@ name=$1 budget=$2
 shift 2
 out=${OUT:-benchmarks/results}
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:benchmarks STEMLM_CACHE=${STEMLM_CACHE:-$PWD/.lease/cache}
+# the device's copy carries an older .git: with a bundle of HEAD in .lease (gpu_study_lease.sh --pack) the index
+# is reset to the real HEAD (files untouched), so the results JSON records the commit that ran
+[ -f .lease/head.bundle ] && git fetch -q .lease/head.bundle HEAD 2>/dev/null && git reset -q FETCH_HEAD
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
