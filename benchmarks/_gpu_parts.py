@@ -126,14 +126,18 @@ def gemm_section(s, preset: str) -> dict:
 
 
 def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None, cache_rows: int = 0) -> dict:
-    """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``):
-    the device memory each holds (between steps, and at a step's peak: the device run measured
-    first, the host run above what the device run keeps), then step times interleaved."""
+    """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``), the
+    latter twice: the uncaptured window (``HostTables``, what ``auto`` runs) and the fixed device slab under
+    an explicit captured step (``slab``: ``SlabTables``, ``run.step_graph=graph``; ``static`` on the CPU): the
+    device memory each holds (between steps, and at a step's peak: each run above what the runs before it
+    keep), then step times interleaved."""
     from stemlm.accounting import param_breakdown
     from stemlm.planner import train_window_bytes
 
+    fixed = "run.step_graph=graph" if s["device"] == "cuda" else "run.step_graph=static"
     arms = {"device": ARMS[arm] + ["run.table_path=fused"],
-            "host": ARMS[arm] + ["run.tables=host", f"run.table_cache_rows={cache_rows}"]}
+            "host": ARMS[arm] + ["run.tables=host", f"run.table_cache_rows={cache_rows}"],
+            "slab": ARMS[arm] + ["run.tables=host", f"run.table_cache_rows={cache_rows}", fixed]}
     if vocab is not None:
         s = {**s, "vocab": vocab}
     trainers, out, base = {}, {"preset": preset, "arm": arm, "vocab": s["vocab"], "cache_rows": cache_rows}, 0
@@ -151,7 +155,8 @@ def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = Non
             base = torch.cuda.memory_allocated()  # what the device run keeps while the host run is measured
     samples: dict = {}
     med = time_interleaved({a: step_fn(t) for a, t in trainers.items()}, s["steps"], 1, samples)
-    out.update(step_s=med, host_over_device=paired_ratio(samples["host"], samples["device"]))
+    out.update(step_s=med, host_over_device=paired_ratio(samples["host"], samples["device"]),
+               slab_over_device=paired_ratio(samples["slab"], samples["device"]))
     cfg = trainers["host"].model.cfg
     parts = param_breakdown(cfg)
     backbone = sum(parts.values()) - parts["tables"]
@@ -159,6 +164,7 @@ def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = Non
     cache = len(cfg.table_layers) * min(cache_rows, cfg.vocab_size) * cfg.d_ff * 4 * 4  # rows, grads, two moments
     out["bound_bytes"] = backbone * 16 + window + cache  # fp32 weights, grads, Adam moments + rows of two steps + cache
     out["rows_moved"] = dict(trainers["host"].model.tables.traffic)
+    out["slab_rows_moved"] = dict(trainers["slab"].model.tables.traffic)
     del trainers
     free(s)
     return out

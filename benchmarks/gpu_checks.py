@@ -11,7 +11,8 @@
 * ``graph``: the loop's losses with ``run.step_graph=auto`` (the whole step captured as one CUDA
   graph; ``static``, the same step uncaptured, in a dry run) against the eager loop's (same seed, compiled blocks in both), dense, STEM-full
   and STEM-1/3 with its tables in the dense optimizer (``optim.table_optimizer=dense``), with
-  ``optim.grad_accum=2``, and the step times of both;
+  ``optim.grad_accum=2``, and the step times of both; and STEM-full's captured step with host-RAM tables
+  through the fixed device slab (``SlabTables``) against the same step with device tables (bit for bit);
 * ``tune`` (with ``--tune``, first): each table kernel timed under a few tile sizes and warps
   (``CANDIDATES``; the first of each list is the shipped default) at the same shape, the AdamW over
   the touched rows of a 31-layer stack; a candidate counts only when its outputs equal the default's
@@ -306,26 +307,32 @@ def gemm_check(device: str, N: int, F_: int, V: int) -> dict:
 
 
 def graph_check(s: dict) -> dict:
-    """Losses and step times of the eager loop and of ``run.step_graph=auto``, dense and STEM-full."""
+    """Losses and step times of the eager loop and of ``run.step_graph=auto``, dense and STEM-full; and of
+    STEM-full's captured step with its tables on the device and in host RAM through the fixed device slab
+    (``SlabTables``: ``run.tables=host`` under an explicit ``static``/``graph``), which must agree bit for bit."""
     out = {}
     arms = {"dense": ["model.ffn=dense"], "stem-full": ["model.ffn=stem", "model.stem_layers=full", "run.table_path=fused"],
             # tables trained whole by torch AdamW (the study's paper optimizer): the reference path, captured too
             "stem-1/3-dense-optimizer": ["model.ffn=stem", "model.stem_layers=1/3", "optim.table_optimizer=dense"]}
-    for arm, o in arms.items():
+    pairs = {arm: {"eager": [*o, "run.step_graph=eager"], "auto": [*o, f"run.step_graph={s['captured']}"]}
+             for arm, o in arms.items()}
+    fixed = f"run.step_graph={'static' if s['captured'] == 'static' else 'graph'}"
+    pairs["stem-full-host-slab"] = {"device": [*arms["stem-full"], fixed],
+                                    "host": [*arms["stem-full"], fixed, "run.tables=host"]}
+    for arm, modes in pairs.items():
         runs = {}
-        for mode in ("eager", "auto"):
-            step_graph = s["captured"] if mode == "auto" else mode
-            t = make_trainer([*s["common"], *o, f"run.step_graph={step_graph}", "optim.grad_accum=2"], preset=s["preset"])
+        for mode, overrides in modes.items():
+            t = make_trainer([*s["common"], *overrides, "optim.grad_accum=2"], preset=s["preset"])
             losses, times = [], []
             for _ in range(s["steps"]):
                 t0 = time.perf_counter()
                 losses.append(t.train_step()["loss"])
                 times.append(time.perf_counter() - t0)
             runs[mode] = {"resolved": t.step_graph, "table_kernels": t.table_kernels, "losses": losses,
-                          "median_step_s": statistics.median(times[2:])}
+                          "tables": type(t.model.tables).__name__, "median_step_s": statistics.median(times[2:])}
             del t
-        diff = max(abs(a - b) for a, b in zip(runs["eager"]["losses"], runs["auto"]["losses"]))
-        out[arm] = {**runs, "max_abs_loss_diff": diff}
+        a, b = runs.values()
+        out[arm] = {**runs, "max_abs_loss_diff": max(abs(x - y) for x, y in zip(a["losses"], b["losses"]))}
     return out
 
 

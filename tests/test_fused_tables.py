@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stemlm import StemLM, model_config
-from stemlm.train.fused import FusedRowAdamW, dedup, install_fused_tables, install_host_tables
+from stemlm.train.fused import FusedRowAdamW, dedup, install_fused_tables, install_host_tables, install_slab_tables
 from stemlm.model.tables import unique_ids
 from stemlm.train.optim import clip_grad_norm
 from stemlm.train.sparse_adam import SparseRowAdamW
@@ -44,9 +44,13 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
     else:
         host = path.startswith("host")
         kernels = kw.get("kernels", "torch")
-        tables = (install_host_tables(model, "cpu", kernels, uva=path.startswith("host_uva"),
-                                      cache_ids=kw.get("cache_ids")) if host
-                  else install_fused_tables(model, kw.get("exact"), kernels))
+        if path == "slab":
+            tables = install_slab_tables(model, "cpu", kw.get("slab_rows", 40), kernels, cache_ids=kw.get("cache_ids"))
+        elif host:
+            tables = install_host_tables(model, "cpu", kernels, uva=path.startswith("host_uva"),
+                                         cache_ids=kw.get("cache_ids"))
+        else:
+            tables = install_fused_tables(model, kw.get("exact"), kernels)
         table_opt = FusedRowAdamW(tables, lr=0.05, weight_decay=0.1, decay_untouched=decay_untouched,
                                   compile=path.endswith("compiled"))
     backbone = [p for n, p in model.named_parameters() if not n.startswith("tables.")]
@@ -55,6 +59,7 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
     for step, micro in enumerate(batches):
         micro = micro[:accum]
         if path != "reference":
+            model.tables.prepare_step([ids[:, :-1] for ids in micro], ticket)
             model.tables.begin_step([ids[:, :-1] for ids in micro], ticket)
         for ids in micro:
             loss = model(ids[:, :-1], targets=ids[:, 1:])
@@ -69,7 +74,9 @@ def train(cfg, state, batches, path="reference", decay_untouched="lazy", clip=0.
         opt.zero_grad()
     tables = {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("tables.")}
     tensors, meta = table_opt.state_dict()
-    if path.startswith("host"):
+    if path == "slab":
+        train.traffic = dict(model.tables.traffic)
+    elif path.startswith("host"):
         train.traffic = dict(model.tables.traffic)
         assert (model.tables._views is not None) == path.startswith("host_uva")  # which pipeline ran
     return losses, tables, tensors, meta
@@ -142,6 +149,23 @@ def test_padded_and_host_training_equal(setup, path):
         rows_out = sum(len(a - b) for a, b in zip(sets, sets[1:])) + len(sets[-1])  # + the final write-back
         assert train.traffic == {"rows_in": rows_in, "rows_out": rows_out}
         assert rows_in < sum(len(x) for x in sets)  # rows used by consecutive steps stayed on the device
+
+
+@pytest.mark.parametrize("slab_rows, cached", [(40, False), (200, False), (70, True)])
+def test_slab_training_equals_the_padded_device_tables(setup, slab_rows, cached):
+    """``SlabTables`` (host-RAM home, a fixed device slab) computes the fixed-buffer device step bit for bit:
+    with a slab that must evict and reload rows, one that holds every row, and one with a hot-row cache;
+    rows come back in only when the slab lacks them."""
+    cfg, state, batches = setup
+    want = train(cfg, state, batches, "fused", "catchup", exact=False)
+    hot = torch.arange(0, 60, 2) if cached else None
+    got = train(cfg, state, batches, "slab", "catchup", slab_rows=slab_rows, cache_ids=hot)
+    _assert_same(got, want, exact=True)
+    distinct = len(set(torch.cat([ids[:, :-1].reshape(-1) for micro in batches for ids in micro[:ACCUM]]).tolist()))
+    if slab_rows >= cfg.vocab_size:
+        assert train.traffic["rows_in"] == distinct  # each row loaded once
+    elif not cached:
+        assert train.traffic["rows_in"] > distinct  # evicted rows were loaded again
 
 
 # the CPU's C++ loop (device tier, host window); torch.compile with padded slots (the graph CUDA runs)

@@ -36,6 +36,7 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
         assert r["train"][shape]["table_path"]["stem-full"] == "reference"  # auto on the CPU
     assert r["hf"] is None  # transformers is not importable: the section is skipped, not failed
     assert r["host"]["rows_moved"]["rows_in"] > 0 and r["host"]["host_over_device"] > 0
+    assert r["host"]["slab_over_device"] > 0 and r["host"]["slab_rows_moved"]["rows_in"] > 0  # the fixed slab
     assert all(r["decode"][f"{tier}_b{b}_tok_s"] > 0 for tier in ("device", "host") for b in (1, 16))
     assert r["host49k"]["vocab"] == 1024 and r["host49k"]["host_over_device"] > 0
     assert r["accum"]["extra"] == ["optim.grad_accum=8"] and r["accum"]["tokens_per_step"] == 8 * 2 * 32

@@ -163,7 +163,7 @@ def setup():
 
 @pytest.mark.parametrize("path, exact, which", [("fused", False, "triton"), ("fused", True, "triton"),
                                                ("host", True, "triton"), ("fused", False, "triton-gemm"),
-                                               ("host", True, "triton-gemm")])
+                                               ("host", True, "triton-gemm"), ("slab", False, "triton")])
 def test_training_with_triton_kernels_equals_reference(setup, path, exact, which):
     cfg, state, batches = setup
     want = train(cfg, state, batches, "reference", "catchup")
@@ -265,8 +265,8 @@ def test_fixed_buffer_step_equals_the_eager_loop(tmp_path, extra):
     with pytest.raises(ConfigError, match="run.step_graph=graph captures a CUDA graph"):
         Trainer(debug_config(data, tmp_path / "on", *common, "run.step_graph=graph"))
     if not extra:
-        with pytest.raises(ConfigError, match="host-RAM tables move rows between steps"):
-            Trainer(debug_config(data, tmp_path / "host", *common, "run.step_graph=static", "run.tables=host"))
+        with pytest.raises(ConfigError, match="run.table_slab_rows sizes the device slab"):
+            Trainer(debug_config(data, tmp_path / "slab", *common, "run.table_slab_rows=64"))
 
 
 def test_kernel_configs_load_from_the_environment_and_refuse_bad_values(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import torch
 
 from stemlm.config import ConfigError
 from stemlm.store import TableStore
-from stemlm.train.fused import FusedTables, HostTables
+from stemlm.train.fused import FusedTables, HostTables, SlabTables
 from stemlm.train import Trainer
 from stemlm.train.state import load_optimizer_state  # noqa: F401  (the format both paths share)
 from train_helpers import debug_config, losses, make_token_data, one_thread  # noqa: F401
@@ -48,6 +48,45 @@ def test_fused_and_host_runs_equal_the_reference(data, tmp_path):
         if kind is TableStore:  # the tier the serving side uses, trained through the table protocol
             assert t.model.tables.tier == extra[0].split("=")[1] and t.model.tables.stats()["rows_written"] > 0
     assert (tmp_path / "disk_store" / "tables.safetensors").is_file()  # the disk tier's rows, in the run dir
+
+
+@pytest.fixture(scope="module")
+def wide_data(tmp_path_factory):  # 400 ids in use: a step meets ~190 of them, a slab of 240 must evict
+    return make_token_data(tmp_path_factory.mktemp("tp") / "wide", used=400)
+
+
+@pytest.mark.parametrize("slab", [0, 240])
+def test_host_tables_through_a_fixed_slab_equal_the_device_tables(wide_data, tmp_path, slab):
+    """``run.tables=host`` with ``run.step_graph=static`` (the step a CUDA graph captures) trains through a fixed
+    device slab (``SlabTables``): the losses, weights and optimizer state of the same fixed-buffer step with the
+    tables on the device, bit for bit, with the default slab (the keys of two steps) and one so small that most
+    steps evict rows and load them back; a checkpoint written from it resumes on the device tables."""
+    fixed = ("run.table_path=fused", "run.step_graph=static")
+    ref, ref_result = _run(wide_data, tmp_path / "device", *fixed)
+    assert isinstance(ref.model.tables, FusedTables)
+    extra = ("run.tables=host", *fixed) + ((f"run.table_slab_rows={slab}",) if slab else ())
+    t, result = _run(wide_data, tmp_path / "slab", *extra)
+    tables = t.model.tables
+    assert isinstance(tables, SlabTables) and t.captured is not None
+    assert tables.capacity == (slab or 2 * 2 * 4 * 32)  # the keys of two steps: debug's 4 × 32 tokens, accum 2
+    if slab:
+        assert tables.traffic["rows_out"] > 0 and tables.traffic["rows_in"] > tables.capacity  # rows came back
+    assert losses(tmp_path / "slab") == losses(tmp_path / "device") and result.val_loss == ref_result.val_loss
+    got, want = t.model.state_dict(), ref.model.state_dict()
+    for k in want:
+        assert torch.equal(got[k].cpu(), want[k].cpu()), k
+    for k, v in ref.table_opt.state_dict()[0].items():
+        assert torch.equal(t.table_opt.state_dict()[0][k].cpu(), v.cpu()), k
+    with Trainer(debug_config(wide_data, tmp_path / "split", *COMMON, *extra)) as t:
+        t.fit(stop_at=3)
+    with Trainer(debug_config(wide_data, tmp_path / "split", *COMMON, *fixed), resume=True) as t:
+        t.fit()
+    assert losses(tmp_path / "split") == losses(tmp_path / "device")
+
+
+def test_a_slab_too_small_for_a_step_is_one_line(data, tmp_path):
+    with pytest.raises(ValueError, match=r"a step uses \d+ distinct table rows .* but the device slab has 4 slots"):
+        _run(data, tmp_path / "tiny", "run.tables=host", "run.step_graph=static", "run.table_slab_rows=4")
 
 
 @pytest.mark.parametrize("first, then", [

@@ -405,6 +405,10 @@ class Tables(nn.ModuleDict):
         training tables); returns the ticket to hand to that step's ``begin_step``. Nothing here."""
         return None
 
+    def prepare_step(self, ids, ticket=None) -> None:
+        """Make the rows of the coming step's ids ``ids`` ready where its (possibly captured) step reads
+        them, before the step runs (``SlabTables`` loads them into its device slab). Nothing here."""
+
     def device_views(self, device) -> dict[str, torch.Tensor] | None:
         """Each layer's rows as a tensor ``device`` reads in place, for tiers whose rows live off the
         model (``TableStore``: host RAM through a UVA view); None here, where the tables are modules."""

@@ -26,7 +26,9 @@ training step: capturing records, then the step is replayed once to run it.
 What changes against the eager loop: the optimizers have updated the weights before the host
 learns of a non-finite loss or norm (the step cannot be refused from the host without a sync), so a
 diverged step stops the run with the weights in memory already updated; the checkpoints on disk are
-untouched. Not captured: host-RAM tables (their window moves rows between steps), ``run.anneal``
+untouched. Host-RAM tables are captured only when ``run.step_graph`` names ``static`` or ``graph``: they
+then train through a fixed device slab (``SlabTables``, loaded before each step outside the graph); under
+``auto`` they keep the uncaptured window of ``HostTables``. Not captured: ``run.anneal``
 (scales change every step), Hash-MoE layers (they route by data), distributed runs.
 """
 
@@ -199,8 +201,8 @@ def _step_graph_problem(trainer, mode: str) -> str | None:
 
     cfg = trainer.cfg
     tables = trainer.model.tables
-    if isinstance(tables, HostTables):
-        return "host-RAM tables move rows between steps (use run.tables=device)"
+    if isinstance(tables, HostTables):  # run.step_graph=static/graph install SlabTables instead
+        return "host-RAM tables move rows between steps (name run.step_graph=static or graph to train them through a fixed device slab)"
     if len(tables) and not isinstance(tables, FusedTables) and not trained_whole(tables.values()):
         return "the table path must be fused (run.table_path=fused, or auto on CUDA)"
     if cfg.run.anneal != "off":

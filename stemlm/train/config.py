@@ -193,16 +193,20 @@ class RunSection:
                                  "both compute the same steps, so it may change on resume")
     step_graph: str = _f("auto", "the whole step (micro-batches, clipping, both optimizers): eager (the loop as it is) | "
                          "static (on fixed buffers, run eagerly, any device) | graph (on fixed buffers, captured once as a "
-                         "CUDA graph and replayed; fused device tables or tables in the dense optimizer, "
+                         "CUDA graph and replayed; fused device tables, tables in the dense optimizer, or host tables through a "
+                         "fixed device slab (run.table_slab_rows), "
                          "no anneal, not distributed; a diverged step is reported after its update; docs/gpu.md) | "
                          "auto (graph on CUDA where the step allows it, eager elsewhere)")
     table_kernels: str = _f("auto", "fused table path: triton (the row gather fused into the STEM product, a segmented-sum "
                             "backward, a one-pass row AdamW; stemlm/kernels, docs/gpu.md) | triton-gemm (the same work in the epilogues of "
-                            "the gate's GEMM and of the down projection's backward GEMM; not yet timed on a GPU) | torch | auto (triton on CUDA "
+                            "the gate's GEMM and of the down projection's backward GEMM; slower than triton on an H200) | torch | auto (triton on CUDA "
                             "when it imports, torch elsewhere; triton on the CPU runs under the Triton interpreter, slowly)")
     table_cache_rows: int = _f(0, "run.tables=host: rows per table kept on the accelerator in every step's window (the "
                                "most frequent ids of the training data; they never cross the bus again); size it with "
                                "stemlm plan --train --cache-frac")
+    table_slab_rows: int = _f(0, "run.tables=host with run.step_graph=static or graph: slots of the fixed device slab the "
+                              "rows train through (SlabTables, docs/gpu.md); 0 = the keys of two steps plus the hot-row "
+                              "cache; at least one step's distinct keys plus the cache")
     tables: str = _f("device", "where the STEM tables live while training: device | host | disk (or any tier registered in "
                      "stemlm.store.tiers); host on the fused path (auto picks it) = the rows and their optimizer state "
                      "in pinned host RAM, the accelerator holds those of the current and next step (docs/gpu.md); with "
@@ -241,7 +245,10 @@ class RunSection:
         _choice(self.table_path, "run.table_path", TABLE_PATHS)
         _choice(self.table_kernels, "run.table_kernels", TABLE_KERNELS)
         _choice(self.step_graph, "run.step_graph", STEP_GRAPH_MODES)
-        _non_negative(self, "run", ("table_cache_rows",))
+        _non_negative(self, "run", ("table_cache_rows", "table_slab_rows"))
+        if self.table_slab_rows and not (self.tables == "host" and self.step_graph in ("static", "graph")):
+            raise ConfigError("run.table_slab_rows sizes the device slab of host-RAM tables under a fixed-buffer step: "
+                              "it needs run.tables=host and run.step_graph=static or graph")
         if self.table_cache_rows and self.tables != "host":
             raise ConfigError("run.table_cache_rows keeps host-RAM rows on the accelerator: it needs run.tables=host")
         _positive(self, "run", ("spike_factor",) + (("peak_flops",) if self.peak_flops is not None else ()))

@@ -105,8 +105,13 @@ class Trainer:
                                              self.device, self.model)
         cache = (hot_ids(self.train_ds.tokens, self.model.cfg.vocab_size, cfg.run.table_cache_rows)
                  if cfg.run.table_cache_rows else None)
+        slab = None  # host tables under an explicit fixed-buffer step: a device slab of the rows of two steps
+        if cfg.run.tables == "host" and cfg.run.step_graph in ("static", "graph"):
+            accum, B, T = cfg.optim.grad_accum, cfg.data.batch_size, cfg.data.seq_len
+            keys = self.model.table_keys(torch.zeros(B, T, dtype=torch.long)).numel() * accum
+            slab = cfg.run.table_slab_rows or 2 * keys + (len(cache) if cache is not None else 0)
         self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
-                                              cfg.run.table_kernels, cache, RunDir(self.run_dir).tables_file)
+                                              cfg.run.table_kernels, cache, RunDir(self.run_dir).tables_file, slab)
         try:
             self.teacher = teacher_for_run(cfg.run, self.device, self.model, self.host_batch,  # None without run.distill
                                            cfg.run.steps * cfg.optim.grad_accum, self.run_dir / "distill_topk",
@@ -249,6 +254,7 @@ class Trainer:
         host = self.step_batches(self.step)
         ids = torch.cat([b.inputs.reshape(-1) for b in host])
         check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
+        tables.prepare_step([self.model.table_keys(b.inputs) for b in host], self._table_ticket)  # not captured
         if self.step_graph != "eager":
             if self.captured is None:
                 self.captured = CapturedStep(self, graphs=self.step_graph == "graph",

@@ -14,6 +14,7 @@ from ...model.tables import StemTable
 from ...store import Placement, offload_tables
 from ...store.tiers import tier_of
 from .host import install_host_tables
+from .slab import install_slab_tables
 from .kernels import indexed_update_
 from .stacked import install_fused_tables
 
@@ -54,12 +55,14 @@ def resolve_table_path(table_path: str, tables_tier: str, table_optimizer: str, 
 
 def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device: torch.device,
                      table_kernels: str = "torch", cache_ids: torch.Tensor | None = None,
-                     tables_file=None) -> str | None:
+                     tables_file=None, slab_rows: int | None = None) -> str | None:
     """Install the tables' container for training (after the model is on ``device``); returns the kernels of
     the fused path (None on the reference path).
 
     Fused: ``FusedTables`` or, for ``tables_tier="host"``, ``HostTables``, with the kernels ``table_kernels``
-    resolves to (``auto``/``triton``/``torch``) and, for host tables, the rows ``cache_ids`` kept on the device.
+    resolves to (``auto``/``triton``/``torch``) and, for host tables, the rows ``cache_ids`` kept on the device;
+    with ``slab_rows`` host tables train through a fixed device slab of that many slots (``SlabTables``: the
+    step can run on fixed buffers, ``run.step_graph=static``/``graph``).
     Reference, off the device: the tier's ``TableStore``, as serving installs it (``offload_tables``; a tier
     that serves a file writes the rows into ``tables_file``)."""
     if table_path != "fused":
@@ -75,7 +78,9 @@ def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device
         if problem:
             warnings.warn(f"{problem}; training with run.table_kernels=torch", stacklevel=2)
             kernels = "torch"
-    if tables_tier == "host":
+    if tables_tier == "host" and slab_rows:
+        install_slab_tables(model, device, slab_rows, kernels, cache_ids=cache_ids)
+    elif tables_tier == "host":
         install_host_tables(model, device, kernels, cache_ids=cache_ids)
     else:
         install_fused_tables(model, kernels=kernels)

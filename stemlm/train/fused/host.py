@@ -270,19 +270,30 @@ class HostTables(FusedTables):
 
     def _rows_no_grad(self, ids: torch.Tensor) -> LayerRows:
         self.flush()
-        host_ids = ids.to("cpu")
-        check_ids(host_ids, self.num_rows)
-        d = dedup(host_ids, self.num_rows, exact=True)
-        per_table = self.storage.index_select(1, d.uniq).to(self.compute).unbind(0)
-        inverse = d.inverse(host_ids).to(self.compute)
-        return LayerRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
+        return rows_from_home(self, self.storage, ids)
+
+
+def rows_from_home(tables: FusedTables, home: torch.Tensor, ids: torch.Tensor) -> LayerRows:
+    """Every layer's rows for ``ids`` read from host RAM ``home (n, V, d)`` (no gradient; the caller flushed),
+    on the tables' compute device."""
+    host_ids = ids.to("cpu")
+    check_ids(host_ids, tables.num_rows)
+    d = dedup(host_ids, tables.num_rows, exact=True)
+    per_table = home.index_select(1, d.uniq).to(tables.device).unbind(0)
+    inverse = d.inverse(host_ids).to(tables.device)
+    return LayerRows({k: (lambda r=r: r) for k, r in zip(tables.keys(), per_table)}, inverse, ids.shape)
 
 
 def install_host_tables(model: nn.Module, device, kernels: str = "torch", uva: bool | None = None,
                         cache_ids: torch.Tensor | None = None) -> HostTables:
     """Move ``model.tables`` (in-memory ``StemTable``s) into one ``HostTables``; returns it."""
+    model.tables = HostTables(stem_tables_of(model), device, kernels, uva, cache_ids)
+    return model.tables
+
+
+def stem_tables_of(model: nn.Module) -> dict[str, StemTable]:
+    """``model.tables`` as a dict, or a one-line ``ValueError`` unless they are in-memory ``StemTable``s."""
     tables = dict(model.tables.items())
     if not tables or not all(type(t) is StemTable for t in tables.values()):
         raise ValueError("host-tier training needs the model's tables in memory as StemTables")
-    model.tables = HostTables(tables, device, kernels, uva, cache_ids)
-    return model.tables
+    return tables

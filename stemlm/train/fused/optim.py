@@ -125,10 +125,11 @@ class FusedRowAdamW:
             global_step=self.global_step, betas=self.betas, eps=self.eps, catchup=self.decay_untouched == "catchup")
 
     def update_indexed(self, step, flat: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Update the rows ``flat`` of the stacked state (device tier) from the step's leaf."""
-        st = self.stacked
+        """Update the rows ``flat`` of the stacked state where the container updates (``update_target``) from
+        the step's leaf."""
+        storage, st = self.container.update_target()
         n, P, d = step.rows.shape
-        weight, m, v = self.container.storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d)
+        weight, m, v = storage.view(-1, d), st["exp_avg"].view(-1, d), st["exp_avg_sq"].view(-1, d)
         counts, last = st["step"].view(-1), st["last_step"].view(-1)
         w_rows, grad = step.rows.detach().reshape(-1, d), step.grad.reshape(-1, d)
         if valid is None and self._plain and self._native(weight, m, v, counts, last, flat, w_rows, grad):

@@ -183,11 +183,11 @@ class FusedTables(Tables):
         elif step.implicit and step.used:
             raise RuntimeError("several forward passes in one optimizer step: call model.tables.begin_step(...) "
                                "with the ids of all of them first")
-        else:
-            assert_on_device(step.dedup.contains(ids.to(self.device)),
-                             "a forward pass used token ids that begin_step was not given")
+        keys = self.step_keys(ids.to(self.device))  # the ids as the step's dedup counts them
+        if not step.implicit:
+            assert_on_device(step.dedup.contains(keys), "a forward pass used token ids that begin_step was not given")
         step.used = True
-        inverse = step.dedup.inverse(ids.to(self.device)).reshape(-1)  # (N,)
+        inverse = step.dedup.inverse(keys).reshape(-1)  # (N,)
         if self.kernels in TRITON_KERNELS:
             gated, _, gemm = self.kernel_modules()
             seg = gated.Segments.of(inverse, step.dedup.size)  # one sort, shared by every layer
@@ -196,6 +196,10 @@ class FusedTables(Tables):
             return PassedRows(per_layer, inverse, ids.shape)
         per_table = ExpandRows.apply(step.rows, inverse)  # n x (N, d)
         return ExpandedRows({k: (lambda r=r: r) for k, r in zip(self.keys(), per_table)}, inverse, ids.shape)
+
+    def step_keys(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids (on the device) as the step's dedup counts them: themselves here; slots for ``SlabTables``."""
+        return ids
 
     def _rows_no_grad(self, ids: torch.Tensor) -> LayerRows:
         ids = ids.to(self.device)
@@ -218,6 +222,10 @@ class FusedTables(Tables):
     def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
         """Zeros where the stacked rows live."""
         return torch.zeros(shape, dtype=dtype, device=self.storage.device)
+
+    def update_target(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Where the optimizer updates rows: the stacked rows ``(n, R, d)`` and their state (``optim_state``)."""
+        return self.storage, self.optim_state()
 
     def apply_update(self, opt, step: StepRows) -> None:
         """Let ``opt`` update the step's rows where they live: the stacked rows at flat index
