@@ -405,6 +405,8 @@ class Tables(nn.ModuleDict):
         training tables); returns the ticket to hand to that step's ``begin_step``. Nothing here."""
         return None
 
+    prepares_steps = False  # whether prepare_step does anything (the loop skips computing its keys otherwise)
+
     def prepare_step(self, ids, ticket=None) -> None:
         """Make the rows of the coming step's ids ``ids`` ready where its (possibly captured) step reads
         them, before the step runs (``SlabTables`` loads them into its device slab). Nothing here."""

@@ -254,7 +254,8 @@ class Trainer:
         host = self.step_batches(self.step)
         ids = torch.cat([b.inputs.reshape(-1) for b in host])
         check_ids(ids, self.model.cfg.vocab_size)  # on the host: the device never has to report back
-        tables.prepare_step([self.model.table_keys(b.inputs) for b in host], self._table_ticket)  # not captured
+        if tables.prepares_steps:  # host tables through a fixed device slab: load the step's rows (not captured)
+            tables.prepare_step([self.model.table_keys(b.inputs) for b in host], self._table_ticket)
         if self.step_graph != "eager":
             if self.captured is None:
                 self.captured = CapturedStep(self, graphs=self.step_graph == "graph",

@@ -44,6 +44,7 @@ class SlabTables(FusedTables):
     """All tables stacked in (pinned) host RAM, trained through a fixed device slab (module docstring)."""
 
     tier = "host"
+    prepares_steps = True
 
     def __init__(self, tables: Mapping[str, StemTable], device, capacity: int, kernels: str = "torch",
                  cache_ids: torch.Tensor | None = None, uva: bool | None = None):
