@@ -93,6 +93,9 @@ def test_gpu_checks_dry_run(tmp_path):
     assert all(gm["ms"][k] > 0 for k in ("fused_forward", "unfused_forward", "fused_backward", "unfused_backward"))
     for arm in ("dense", "stem-full", "stem-1/3-dense-optimizer"):
         assert out["graph"][arm]["max_abs_loss_diff"] == 0.0 and out["graph"][arm]["auto"]["resolved"] == "static"
+    slab = out["graph"]["stem-full-host-slab"]  # host tables through a slab that evicts: the device step's losses
+    assert slab["max_abs_loss_diff"] == 0.0 and slab["host"]["tables"] == "SlabTables"
+    assert slab["host"]["traffic"]["rows_out"] > 0
     tune = out["tune"]  # --tune: two candidates of each kernel, all equal to the default, the fastest kept
     for kernel, timings in tune["timings_ms"].items():
         assert len(timings) == 2 and all(t["equal"] and t["ms"] > 0 for t in timings), kernel
