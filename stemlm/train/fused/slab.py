@@ -163,7 +163,7 @@ class SlabTables(FusedTables):
         C = self.capacity
         if len(need) > C:
             raise ValueError(f"a step uses {len(need)} distinct table rows (hot-row cache included) but the device "
-                             f"slab has {C} slots")
+                             f"slab has {C} slots (raise run.table_slab_rows)")
         missing = need[self.slot_of.index_select(0, need) < 0]
         if len(missing):
             in_step = torch.zeros(C, dtype=torch.bool)
