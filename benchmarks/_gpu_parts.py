@@ -142,10 +142,19 @@ def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = Non
         s = {**s, "vocab": vocab}
     trainers, out, base = {}, {"preset": preset, "arm": arm, "vocab": s["vocab"], "cache_rows": cache_rows}, 0
     for name, overrides in arms.items():
-        trainers[name] = trainers_for(s, preset, {name: overrides})[name]
-        run = step_fn(trainers[name])
-        for _ in range(s["warmup"]):
-            run()
+        try:
+            trainers[name] = trainers_for(s, preset, {name: overrides})[name]
+            run = step_fn(trainers[name])
+            for _ in range(s["warmup"]):
+                run()
+        except torch.cuda.OutOfMemoryError as e:  # the slab beside the two others may not fit a smaller card
+            if name != "slab":
+                raise
+            out["slab_error"] = error_text(e)
+            trainers.pop(name, None)
+        if name not in trainers:
+            free(s)  # (after the except block: the exception no longer holds the half-built trainer)
+            continue
         if s["device"].startswith("cuda"):
             torch.cuda.reset_peak_memory_stats()
             held = torch.cuda.memory_allocated()
@@ -155,8 +164,10 @@ def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = Non
             base = torch.cuda.memory_allocated()  # what the device run keeps while the host run is measured
     samples: dict = {}
     med = time_interleaved({a: step_fn(t) for a, t in trainers.items()}, s["steps"], 1, samples)
-    out.update(step_s=med, host_over_device=paired_ratio(samples["host"], samples["device"]),
-               slab_over_device=paired_ratio(samples["slab"], samples["device"]))
+    out.update(step_s=med, host_over_device=paired_ratio(samples["host"], samples["device"]))
+    if "slab" in trainers:
+        out["slab_over_device"] = paired_ratio(samples["slab"], samples["device"])
+        out["slab_rows_moved"] = dict(trainers["slab"].model.tables.traffic)
     cfg = trainers["host"].model.cfg
     parts = param_breakdown(cfg)
     backbone = sum(parts.values()) - parts["tables"]
@@ -164,7 +175,6 @@ def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = Non
     cache = len(cfg.table_layers) * min(cache_rows, cfg.vocab_size) * cfg.d_ff * 4 * 4  # rows, grads, two moments
     out["bound_bytes"] = backbone * 16 + window + cache  # fp32 weights, grads, Adam moments + rows of two steps + cache
     out["rows_moved"] = dict(trainers["host"].model.tables.traffic)
-    out["slab_rows_moved"] = dict(trainers["slab"].model.tables.traffic)
     del trainers
     free(s)
     return out

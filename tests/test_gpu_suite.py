@@ -25,7 +25,7 @@ runpy.run_path({str(ROOT / "benchmarks" / "gpu_suite.py")!r}, run_name="__main__
 def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "STEMLM_BENCH_RESULTS": str(tmp_path), "OMP_NUM_THREADS": "1",
            "TMPDIR": str(tmp_path), "HOME": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", RUN], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "gpu_suite.quick.json").read_text())
     assert out["dry_run"] and out["device"].startswith("cpu") and out["meta"]["git_commit"]
