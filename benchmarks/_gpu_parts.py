@@ -125,6 +125,21 @@ def gemm_section(s, preset: str) -> dict:
     return graph_section(s, preset, "triton-gemm")
 
 
+def ngram_section(s, preset: str) -> dict:
+    """Issue 36's cost on the GPU: n-gram rows (``model.ffn=ngram``, token + hashed bigram and trigram keys) beside
+    STEM's token rows at the same placements, dense beside them, captured like the ``graph`` section; ``ngram_over_stem``
+    is each placement's paired step ratio (goal ≤ 1.10, as on the CPU)."""
+    mode = "graph" if s["device"] == "cuda" else "static"
+    fused = ["run.table_path=fused"]
+    arms = {"dense": ARMS["dense"],
+            **{f"{kind}-{p}": [f"model.ffn={kind}", f"model.stem_layers={p}", *fused]
+               for p in ("1/3", "full") for kind in ("stem", "ngram")}}
+    out = train_section(s, preset, arms, (f"run.step_graph={mode}",), ("compiled",) if s["compile"] else ("eager",))
+    steps = out["compiled" if s["compile"] else "eager"]["step_s"]
+    out["ngram_over_stem"] = {p: steps[f"ngram-{p}"] / steps[f"stem-{p}"] for p in ("1/3", "full")}
+    return out
+
+
 def host_section(s, preset: str, arm: str = "stem-full", vocab: int | None = None, cache_rows: int = 0) -> dict:
     """The same STEM model trained with its tables on the device and in host RAM (``run.tables=host``), the
     latter twice: the uncaptured window (``HostTables``, what ``auto`` runs) and the fixed device slab under

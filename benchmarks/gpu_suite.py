@@ -28,7 +28,9 @@ defaults: fused, Triton on CUDA):
   step wall time, and the GPU time the table path adds per micro-batch (with ``triton-gemm`` too, where the
   table work runs inside GEMM kernels: STEM-full's kernel time beyond dense's plus the GEMM time it saves);
 * ``cli``: the tokens/s and MFU (against the card's bf16 peak) that ``stemlm train`` logs with its
-  default settings (``run.compile=auto``).
+  default settings (``run.compile=auto``);
+* ``ngram``: issue 36's cost: n-gram rows (token + hashed bigram/trigram keys) ÷ STEM's token rows at
+  placements 1/3 and full, captured, at the 350M shape (goal ≤ 1.10).
 
 Only torch, numpy, safetensors, tokenizers and pyyaml (and triton, which comes with torch on a GPU
 machine) need to be importable. Writes ``benchmarks/results/gpu_suite.json`` (``gpu_suite.quick.json``
@@ -45,12 +47,13 @@ from pathlib import Path
 
 import torch
 from _gpu_parts import (accum_section, cli_section, copy_bandwidth, decode_section, error_text, free, gemm_section,
-                        graph_section, hf_section, host_section, matmul_peak, profile_section, spec_peak, train_section)
+                        graph_section, hf_section, host_section, matmul_peak, ngram_section, profile_section, spec_peak,
+                        train_section)
 from _train_bench import synthetic_data_dir, write_result
 from stemlm.kernels import configs as kernel_configs  # the tile sizes the table kernels run ($STEMLM_TABLE_KERNEL_CONFIGS)
 
 SHAPES = {"350m": "mobilellm-350m", "1b": "llama3.2-1b"}
-SECTIONS = ("train", "graph", "gemm", "accum", "hf", "host", "host49k", "decode", "profile", "cli")
+SECTIONS = ("train", "graph", "gemm", "accum", "hf", "host", "host49k", "decode", "profile", "cli", "ngram")
 HOST_VOCAB = 49152  # SmolLM2's vocabulary: tables that do not fit beside the model on a smaller card
 
 
@@ -92,7 +95,7 @@ def run_suite(s: dict, sections: tuple[str, ...], profile: bool, after_section=N
              + [("gemm", k, gemm_section) for k in s["presets"]]
              + [("accum", "350m", accum_section), ("hf", "350m", hf_section), ("host", "350m", host_section),
                 ("host49k", "350m", big["host49k"]), ("decode", "350m", decode_section),
-                ("profile", "350m", profile_section), ("cli", "350m", big["cli"])])
+                ("profile", "350m", profile_section), ("cli", "350m", big["cli"]), ("ngram", "350m", ngram_section)])
     if profile and "profile" not in sections:
         sections = (*sections, "profile")
     for section, shape, fn in steps:
@@ -232,6 +235,9 @@ def goals(r: dict, s: dict, dry_run: bool, device_name: str) -> list[dict]:
             add(f"host-RAM tables (V={vocab}{label}): GPU memory ≤ backbone + its optimizer + cache + rows of two steps",
                 None if held is None else f"{held / 1e9:.2f} GB vs {h['bound_bytes'] / 1e9:.2f} GB",
                 held is not None and held <= h["bound_bytes"])
+    ng = (r.get("ngram") or {}).get("ngram_over_stem")
+    add("350m: n-gram rows ÷ STEM rows, step at the same placement ≤ 1.10 (captured; issue 36)",
+        None if not ng else ", ".join(f"{p} {v:.3f}×" for p, v in ng.items()), bool(ng) and max(ng.values()) <= 1.10)
     d = r.get("decode") or {}
     b1, b16, host1, host16 = (d.get(k) for k in ("device_b1_tok_s", "device_b16_tok_s", "host_b1_tok_s", "host_b16_tok_s"))
     eager = d.get("device_b1_eager_tok_s")

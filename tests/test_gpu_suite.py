@@ -37,6 +37,7 @@ def test_dry_run_with_only_the_gpu_machines_packages(tmp_path):
     assert r["hf"] is None  # transformers is not importable: the section is skipped, not failed
     assert r["host"]["rows_moved"]["rows_in"] > 0 and r["host"]["host_over_device"] > 0
     assert r["host"]["slab_over_device"] > 0 and r["host"]["slab_rows_moved"]["rows_in"] > 0  # the fixed slab
+    assert set(r["ngram"]["ngram_over_stem"]) == {"1/3", "full"} and r["ngram"]["table_path"]["ngram-full"] == "fused"
     assert all(r["decode"][f"{tier}_b{b}_tok_s"] > 0 for tier in ("device", "host") for b in (1, 16))
     assert r["host49k"]["vocab"] == 1024 and r["host49k"]["host_over_device"] > 0
     assert r["accum"]["extra"] == ["optim.grad_accum=8"] and r["accum"]["tokens_per_step"] == 8 * 2 * 32
@@ -114,7 +115,9 @@ def test_goals_of_a_run_of_the_graph_section_alone():
     saved = json.loads((ROOT / "benchmarks" / "results" / "gpu_h200_2026-11-27b" / "suite_b.json").read_text())
     assert saved["sections"] == ["graph", "profile"] and not saved["results"]["train"]
     rows = gpu_suite.goals(saved["results"], saved["settings"], False, saved["device"])
-    assert rows == saved["goals"]
+    known = {g["goal"] for g in saved["goals"]}
+    assert [r for r in rows if r["goal"] in known] == saved["goals"]
+    assert all(r["status"] == "unmeasured" for r in rows if r["goal"] not in known)  # goals added since that run
     by_goal = {r["goal"]: r for r in rows}
     assert by_goal["1b: stem-full ÷ dense step ≤ 0.88 (fastest modes)"]["status"] == "met"
     assert by_goal["350m: stem-full ÷ dense step ≤ 0.93 (fastest modes)"]["status"] == "not met"
