@@ -318,6 +318,8 @@ class Engine:
     def _finish(self, req: Request, reason: str, message: str = "") -> None:
         self._owner.pop(id(req.seq), None)
         self.metrics.finished(reason)
+        with self._cond:  # out of the published batch before its caller hears: counts agree with the answers
+            self.running = [r for r in self.running if r is not req]
         _send(req, Finished(reason, message))
 
 
