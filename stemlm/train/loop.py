@@ -108,7 +108,7 @@ class Trainer:
         slab = None  # host tables under an explicit fixed-buffer step: a device slab of the rows of two steps
         if cfg.run.tables == "host" and cfg.run.step_graph in ("static", "graph"):
             accum, B, T = cfg.optim.grad_accum, cfg.data.batch_size, cfg.data.seq_len
-            keys = self.model.table_keys(torch.zeros(B, T, dtype=torch.long)).numel() * accum
+            keys = self.model.table_keys(torch.zeros(B, T, dtype=torch.long, device=self.device)).numel() * accum
             slab = cfg.run.table_slab_rows or 2 * keys + (len(cache) if cache is not None else 0)
         self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
                                               cfg.run.table_kernels, cache, RunDir(self.run_dir).tables_file, slab)
