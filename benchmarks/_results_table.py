@@ -137,7 +137,9 @@ def rerun_cells(r: Row, check: dict | None) -> tuple[str, str] | None:
     found = [c for c in check["checks"].values() if RES + c["result"] in files and c.get("figures")]
     if not found:
         return None
-    figs = [(name, f) for c in found for name, f in c["figures"].items()]
+    figs = [(name, f) for c in found for name, f in c["figures"].items() if f["runs"]]  # (a figure no re-run gave:
+    if not figs:                                                                          # its committed value alone)
+        return None
     n = max(len(f["runs"]) for _, f in figs)
     at = found[0].get("commit", check["commit"])  # a check merged in by `check.py --only` has its own
     commit = at[:7] + ("-dirty" if at.endswith("-dirty") else "")
