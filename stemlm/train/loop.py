@@ -35,7 +35,7 @@ from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_write_text, clean_interrupted_saves
 from ..runtime.malloc import keep_freed_memory
 from ..runtime.matmul import apply_matmul
-from .fused.apply import apply_table_path, hot_ids, resolve_table_path
+from .fused.apply import apply_table_path, hot_ids, resolve_table_path, slab_rows_for
 from ..model.decoder import StemLM
 from ..insert.anneal import apply_schedule, check_annealable, export_stem
 from ..model.tables import check_ids, ids_checked
@@ -105,13 +105,9 @@ class Trainer:
                                              self.device, self.model)
         cache = (hot_ids(self.train_ds.tokens, self.model.cfg.vocab_size, cfg.run.table_cache_rows)
                  if cfg.run.table_cache_rows else None)
-        slab = None  # host tables under an explicit fixed-buffer step: a device slab of the rows of two steps
-        if cfg.run.tables == "host" and cfg.run.step_graph in ("static", "graph"):
-            accum, B, T = cfg.optim.grad_accum, cfg.data.batch_size, cfg.data.seq_len
-            keys = self.model.table_keys(torch.zeros(B, T, dtype=torch.long, device=self.device)).numel() * accum
-            slab = cfg.run.table_slab_rows or 2 * keys + (len(cache) if cache is not None else 0)
         self.table_kernels = apply_table_path(self.model, self.table_path, cfg.run.tables, self.device,
-                                              cfg.run.table_kernels, cache, RunDir(self.run_dir).tables_file, slab)
+                                              cfg.run.table_kernels, cache, RunDir(self.run_dir).tables_file,
+                                              slab_rows_for(cfg, self.model, self.device, cache))
         try:
             self.teacher = teacher_for_run(cfg.run, self.device, self.model, self.host_batch,  # None without run.distill
                                            cfg.run.steps * cfg.optim.grad_accum, self.run_dir / "distill_topk",

@@ -87,6 +87,17 @@ def apply_table_path(model: nn.Module, table_path: str, tables_tier: str, device
     return kernels
 
 
+def slab_rows_for(cfg, model: nn.Module, device: torch.device, cache_ids: torch.Tensor | None) -> int | None:
+    """The device slab of host-RAM tables under an explicit fixed-buffer step (``run.tables=host`` with
+    ``run.step_graph=static``/``graph``): ``run.table_slab_rows``, or the table keys of two steps plus the
+    hot-row cache; None (no slab) otherwise."""
+    if cfg.run.tables != "host" or cfg.run.step_graph not in ("static", "graph"):
+        return None
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    keys = model.table_keys(torch.zeros(B, T, dtype=torch.long, device=device)).numel() * cfg.optim.grad_accum
+    return cfg.run.table_slab_rows or 2 * keys + (len(cache_ids) if cache_ids is not None else 0)
+
+
 def offload_for_training(model: nn.Module, tier: str, device: torch.device, tables_file=None):
     """Move ``model.tables`` to ``tier`` for training on the reference path: the same ``TableStore`` and
     backends ``stemlm serve`` uses, without a prefetch worker (the forward gathers); rows are written back

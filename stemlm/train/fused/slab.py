@@ -75,7 +75,7 @@ class SlabTables(FusedTables):
                            "step": z(n, C + 1, dt=torch.int64), "last_step": z(n, C + 1, dt=torch.int64)}
         self.slab_of = torch.full((V,), C, dtype=torch.long, device=self.compute)  # id -> slot (C: not held)
         self.uva = self.mover.cuda if uva is None else uva
-        self._views: dict[str, torch.Tensor] | None = None
+        self._views: list[torch.Tensor] | None = None  # _home_parts as the device reads them (UVA)
         self._reset_slab()
         self.traffic = {"rows_in": 0, "rows_out": 0}
         self.register_state_dict_pre_hook(lambda module, prefix, keep_vars: module.flush())
@@ -123,8 +123,8 @@ class SlabTables(FusedTables):
             if any(v is None for v in views):
                 self.uva = False
                 return None
-            self._views = dict(zip(("rows", *STATE_PARTS), views))
-        return list(self._views.values())
+            self._views = views
+        return self._views
 
     def _load(self, slots: torch.Tensor, ids: torch.Tensor) -> None:
         """Home rows ``ids`` (with their state) into slab ``slots`` (host index tensors), on the compute stream."""
@@ -159,15 +159,16 @@ class SlabTables(FusedTables):
         """Make every id of the coming step resident in the slab (module docstring, 1.); ``ticket``: unused."""
         flat = torch.cat([i.reshape(-1).to("cpu") for i in ids])
         check_ids(flat, self.num_rows)
-        need = torch.unique(torch.cat([flat, self.cache_ids]))
+        step_ids = torch.unique(flat)
+        need = torch.unique(torch.cat([step_ids, self.cache_ids]))
         C = self.capacity
         if len(need) > C:
             raise ValueError(f"a step uses {len(need)} distinct table rows (hot-row cache included) but the device "
                              f"slab has {C} slots (raise run.table_slab_rows)")
-        missing = need[self.slot_of.index_select(0, need) < 0]
+        held = self.slot_of.index_select(0, need)  # (-1: not in the slab)
+        missing = need[held < 0]
         if len(missing):
             in_step = torch.zeros(C, dtype=torch.bool)
-            held = self.slot_of.index_select(0, need)
             in_step[held[held >= 0]] = True
             free = (self.held < 0).nonzero()[:, 0]
             busy = ((self.held >= 0) & ~in_step).nonzero()[:, 0]
@@ -188,14 +189,10 @@ class SlabTables(FusedTables):
             self.slot_of[missing] = slots
             self.dirty[slots] = False
             self.slab_of.index_copy_(0, to_device_async(missing, self.compute), to_device_async(slots, self.compute))
-        step_slots = self.slot_of.index_select(0, torch.unique(flat))
+        step_slots = self.slot_of.index_select(0, step_ids)
         self.used_at[step_slots] = self.prepared
         self.dirty[step_slots] = True  # the step's update changes them
         self.prepared += 1
-
-    def prefetch_step(self, ids: Sequence[torch.Tensor]):
-        """Nothing is staged ahead here (``prepare_step`` loads before the step)."""
-        return None
 
     # -- the step (capturable) -----------------------------------------------------------------
     def begin_step(self, ids: Sequence[torch.Tensor], ticket=None) -> StepRows:
@@ -217,23 +214,13 @@ class SlabTables(FusedTables):
             self.prepare_step([ids])  # a forward without begin_step: its rows are loaded now
         return super().rows(ids)
 
-    def _slots(self, d: Dedup) -> torch.Tensor:
-        """``(P,)`` the slab slot of each of the step's slots; padded slots go to the spare slot ``C``."""
+    def slots(self, d: Dedup) -> torch.Tensor:
+        """The step's slab slots; padded slots go to the spare slot ``C`` (read and written, never a live row)."""
         valid = d.valid()
         return d.uniq if valid is None else torch.where(valid, d.uniq, self.capacity)
 
-    def load_rows(self, d: Dedup) -> torch.Tensor:
-        return self.storage.index_select(1, self._slots(d))
-
     def update_target(self) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return self.storage, self.slab_state
-
-    def apply_update(self, opt, step: StepRows) -> None:
-        """The masked row AdamW on the slab: flat index ``table · (C + 1) + slot``."""
-        n, S = self.storage.shape[:2]
-        slots = self._slots(step.dedup)
-        flat = (torch.arange(n, device=self.compute)[:, None] * S + slots[None, :]).reshape(-1)  # (n·P,)
-        opt.update_indexed(step, flat, step.dedup.valid())
 
     # -- checkpoints, evaluation -------------------------------------------------------------------
     def flush(self) -> None:

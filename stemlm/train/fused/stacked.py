@@ -164,7 +164,12 @@ class FusedTables(Tables):
 
     def load_rows(self, d: Dedup) -> torch.Tensor:
         """``(n, P, d)`` rows of every table at the step's slots (a fresh tensor)."""
-        return self.storage.index_select(1, d.uniq)
+        return self.storage.index_select(1, self.slots(d))
+
+    def slots(self, d: Dedup) -> torch.Tensor:
+        """``(P,)`` where each of the step's slots lives along ``storage``'s dim 1: its id here (``SlabTables``:
+        its slab slot)."""
+        return d.uniq
 
     def take_step(self) -> StepRows | None:
         """The current step's rows (for the optimizer), closing the step."""
@@ -229,9 +234,9 @@ class FusedTables(Tables):
 
     def apply_update(self, opt, step: StepRows) -> None:
         """Let ``opt`` update the step's rows where they live: the stacked rows at flat index
-        ``table · V + id`` of every (table, slot), padded slots masked."""
-        n, V = self.storage.shape[:2]
-        flat = (torch.arange(n, device=self.device)[:, None] * V + step.dedup.uniq[None, :]).reshape(-1)  # (n·P,)
+        ``table · R + slot`` (``R = storage.shape[1]``, ``slots``) of every (table, slot), padded slots masked."""
+        n, R = self.storage.shape[:2]
+        flat = (torch.arange(n, device=self.device)[:, None] * R + self.slots(step.dedup)[None, :]).reshape(-1)  # (n·P,)
         opt.update_indexed(step, flat, step.dedup.valid())
 
     def state_loaded(self) -> None:
