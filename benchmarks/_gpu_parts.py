@@ -86,18 +86,20 @@ def train_section(s, preset: str, arms: dict | None = None, extra: tuple[str, ..
 
 
 def accum_section(s, preset: str) -> dict:
-    """Dense and STEM-full with ``optim.grad_accum=8`` (8 × 16 × 512 tokens per step), compiled blocks,
+    """Dense and STEM-full with ``optim.grad_accum=8`` (8 × 16 × 512 tokens per step; ``s["accum"]``: 2 in a dry
+    run, whose Triton kernels run interpreted), compiled blocks,
     and the same with the whole step captured (``run.step_graph=graph`` on CUDA; ``static`` in a dry run),
     STEM-full there with the loop's table kernels and with ``run.table_kernels=triton-gemm``
     (``graph-gemm``: its ``stem-full`` is that arm, its ``dense`` the same dense samples)."""
     arms = {a: ARMS[a] for a in ("dense", "stem-full")}
     mode = ("compiled",) if s["compile"] else ("eager",)
-    out = train_section(s, preset, arms, ("optim.grad_accum=8",), mode)
+    accum = f"optim.grad_accum={s['accum']}"
+    out = train_section(s, preset, arms, (accum,), mode)
     step_graph = "graph" if s["device"] == "cuda" else "static"
     try:
         fused = {a: o + (["run.table_path=fused"] if a != "dense" else []) for a, o in arms.items()}  # (auto on CUDA)
         fused["stem-full-gemm"] = fused["stem-full"] + ["run.table_kernels=triton-gemm"]
-        g = train_section(s, preset, fused, ("optim.grad_accum=8", f"run.step_graph={step_graph}"), mode)[mode[0]]
+        g = train_section(s, preset, fused, (accum, f"run.step_graph={step_graph}"), mode)[mode[0]]
         out["graph"] = {k: {a: x for a, x in v.items() if a != "stem-full-gemm"} if isinstance(v, dict) else v
                         for k, v in g.items()}
         gemm = {"dense": g["step_s"]["dense"], "stem-full": g["step_s"]["stem-full-gemm"]}

@@ -45,6 +45,7 @@ from stemlm.runtime.files import atomic_write_text
 
 
 REPS = 20
+WARMUP = 2  # calls before the timed ones (compilation, autotuning caches)
 GEMM_D = 960  # d_model of the 350M shape (mobilellm-350m)
 
 
@@ -76,8 +77,9 @@ TUNE_LAYERS = 31  # STEM-full at the 350M shape: 31 tables a step
 
 
 def cuda_ms(fn, reps: int | None = None) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` calls after two warm-ups (CUDA events; wall time on the CPU)."""
-    for _ in range(2):
+    """Median milliseconds of ``fn`` over ``reps`` calls after ``WARMUP`` warm-ups (CUDA events; wall time on the
+    CPU)."""
+    for _ in range(WARMUP):
         fn()
     times = []
     for _ in range(reps or REPS):
@@ -359,8 +361,8 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
         device = "cpu"
         shape = (64, 40, 64)
-        global REPS
-        REPS = 1
+        global REPS, WARMUP
+        REPS, WARMUP = 1, 0  # the interpreter's timings mean nothing: each candidate runs, is checked, is timed once
         candidates = {k: v[:2] for k, v in CANDIDATES.items()}  # the interpreter: two of each
         s = {"preset": "debug", "steps": 3, "captured": "static",
              "common": [f"data.dir={synthetic_data_dir(512, n_tokens=20_000)}", "data.batch_size=2", "data.seq_len=32",

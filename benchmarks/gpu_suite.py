@@ -61,13 +61,13 @@ def settings(dry_run: bool, args) -> dict:
     """What the suite runs: full size on CUDA, tiny on the CPU for ``--dry-run``."""
     if dry_run:
         s = {"device": "cpu", "dtype": "float32", "batch": 2, "seq": 32, "vocab": 512, "steps": 2, "warmup": 1,
-             "compile": args.compile_in_dry_run, "decode_tokens": 3, "presets": {k: "debug" for k in SHAPES},
+             "compile": args.compile_in_dry_run, "decode_tokens": 3, "accum": 2, "presets": {k: "debug" for k in SHAPES},
              "data": [f"data.dir={synthetic_data_dir(512, n_tokens=20_000)}"], "host_vocab": 1024}
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_suite: no CUDA device; use --dry-run for the CPU smoke run")
         s = {"device": "cuda", "dtype": "bfloat16", "batch": 16, "seq": 512, "vocab": 4096, "steps": args.steps,
-             "warmup": 3, "compile": True, "decode_tokens": 100, "presets": dict(SHAPES), "data": [corpus_override()]}
+             "warmup": 3, "compile": True, "decode_tokens": 100, "accum": 8, "presets": dict(SHAPES), "data": [corpus_override()]}
     s["presets"] = {k: v for k, v in s["presets"].items() if k in args.shapes}
     return s
 

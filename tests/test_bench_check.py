@@ -84,3 +84,15 @@ def test_each_run_gets_a_fresh_work_dir(tmp_path, monkeypatch):
     assert bench_work(Path("runs") / "edit") == tmp_path / "w" / "edit"
     monkeypatch.delenv("STEMLM_BENCH_WORK")
     assert bench_work(Path("runs") / "edit") == Path("runs") / "edit"
+
+
+def test_the_real_edit_check_replays_the_committed_runs_sample():
+    """A re-run with other pair / prompt counts measures other edits: the check passes the committed ones."""
+    committed = json.loads((Path(check.RESULTS) / "edit_real.json").read_text())
+    args = check.EDIT_REAL_ARGS
+    assert args[args.index("--pairs") + 1] == str(committed["pairs"])
+    assert args[args.index("--locality") + 1] == str(committed["locality"])
+    extra = {a.split("=")[0]: [int(x) for x in a.split("=")[1].split(",")]
+             for a, prev in zip(args[1:], args) if prev == "--placement"}
+    placements = committed["placements"]["heldout_template"]
+    assert all(placements[label]["layers"] == layers for label, layers in extra.items())
