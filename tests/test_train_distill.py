@@ -8,7 +8,7 @@ from train_helpers import debug_config, losses, make_token_data, one_thread  # n
 
 from stemlm.config import ConfigError
 from stemlm.train import train
-from stemlm.train.distill import kd_kl
+from stemlm.train.distill import kd_kl, weight_at
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_weight_zero_is_the_plain_run_and_the_teacher_moves_the_student(data_dir
 
 def test_bad_distill_settings_are_one_line_errors(data_dir, teacher, tmp_path):
     for bad, match in [("run.distill_weight=1.5", "distill_weight"), ("run.distill_temperature=0", "temperature"),
-                       ("run.distill_top_k=-1", "top_k")]:
+                       ("run.distill_top_k=-1", "top_k"), ("run.distill_schedule=cosine", "distill_schedule")]:
         with pytest.raises(ConfigError, match=match):
             debug_config(data_dir, tmp_path, f"run.distill={teacher}", bad)
     with pytest.raises(ConfigError, match="run.distill: .*does not exist"):
@@ -106,3 +106,18 @@ def test_cached_top_k_teacher_trains_like_the_teacher_computed_on_the_fly(data_d
     np.testing.assert_allclose(losses(tmp_path / "cached"), losses(tmp_path / "live"), rtol=2e-3)
     with pytest.raises(ConfigError, match="distill_top_k > 0"):
         debug_config(data_dir, tmp_path / "x", f"run.distill={teacher}", "run.distill_cache=true")
+
+
+def test_a_linear_schedule_starts_at_the_weight_ends_near_zero_and_resumes_bit_identically(data_dir, teacher, tmp_path):
+    """run.distill_schedule=linear: w at step 0, w/2 half way, w/steps at the last step; its first step is the
+    constant run's, the later ones differ; a run stopped and resumed reads the weight of its restored step."""
+    assert [weight_at(0.6, "linear", s, 6) for s in (0, 3, 5)] == pytest.approx([0.6, 0.3, 0.1])
+    assert weight_at(0.6, "constant", 5, 6) == 0.6
+    common = ("run.steps=6", "run.ckpt_every=100", f"run.distill={teacher}", "run.distill_weight=0.9")
+    train(debug_config(data_dir, tmp_path / "const", *common))
+    train(debug_config(data_dir, tmp_path / "lin", *common, "run.distill_schedule=linear"))
+    const, lin = losses(tmp_path / "const"), losses(tmp_path / "lin")
+    assert lin[0] == const[0] and lin[2:] != const[2:]  # the logged loss is the CE: step 1's update differs
+    train(debug_config(data_dir, tmp_path / "split", *common, "run.distill_schedule=linear"), stop_at=3)
+    train(debug_config(data_dir, tmp_path / "split", *common, "run.distill_schedule=linear"), resume=True)
+    assert losses(tmp_path / "split") == lin

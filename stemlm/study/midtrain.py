@@ -28,7 +28,7 @@ from .runspec import RunSpec, slug
 
 MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "calibration", "anneal", "anneal_ratio", "distill",
                      "train"}
-DISTILL_KEYS = {"weight", "temperature", "top_k"}
+DISTILL_KEYS = {"weight", "temperature", "top_k", "schedule"}
 
 
 def _anneals(ffn: str | None) -> bool:

@@ -186,6 +186,8 @@ class RunSection:
     distill_weight: float = _f(0.5, "run.distill: weight w of the KL; loss = (1 - w) CE + w T^2 KL")
     distill_temperature: float = _f(1.0, "run.distill: temperature T of both distributions")
     distill_top_k: int = _f(0, "run.distill: 0 = the teacher's full distribution, k = its k most likely tokens (renormalised)")
+    distill_schedule: str = _f("constant", "run.distill: constant (w every step) | linear (w down to 0 over run.steps: the "
+                                           "teacher guides the start, the data alone the end)")
     distill_cache: bool = _f(False, "run.distill: write the teacher's top-k of every micro-batch to <run.out>/distill_topk "
                                     "before training (needs run.distill_top_k > 0), so training holds only the student")
     table_path: str = _f("auto", "sparse tables: fused (all tables stacked, one gather and one row update per step, no host "
@@ -234,9 +236,9 @@ class RunSection:
         if self.anneal != "off" and self.compile is True:
             raise ConfigError("run.anneal changes the layers' scales every step; it cannot be combined with run.compile")
         if self.distill is not None:
-            from .distill import DistillConfig
+            from .distill import distill_config
             try:
-                DistillConfig(self.distill, self.distill_weight, self.distill_temperature, self.distill_top_k)
+                distill_config(self)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             if self.distill_cache and not self.distill_top_k:

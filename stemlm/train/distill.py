@@ -7,6 +7,9 @@ becomes
 
 with ``w = run.distill_weight`` and ``T = run.distill_temperature``; ``X_T`` is the next-token
 distribution of ``X`` at temperature ``T``, the KL is the mean over the tokens that have a target.
+``run.distill_schedule=linear`` takes ``w`` down linearly to 0 over the run (``w_s = w · (1 − s / steps)``
+at step ``s`` from 0): the teacher guides the start, where the converted model is furthest from it, and the
+end is trained on the data alone; ``constant`` (the default) keeps ``w``.
 ``run.distill_top_k = k > 0`` keeps the teacher's ``k`` most likely tokens (renormalised over them),
 which is what a cache of teacher outputs would hold; ``0`` uses the full distribution.
 
@@ -36,6 +39,21 @@ from ..runtime.matmul import matmul_backend_of
 CHUNK_ELEMENTS = 1 << 22  # logits per chunk, as in the fused cross-entropy
 
 
+DISTILL_SCHEDULES = ("constant", "linear")
+
+
+def weight_at(weight: float, schedule: str, step: int, steps: int) -> float:
+    """The KL's weight at 0-based ``step`` of ``steps`` (module doc)."""
+    if schedule == "linear":
+        return weight * max(0.0, 1.0 - step / max(steps, 1))
+    return weight
+
+
+def mixed_objective(ce: torch.Tensor, kl: torch.Tensor, weight: float, temperature: float) -> torch.Tensor:
+    """``(1 − w) CE + w T² KL``."""
+    return (1 - weight) * ce + weight * temperature ** 2 * kl
+
+
 @dataclass(frozen=True)
 class DistillConfig:
     """The teacher checkpoint and how its distribution enters the loss."""
@@ -44,8 +62,11 @@ class DistillConfig:
     weight: float = 0.5
     temperature: float = 1.0
     top_k: int = 0
+    schedule: str = "constant"
 
     def __post_init__(self):
+        if self.schedule not in DISTILL_SCHEDULES:
+            raise ValueError(f"run.distill_schedule must be one of {', '.join(DISTILL_SCHEDULES)}, got {self.schedule!r}")
         if not 0 <= self.weight <= 1:
             raise ValueError(f"run.distill_weight must be in [0, 1], got {self.weight!r}")
         if self.temperature <= 0:
@@ -130,11 +151,14 @@ class Teacher:
             raise ValueError(f"run.distill: the teacher's vocabulary ({self.model.cfg.vocab_size}) differs from the "
                              f"model's ({student.cfg.vocab_size})")
 
-    def losses(self, forward_model, student, batch, doc_masking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses(self, forward_model, student, batch, doc_masking: bool = False,
+               weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cross-entropy, objective)`` of ``batch``: the objective mixes in the KL to the teacher.
 
-        ``forward_model`` runs the student (it may wrap ``student``, e.g. DDP); ``student`` owns the LM head.
+        ``forward_model`` runs the student (it may wrap ``student``, e.g. DDP); ``student`` owns the LM head;
+        ``weight`` is the KL's weight at this step (default ``cfg.weight``, ``weight_at`` for a schedule).
         """
+        weight = self.cfg.weight if weight is None else weight
         doc_ids = batch.doc_ids if doc_masking else None
         h = forward_model(batch.inputs, doc_ids=doc_ids, return_hidden=True)  # (B, T, d)
         with torch.no_grad():
@@ -144,11 +168,11 @@ class Teacher:
         w = student.lm_head.weight
         ce = linear_cross_entropy(h.reshape(-1, d), w, targets, backend=matmul_backend_of(student.lm_head))
         c = self.cfg
-        if c.weight == 0:
+        if weight == 0:
             return ce, ce
         kl = kd_kl(h.reshape(-1, d), w, th.reshape(-1, d).to(h.dtype), self.model.lm_head.weight.to(w.dtype),
                    targets, c.temperature, c.top_k)
-        return ce, (1 - c.weight) * ce + c.weight * c.temperature ** 2 * kl
+        return ce, mixed_objective(ce, kl, weight, c.temperature)
 
 
 def batch_key(inputs: torch.Tensor) -> str:
@@ -193,8 +217,10 @@ class CachedTeacher:
                           str(tmp))
         return cls(teacher.cfg, cache_dir)
 
-    def losses(self, forward_model, student, batch, doc_masking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses(self, forward_model, student, batch, doc_masking: bool = False,
+               weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cross-entropy, objective)`` as ``Teacher.losses``, the teacher's top-k read from the cache."""
+        weight = self.cfg.weight if weight is None else weight
         from safetensors.torch import load_file
 
         path = self.dir / f"{batch_key(batch.inputs)}.safetensors"
@@ -206,12 +232,18 @@ class CachedTeacher:
         d, w = h.shape[-1], student.lm_head.weight
         targets = batch.targets.reshape(-1)
         ce = linear_cross_entropy(h.reshape(-1, d), w, targets, backend=matmul_backend_of(student.lm_head))
-        if self.cfg.weight == 0:
+        if weight == 0:
             return ce, ce
         cached = load_file(str(path), device=str(h.device))
         kl = kd_kl_cached(h.reshape(-1, d), w, cached["values"].reshape(-1, self.cfg.top_k),
                           cached["indices"].reshape(-1, self.cfg.top_k), targets, self.cfg.temperature)
-        return ce, (1 - self.cfg.weight) * ce + self.cfg.weight * self.cfg.temperature ** 2 * kl
+        return ce, mixed_objective(ce, kl, weight, self.cfg.temperature)
+
+
+def distill_config(run) -> DistillConfig:
+    """The ``DistillConfig`` of a run section with ``run.distill`` set (``ValueError`` for a bad value)."""
+    return DistillConfig(run.distill, run.distill_weight, run.distill_temperature, run.distill_top_k,
+                         run.distill_schedule)
 
 
 def teacher_for_run(run, device: torch.device | str, student, host_batch=None, n_micro: int = 0,
@@ -223,7 +255,7 @@ def teacher_for_run(run, device: torch.device | str, student, host_batch=None, n
     """
     if not run.distill:
         return None
-    cfg = DistillConfig(run.distill, run.distill_weight, run.distill_temperature, run.distill_top_k)
+    cfg = distill_config(run)
     teacher = Teacher(cfg, device)
     teacher.check_student(student)
     if not run.distill_cache:
