@@ -63,6 +63,8 @@ def test_eval_writes_the_results_contract(runs, tmp_path, capsys):
         r = doc["tasks"][name]
         assert r["n"] == 4 and 0 <= r["acc"] <= 1 and 0 <= r["acc_norm"] <= 1 and r["acc_stderr"] >= 0
     assert "acc_uncond" in doc["tasks"]["arc_easy"] and "acc_uncond" not in doc["tasks"]["boolq"]
+    items = doc["tasks"]["arc_easy"]["items"]  # each item's outcome, for paired comparisons
+    assert len(items["ids"]) == len(set(items["ids"])) == 4 and sum(items["acc"]) / 4 == doc["tasks"]["arc_easy"]["acc"]
     assert doc["tasks"]["lambada_bpb"]["bpb"] > 0 and doc["tasks"]["country_facts"]["n"] == 4
     assert main(args) == 0  # a second run is answered from the cache and writes the same numbers
     assert json.loads(out.read_text())["tasks"] == doc["tasks"]
@@ -74,7 +76,10 @@ def test_two_models_are_compared_with_a_chart(runs, tmp_path, capsys):
                  "--output", str(out), "--no-cache", "--no-progress"]) == 0
     data = json.loads(out.read_text())
     docs = documents_of(data)
-    assert list(data) == ["models"] and [d["model"]["path"] for d in docs] == [str(r) for r in runs]
+    assert list(data) == ["models", "paired"] and [d["model"]["path"] for d in docs] == [str(r) for r in runs]
+    (pair,) = data["paired"]  # sciq is scored item by item; needle is not
+    assert pair["task"] == "sciq" and pair["n"] == 1 and pair["reference"] == runs[0].name
+    assert pair["diff"] == docs[1]["tasks"]["sciq"]["acc"] - docs[0]["tasks"]["sciq"]["acc"]
     assert docs[0]["model"]["hash"] != docs[1]["model"]["hash"]
     assert docs[0]["tasks"]["sciq"]["n"] == docs[1]["tasks"]["sciq"]["n"] == 1
     assert docs[0]["tasks"]["sciq"]["acc_stderr"] is None and "NaN" not in out.read_text()  # strict JSON
@@ -165,3 +170,29 @@ def test_smollm2_beats_chance_on_arc_easy(tmp_path, capsys):
                  "--no-cache", "--no-progress"]) == 0
     r = json.loads(out.read_text())["tasks"]["arc_easy"]
     assert r["n"] == 100 and r["acc"] - 2 * r["acc_stderr"] > r["chance"], r
+
+
+def test_paired_differences_use_the_same_items_and_their_spread():
+    """Each later model against the first, item by item: mean difference, the standard error of the differences,
+    the items only one of them gets right; a task scored on other items is left out."""
+    import numpy as np
+
+    from stemlm.eval.run import format_paired, paired
+
+    a = [1, 0, 1, 1, 0, 1, 0, 1]
+    b = [1, 1, 1, 0, 0, 1, 1, 1]
+
+    def doc(name, outcomes, ids=None):
+        ids = ids or [str(i) for i in range(len(outcomes))]
+        return {"model": {"path": f"/runs/{name}"},
+                "tasks": {"piqa": {"metric": "acc", "acc": float(np.mean(outcomes)), "items": {"ids": ids, "acc": outcomes}},
+                          "needle": {"metric": "score", "score": 0.5}}}
+
+    (row,) = paired([doc("ref", a), doc("new", b)])
+    d = np.array(b, float) - np.array(a, float)
+    assert row["task"] == "piqa" and row["model"] == "new" and row["reference"] == "ref" and row["n"] == 8
+    assert row["diff"] == pytest.approx(d.mean()) and row["stderr"] == pytest.approx(d.std(ddof=1) / np.sqrt(8))
+    assert row["low"] == pytest.approx(d.mean() - 1.96 * row["stderr"]) and (row["a_only"], row["b_only"]) == (2, 1)
+    assert "piqa" in format_paired([row]) and format_paired([]) == ""
+    assert paired([doc("ref", a), doc("other", b, ids=[str(i + 1) for i in range(8)])]) == []
+    assert paired([doc("ref", a)]) == []

@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    from ..eval.run import evaluate_paths, format_table
+    from ..eval.run import evaluate_paths, format_paired, format_table, paired
     from .options import placement_from_args
 
     placement = placement_from_args(args)
@@ -57,6 +57,8 @@ def run(args) -> int:
                                    matmul=args.matmul)
     print(format_table(docs))
     print(f"above: value - 2 stderr > chance; stemlm {docs[0]['stemlm']}")
+    if pairs := format_paired(paired(docs)):
+        print(f"\npaired on the same items, each model against the first:\n{pairs}")
     for path in written:
         print(f"wrote {path}")
     return 0

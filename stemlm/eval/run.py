@@ -17,6 +17,7 @@ from ..runtime.files import atomic_write_text
 from ..version import git_commit
 from .api import LanguageModel
 from .cache import CachedLM
+from .metrics import paired_difference
 from .tasks import Task
 
 Z = 2.0  # a result is "above chance" when value - Z * stderr > chance
@@ -50,8 +51,8 @@ def results_document(path: str, identity: str, results: dict[str, dict], setting
 
 
 def write_results(path: Path, docs: list[dict]) -> None:
-    """Write one document, or ``{"models": docs}`` for several, atomically (NaN as null)."""
-    data = _nan_to_none(docs[0] if len(docs) == 1 else {"models": docs})
+    """Write one document, or ``{"models": docs, "paired": paired(docs)}`` for several, atomically (NaN as null)."""
+    data = _nan_to_none(docs[0] if len(docs) == 1 else {"models": docs, "paired": paired(docs)})
     atomic_write_text(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
@@ -83,13 +84,51 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
 
 
+def _name(doc: dict) -> str:
+    return Path(doc["model"]["path"]).name or doc["model"]["path"]
+
+
+def paired(docs: list[dict], z: float = 1.96) -> list[dict]:
+    """Every later model against the first on each task both scored item by item on the same items
+    (``metrics.paired_difference`` of the primary metric): ``[{"task", "model", "reference", "metric", "diff",
+    "stderr", "low", "high", "n", ...}]``; tasks without per-item outcomes, or on other items, are left out."""
+    if len(docs) < 2:
+        return []
+    ref, out = docs[0], []
+    for doc in docs[1:]:
+        for task, r in doc["tasks"].items():
+            base = ref["tasks"].get(task)
+            if base is None or "items" not in r or "items" not in base or r["metric"] != base["metric"]:
+                continue
+            m = r["metric"]
+            if r["items"]["ids"] != base["items"]["ids"] or m not in r["items"] or m not in base["items"]:
+                continue
+            out.append({"task": task, "model": _name(doc), "reference": _name(ref), "metric": m,
+                        **paired_difference(r["items"][m], base["items"][m], z)})
+    return out
+
+
+def format_paired(rows: list[dict]) -> str:
+    """``paired`` as aligned text (empty without rows)."""
+    if not rows:
+        return ""
+    w = max([14] + [len(r["task"]) for r in rows])
+    head = (f"{'model - ' + rows[0]['reference']:<40} {'task':<{w}} {'metric':<8} {'diff':>8}   {'stderr':>7} "
+            f"{'95 % interval':>19} {'n':>6} {'only this':>9} {'only ref':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['model'][-40:]:<40} {r['task']:<{w}} {r['metric']:<8} {r['diff']:>+8.4f} ± {_fmt(r['stderr']):>7} "
+                     f"[{r['low']:+.4f}, {r['high']:+.4f}] {r['n']:>6} {r['a_only']:>9} {r['b_only']:>8}")
+    return "\n".join(lines)
+
+
 def format_table(docs: list[dict]) -> str:
     """Every model's results as aligned text: task, metric, value ± stderr, n, chance, above chance."""
     w = max([14] + [len(t) for d in docs for t in d["tasks"]])
     head = f"{'model':<28} {'task':<{w}} {'metric':<10} {'value':>8}   {'stderr':>7} {'n':>6} {'shots':>5} {'chance':>7}  above"
     rows = [head, "-" * len(head)]
     for doc in docs:
-        name = Path(doc["model"]["path"]).name or doc["model"]["path"]
+        name = _name(doc)
         for task, r in doc["tasks"].items():
             keys = [r["metric"]] + [k for k in ("acc", "acc_norm", "acc_uncond", "greedy", "acc_seen", "acc_unseen")
                                     if k in r and k != r["metric"]]

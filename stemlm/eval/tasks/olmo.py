@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from ..api import LanguageModel, LoglikelihoodRequest
-from ..metrics import bits_per_byte, mc_correct, mean_stderr, summarize
+from ..metrics import bits_per_byte, item_outcomes, mc_correct, mean_stderr, summarize
 from .base import Task, olmo_requests, subsample
 
 MC_TASKS = ("arc_easy", "arc_challenge", "boolq", "piqa", "socialiqa", "hellaswag", "openbookqa", "winogrande",
@@ -90,8 +90,9 @@ class OlmoMC(Task):
         """acc, acc_norm (per character) and acc_uncond with binomial standard errors."""
         items = subsample(self.items(shots), limit, seed, key=lambda it: f"{self.name}:{it.doc_id}")
         chance = sum(1 / len(it.continuations) for it in items) / max(len(items), 1)
-        return {"metric": "acc", **summarize(score_mc(lm, items)), "shots": shots, "chance": chance,
-                "higher_is_better": True}
+        outcomes = score_mc(lm, items)
+        return {"metric": "acc", **summarize(outcomes), "shots": shots, "chance": chance,
+                "higher_is_better": True, "items": item_outcomes([it.doc_id for it in items], outcomes, "acc")}
 
 
 class OlmoBPB(Task):
