@@ -147,7 +147,7 @@ def rerun_cells(r: Row, check: dict | None) -> tuple[str, str] | None:
     judged = [(name, f["met_every_run"]) for name, f in figs if f.get("met_every_run") is not None]
     failed = [name for name, ok in judged if not ok]
     verdict = ("every re-run met it" if not failed else f"**not every re-run met it** ({', '.join(failed)})")
-    return (f"<br>re-measured at `{commit}`, {n} runs (`make bench-check`, [check.md]({RES}check.md)): {spreads}",
+    return (f"<br>re-measured at `{commit}`, {n} run{'s' if n != 1 else ''} (`make bench-check`, [check.md]({RES}check.md)): {spreads}",
             f"; re-runs: {verdict}" if judged else "")
 
 
