@@ -75,7 +75,7 @@ def paired_difference(a: Sequence[float], b: Sequence[float], z: float = 1.96) -
         raise ValueError("a paired difference needs at least one item")
     mean, err = mean_stderr(d)
     return {"diff": mean, "stderr": err, "low": mean - z * err, "high": mean + z * err, "n": int(d.size),
-            "a_only": int(((d > 0)).sum()), "b_only": int((d < 0).sum())}
+            "a_only": int((d > 0).sum()), "b_only": int((d < 0).sum())}
 
 
 def bits_per_byte(logprobs: Sequence[float], texts: Sequence[str]) -> tuple[float, float]:
