@@ -8,7 +8,7 @@ from train_helpers import debug_config, losses, make_token_data, one_thread  # n
 
 from stemlm.config import ConfigError
 from stemlm.train import train
-from stemlm.train.distill import kd_kl, weight_at
+from stemlm.train.distill import DistillConfig, kd_kl
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +111,9 @@ def test_cached_top_k_teacher_trains_like_the_teacher_computed_on_the_fly(data_d
 def test_a_linear_schedule_starts_at_the_weight_ends_near_zero_and_resumes_bit_identically(data_dir, teacher, tmp_path):
     """run.distill_schedule=linear: w at step 0, w/2 half way, w/steps at the last step; its first step is the
     constant run's, the later ones differ; a run stopped and resumed reads the weight of its restored step."""
-    assert [weight_at(0.6, "linear", s, 6) for s in (0, 3, 5)] == pytest.approx([0.6, 0.3, 0.1])
-    assert weight_at(0.6, "constant", 5, 6) == 0.6
+    linear, constant = DistillConfig("t", 0.6, schedule="linear"), DistillConfig("t", 0.6)
+    assert [linear.weight_at(s, 6) for s in (0, 3, 5)] == pytest.approx([0.6, 0.3, 0.1])
+    assert constant.weight_at(5, 6) == 0.6
     common = ("run.steps=6", "run.ckpt_every=100", f"run.distill={teacher}", "run.distill_weight=0.9")
     train(debug_config(data_dir, tmp_path / "const", *common))
     train(debug_config(data_dir, tmp_path / "lin", *common, "run.distill_schedule=linear"))

@@ -42,13 +42,6 @@ CHUNK_ELEMENTS = 1 << 22  # logits per chunk, as in the fused cross-entropy
 DISTILL_SCHEDULES = ("constant", "linear")
 
 
-def weight_at(weight: float, schedule: str, step: int, steps: int) -> float:
-    """The KL's weight at 0-based ``step`` of ``steps`` (module doc)."""
-    if schedule == "linear":
-        return weight * max(0.0, 1.0 - step / max(steps, 1))
-    return weight
-
-
 def mixed_objective(ce: torch.Tensor, kl: torch.Tensor, weight: float, temperature: float) -> torch.Tensor:
     """``(1 − w) CE + w T² KL``."""
     return (1 - weight) * ce + weight * temperature ** 2 * kl
@@ -73,6 +66,12 @@ class DistillConfig:
             raise ValueError(f"run.distill_temperature must be positive, got {self.temperature!r}")
         if self.top_k < 0:
             raise ValueError(f"run.distill_top_k must be >= 0 (0 = the full distribution), got {self.top_k!r}")
+
+    def weight_at(self, step: int, steps: int) -> float:
+        """The KL's weight at 0-based ``step`` of ``steps`` (``schedule``, module doc)."""
+        if self.schedule == "linear":
+            return self.weight * max(0.0, 1.0 - step / max(steps, 1))
+        return self.weight
 
 
 def _kl_chunk(student_h, student_w, teacher_h, teacher_w, valid, temperature: float, top_k: int) -> torch.Tensor:
@@ -151,14 +150,13 @@ class Teacher:
             raise ValueError(f"run.distill: the teacher's vocabulary ({self.model.cfg.vocab_size}) differs from the "
                              f"model's ({student.cfg.vocab_size})")
 
-    def losses(self, forward_model, student, batch, doc_masking: bool = False,
-               weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cross-entropy, objective)`` of ``batch``: the objective mixes in the KL to the teacher.
+    def losses(self, forward_model, student, batch, weight: float,
+               doc_masking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cross-entropy, objective)`` of ``batch``: the objective mixes in the KL to the teacher at ``weight``
+        (this step's, ``cfg.weight_at``).
 
-        ``forward_model`` runs the student (it may wrap ``student``, e.g. DDP); ``student`` owns the LM head;
-        ``weight`` is the KL's weight at this step (default ``cfg.weight``, ``weight_at`` for a schedule).
+        ``forward_model`` runs the student (it may wrap ``student``, e.g. DDP); ``student`` owns the LM head.
         """
-        weight = self.cfg.weight if weight is None else weight
         doc_ids = batch.doc_ids if doc_masking else None
         h = forward_model(batch.inputs, doc_ids=doc_ids, return_hidden=True)  # (B, T, d)
         with torch.no_grad():
@@ -217,10 +215,9 @@ class CachedTeacher:
                           str(tmp))
         return cls(teacher.cfg, cache_dir)
 
-    def losses(self, forward_model, student, batch, doc_masking: bool = False,
-               weight: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def losses(self, forward_model, student, batch, weight: float,
+               doc_masking: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cross-entropy, objective)`` as ``Teacher.losses``, the teacher's top-k read from the cache."""
-        weight = self.cfg.weight if weight is None else weight
         from safetensors.torch import load_file
 
         path = self.dir / f"{batch_key(batch.inputs)}.safetensors"

@@ -44,7 +44,7 @@ from . import state as ckpt_io
 from .build import build_model, compile_blocks, resolve_data_dir
 from .captured import CapturedStep, check_step_graph
 from .config import TrainConfig, config_from_yaml_text, resume_changes
-from .distill import teacher_for_run, weight_at
+from .distill import teacher_for_run
 from .lock import RunLock
 from .metrics import MetricsLog, SpikeDetector, is_finite, peak_flops_for_run
 from .optim import build_optimizers, clip_grad_norm, set_lr
@@ -312,9 +312,8 @@ class Trainer:
         if self.teacher is None:
             loss = evaluate_mod.compute_loss(self.forward_model, batch, self.cfg.data.doc_masking)
             return loss, loss
-        r = self.cfg.run
-        weight = weight_at(r.distill_weight, r.distill_schedule, self.step, r.steps)
-        return self.teacher.losses(self.forward_model, self.model, batch, self.cfg.data.doc_masking, weight)
+        weight = self.teacher.cfg.weight_at(self.step, self.cfg.run.steps)
+        return self.teacher.losses(self.forward_model, self.model, batch, weight, self.cfg.data.doc_masking)
 
     def apply_anneal(self) -> float:
         """Set the gradual-insertion scales for the current step (``run.anneal``); returns ``s``."""
