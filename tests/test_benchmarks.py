@@ -51,6 +51,10 @@ def test_matmul_ab_quick_alternates_separate_processes(tmp_path):
     assert set(r["runs"]) == {"onednn", "aten"} and r["runs"]["aten"][0]["arm"] == "aten"
     assert r["aten_over_onednn"] == [r["runs"]["aten"][0]["median_s"] / r["runs"]["onednn"][0]["median_s"]]
     assert "aten ÷ onednn" in out
+    auto = r["auto"]  # run.matmul=auto's fresh probe in a process of its own, and whether it picked the A/B's winner
+    assert auto["picked"] in ("aten", "onednn") and auto["aten_s"] > 0 and auto["onednn_s"] > 0
+    winner = "aten" if r["aten_faster_in_every_pair"] else "onednn" if r["onednn_faster_in_every_pair"] else None
+    assert r["auto_picks_the_winner"] == (None if winner is None else auto["picked"] == winner)
 
 
 def test_train_step_width_plot_keeps_to_one_sweep(monkeypatch):
@@ -76,8 +80,9 @@ def test_vs_hf_quick_reports_paired_ratio(tmp_path):
     run_quick("bench_vs_hf.py", tmp_path)
     r = json.loads((tmp_path / "vs_hf.quick.json").read_text())
     steps = r["step_seconds"]
-    assert all(len(steps[k]) == r["steps"] == 2 for k in ("stemlm", "hf", "stemlm_onednn", "stemlm_compiled"))
-    assert r["matmul"] == "aten" and "ratio_onednn" in r  # the default GEMMs, oneDNN timed beside them
+    other = {"aten": "onednn", "onednn": "aten"}[r["matmul"]]  # the GEMMs run.matmul=auto picked, the other beside
+    assert all(len(steps[k]) == r["steps"] == 2 for k in ("stemlm", "hf", f"stemlm_{other}", "stemlm_compiled"))
+    assert f"ratio_{other}" in r
     ratios = sorted(h / s for h, s in zip(steps["hf"], steps["stemlm"]))
     assert r["ratio"] == pytest.approx(sum(ratios) / 2)  # median of two rounds
     assert r["goal_met"] == (r["ratio"] >= 1.3)

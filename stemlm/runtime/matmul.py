@@ -14,6 +14,8 @@ ATen whenever oneDNN does not apply: a non-CPU tensor, a dtype other than float3
 The results equal ATen's up to float summation order.
 
 Generation uses it too (``stemlm generate --matmul``), where the products have few rows.
+Training's ``run.matmul=auto`` (the default) times both at the run's shapes on this CPU and keeps the
+faster (``stemlm.runtime.matmul_probe``): which one wins depends on the CPU.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def onednn_available() -> bool:
 def resolve_matmul_backend(name: str, device: torch.device | str, dtype: str = "float32") -> str:
     """``aten`` or ``onednn`` for ``run.matmul=name`` on ``device`` with compute ``dtype``.
 
-    ``auto`` picks oneDNN for fp32 training on a CPU whose PyTorch has it, ATen otherwise.
+    ``auto`` picks oneDNN for fp32 on a CPU whose PyTorch has it, ATen otherwise (training narrows that
+    CPU case by measuring: ``stemlm.runtime.matmul_probe``).
     """
     if name not in BACKENDS:
         raise ValueError(f"matmul backend must be one of {', '.join(BACKENDS)}, got {name!r}")
@@ -152,7 +155,8 @@ def use_matmul_backend(model: nn.Module, backend: str) -> int:
 
 def apply_matmul(model: nn.Module, name: str, device: torch.device | str = "cpu", dtype: str = "float32") -> str:
     """Resolve ``run.matmul``/``--matmul`` ``name`` for ``device`` and ``dtype`` and apply it to
-    ``model`` (``use_matmul_backend``); returns the backend in use, ``aten`` or ``onednn``."""
+    ``model`` (``use_matmul_backend``); returns the backend in use, ``aten`` or ``onednn``. Training's
+    ``auto`` measures instead (``stemlm.runtime.matmul_probe.apply_training_matmul``)."""
     backend = resolve_matmul_backend(name, device, dtype)
     use_matmul_backend(model, backend)
     return backend

@@ -163,9 +163,9 @@ class RunSection:
     dtype: str = _f("float32", f"compute dtype: {' | '.join(DTYPES)} (bfloat16 = autocast, fp32 weights)")
     compile: Union[bool, str] = _f("auto", "torch.compile each transformer block (lookups and loss stay eager): true | false | "
                                    "auto (true on CUDA unless run.anneal is on, false on the CPU)")
-    matmul: str = _f("aten", "GEMMs of linears and loss: aten (PyTorch's own; the fastest for CPU training in a paired "
-                     "A/B across processes, benchmarks/bench_matmul_ab.py) | onednn (oneDNN kernels) | auto (onednn "
-                     "for fp32 on CPU, else aten)")
+    matmul: str = _f("auto", "GEMMs of linears and loss: auto (on a CPU in fp32, the faster of aten and onednn at "
+                     "this run's shapes, timed once per machine and cached: stemlm/runtime/matmul_probe.py; aten "
+                     "elsewhere) | aten (PyTorch's own) | onednn (oneDNN kernels, CPU only)")
     keep_freed_memory: bool = _f(True, "CPU: keep freed memory in the glibc heap between steps instead of returning "
                                  "it to the OS (no page faults on the next step; RSS stays at its peak)")
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")

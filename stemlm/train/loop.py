@@ -34,7 +34,7 @@ from ..data import TokenDataset, get_batch
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_write_text, clean_interrupted_saves
 from ..runtime.malloc import keep_freed_memory
-from ..runtime.matmul import apply_matmul
+from ..runtime.matmul_probe import apply_training_matmul
 from .fused.apply import apply_table_path, hot_ids, resolve_table_path, slab_rows_for
 from ..model.decoder import StemLM
 from ..insert.anneal import apply_schedule, check_annealable, export_stem
@@ -116,7 +116,7 @@ class Trainer:
             raise ConfigError(str(e)) from None
         self.opt, self.table_opt = build_optimizers(self.model, cfg.optim)
         try:
-            self.matmul_backend = apply_matmul(self.model, cfg.run.matmul, self.device, cfg.run.dtype)
+            self.matmul_backend = self.resolve_matmul()
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.compiled = cfg.run.compile_blocks(self.device)
@@ -191,6 +191,12 @@ class Trainer:
         self._new_changes = [{"step": self.step, **c} for c in self._new_changes]
         self.config_changes = list(st.get("config_changes", [])) + self._new_changes
         self.last_ckpt = ckpt
+
+    def resolve_matmul(self) -> str:
+        """``run.matmul`` applied to the model (``auto`` on a CPU measures, ``stemlm.runtime.matmul_probe``);
+        the backend in use (seam: under torchrun rank 0 measures and every rank uses its pick)."""
+        r, d = self.cfg.run, self.cfg.data
+        return apply_training_matmul(self.model, r.matmul, self.device, r.dtype, d.batch_size * d.seq_len)
 
     def rng_of(self, state: dict) -> dict:
         """The RNG state this process restores from a trainer state (seam: one per rank under torchrun)."""
@@ -430,7 +436,8 @@ class Trainer:
         done = self.step >= r.steps and r.anneal != "off" and self.is_main
         export = export_stem(self.model, self.run_dir / "stem", self.data_dir) if done else None
         result = TrainResult(self.run_dir, self.step, rec["loss"] if rec else None, val, self.tokens_seen,
-                             self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count, export)
+                             self.flops_seen, time.perf_counter() - start, self.last_ckpt, self.spikes.count, export,
+                             self.matmul_backend)
         if self.is_main:
             atomic_write_text(RunDir(self.run_dir).summary, json.dumps(result.summary(), indent=2))
         return result

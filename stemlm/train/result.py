@@ -23,6 +23,7 @@ class TrainResult:
     checkpoint: Path | None
     loss_spikes: int
     export: Path | None = None  # run.anneal: the pure STEM model the annealed run became (``run_dir/stem``)
+    matmul: str | None = None  # the GEMM backend the run used (``run.matmul`` resolved: aten | onednn)
     finished_before: bool = False  # the run was already complete: nothing was trained or written
 
     def summary(self) -> dict:

@@ -32,6 +32,7 @@ from ...data import get_batch
 from ...checkpoint.directory import WEIGHTS_FILE, CheckpointError, load_state_into
 from ...checkpoint.integrity import non_finite
 from ...model.decoder import StemLM
+from ...runtime.matmul import resolve_matmul_backend, use_matmul_backend
 from .. import state as ckpt_io
 from ..loop import Trainer
 from .sharded_table import ShardedTable, gather_interleaved
@@ -172,6 +173,16 @@ class DistributedTrainer(Trainer):
         """The optimizer state of the checkpoint, the table moments of this rank's rows only."""
         rows = lambda t: t[self.rank::self.world_size].clone()  # noqa: E731
         ckpt_io.load_optimizer_state(ckpt, self.opt, self.table_opt, table_rows=rows)
+
+    def resolve_matmul(self) -> str:
+        """Rank 0 resolves ``run.matmul`` (``auto`` measures there alone) and every rank applies its pick:
+        one set of GEMM numerics across ranks."""
+        if not self.is_main:
+            resolve_matmul_backend(self.cfg.run.matmul, self.device, self.cfg.run.dtype)  # rank 0's config errors
+        pick = [super().resolve_matmul() if self.is_main else None]
+        dist.broadcast_object_list(pick, src=0)
+        use_matmul_backend(self.model, pick[0])
+        return pick[0]
 
     def rng_of(self, state: dict) -> dict:
         ranks = state.get("rng_ranks") or []
