@@ -54,13 +54,14 @@ def _describe(r: dict) -> str:
     if c.get("als_rounds"):
         parts.append(f"ALS × {c['als_rounds']} (CG {c.get('down_iters', 8)} iters)")
     elif c.get("refit_down"):
-        parts.append("W_d refit")
+        parts.append("W_d refit" + (" towards the dense stream" if c.get("correct_drift") else ""))
     parts.append(f"unseen {c.get('unseen', 'pooled')}")
     if c.get("shrink"):
         parts.append(f"shrink {c['shrink']:g}")
     if c.get("distill_steps"):
         parts.append(f"distilled {c['distill_steps']} steps × {c.get('distill_batch', 2048)} tokens"
-                     + (" (rows + W_d)" if c.get("distill_down") else " (rows)"))
+                     + (" (rows + W_d)" if c.get("distill_down") else " (rows)")
+                     + (" towards the dense stream" if c.get("correct_drift") else ""))
     if r.get("calib_mixed_sources"):
         parts.append("calibrated on corpus + news + stories")
     return ", ".join(parts)

@@ -93,6 +93,12 @@ GRID_SETTINGS = {
                                             "layer_choice": "cheapest"},
     "gated-seq-refit-shrink1024-cheapest-distill200": {"method": "gated", "tokens": K, "refit_down": True,
                                                        "shrink": 1024.0, "layer_choice": "cheapest", **DISTILL_LONG},
+    # the same two with the W_d refit and distillation aimed at the dense model's own stream (correct_drift)
+    "gated-seq-refit-shrink1024-cheapest-drift": {"method": "gated", "tokens": K, "refit_down": True,
+                                                  "shrink": 1024.0, "layer_choice": "cheapest", "correct_drift": True},
+    "gated-seq-refit-shrink1024-cheapest-drift-distill200": {"method": "gated", "tokens": K, "refit_down": True,
+                                                             "shrink": 1024.0, "layer_choice": "cheapest",
+                                                             "correct_drift": True, **DISTILL_LONG},
     "gated-seq-refit-shrink1024-distill200": {"method": "gated", "tokens": K, "refit_down": True, "shrink": 1024.0,
                                               **DISTILL_LONG},
     "gated-seq-als2-regress": {"method": "gated", "tokens": K, "als_rounds": 2, "down_iters": 4, "unseen": "regress"},

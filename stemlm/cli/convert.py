@@ -87,6 +87,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib.add_argument("--calib-als-rounds", type=non_negative_int, default=CalibrationConfig.als_rounds,
                        help="rounds of alternating least squares after the fit: rows given W_d, then W_d given the "
                        "rows (refits W_d; default: %(default)s)")
+    calib.add_argument("--calib-correct-drift", action=argparse.BooleanOptionalAction,
+                       default=CalibrationConfig.correct_drift,
+                       help="layer by layer: the W_d refit and local distillation aim at the dense model's own residual "
+                       "stream after each converted layer, undoing the drift of the layers converted before it, not at "
+                       "the dense layer's output on the drifted inputs (default: %(default)s)")
     distill = parser.add_argument_group("local distillation (--init calibrate)")
     distill.add_argument("--distill-steps", type=non_negative_int, default=CalibrationConfig.distill_steps,
                          help="Adam steps per converted layer that train its rows (of the ids the calibration saw) "
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
                                         shrink=args.calib_shrink, als_rounds=args.calib_als_rounds,
                                         distill_steps=args.distill_steps,
                                         distill_lr=args.distill_lr, distill_batch=args.distill_batch,
-                                        distill_down=args.distill_down)
+                                        distill_down=args.distill_down, correct_drift=args.calib_correct_drift)
     elif args.calib_data is not None:
         raise ValueError("--calib-data applies to --init calibrate only")
     elif args.distill_steps:

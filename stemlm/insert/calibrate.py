@@ -7,14 +7,18 @@ accumulated per token id and the rows fitted (``stemlm.insert.fit``) *before* th
 With ``sequential`` (default) the stream then passes through the converted STEM layer, so every
 later layer is fitted on the activations the already-converted layers produce; without it the
 dense FFN is kept in the stream (every layer fitted on the dense model's own activations).
+``correct_drift`` carries the dense model's own stream beside the converted one, and the ``W_d``
+refit and local distillation of each converted layer then aim at the dense stream after the layer:
+target ``h_dense + FFN(h_dense) − h``, which also undoes what the layers before it changed
+(both ``h`` after the layer's attention; the rows' own fit is unchanged).
 
 After a layer's rows are fitted (and ``W_d`` refitted with ``refit_down``), ``als_rounds`` rounds of
 alternating least squares and ``distill_steps`` steps of local distillation can follow
 (``stemlm.insert.distill``): both make the converted layer's output match the dense layer's on the
 same inputs, the pass's stream (the dense model's own hidden states with ``sequential=False``).
 
-Memory is bounded by the stream, one layer's statistics (``2 × V × d_ff`` fp64) and one table:
-each fitted table goes to a work directory on disk at once. The work directory also makes the
+Memory is bounded by the stream (two with ``correct_drift``), one layer's statistics
+(``2 × V × d_ff`` fp64) and one table: each fitted table goes to a work directory on disk at once. The work directory also makes the
 pass resumable: the stream and the position are saved after a table layer when at least
 ``save_every_s`` seconds passed since the last save, and a new call with the same settings
 continues from there. Everything is deterministic (fixed windows, CPU sums in a fixed order).
@@ -68,6 +72,8 @@ class CalibrationConfig:
     distill_lr: float = 1e-3  # its learning rate (linear decay to a tenth)
     distill_batch: int = 2048  # its minibatch, in tokens
     distill_down: bool = False  # also train W_d of the converted layers while distilling
+    correct_drift: bool = False  # sequential: the W_d refit and local distillation aim at the dense model's own
+    #                              residual stream, so each converted layer also undoes the drift of those before it
     layer_choice: str = "cheapest"  # ratio placements: cheapest (the layers of least measured cost,
     #                                 stemlm.insert.placement) | uniform (the placement's own layers)
     device: str = "auto"  # where the pass runs: auto (the GPU if there is one) | cpu | cuda[:N]; not part of the key
@@ -90,6 +96,10 @@ class CalibrationConfig:
         if self.distill_batch < 1 or self.distill_lr <= 0:
             raise ValueError(f"distillation needs distill_batch >= 1 and distill_lr > 0, got {self.distill_batch}, "
                              f"{self.distill_lr}")
+        if self.correct_drift and not self.sequential:
+            raise ValueError("correct_drift needs sequential calibration (with a parallel pass nothing drifts)")
+        if self.correct_drift and self.als_rounds:
+            raise ValueError("correct_drift applies to the W_d refit and local distillation, not to als_rounds")
         if self.tokens < self.seq_len:
             raise ValueError(f"calibration tokens ({self.tokens}) must cover one window of seq_len {self.seq_len}")
         resolve_device(self.device, "calibration device")
@@ -99,7 +109,8 @@ class CalibrationConfig:
         return resolve_device(self.device, "calibration device")
 
     def key(self, model_digest: str, ids_digest: str, target: ModelConfig) -> str:
-        settings = {k: v for k, v in asdict(self).items() if k != "device"}  # the same fit on any device
+        # the same fit on any device; correct_drift only when on, so work dirs keyed before it existed stay valid
+        settings = {k: v for k, v in asdict(self).items() if k != "device" and not (k == "correct_drift" and not v)}
         text = json.dumps({"calib": settings, "model": model_digest, "ids": ids_digest,
                            "target": target.to_dict()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -136,8 +147,9 @@ class _WorkDir:
         if down is not None:
             _atomic_save({"w_down": down.contiguous()}, self.down_file(layer))
 
-    def save_stream(self, next_layer: int, stream: torch.Tensor) -> None:
-        _atomic_save({"stream": stream}, self.root / "stream.safetensors")
+    def save_stream(self, next_layer: int, stream: torch.Tensor, dense_stream: torch.Tensor | None = None) -> None:
+        _atomic_save({"stream": stream, **({"dense": dense_stream} if dense_stream is not None else {})},
+                     self.root / "stream.safetensors")
         atomic_write_text(self.root / "progress.json", json.dumps({"key": self.key, "next_layer": next_layer}))
 
     def resume(self) -> tuple[int, dict[str, torch.Tensor]] | None:
@@ -191,10 +203,12 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
     if resumed is not None:
         start, saved = resumed
         stream = saved["stream"].to(device)
+        dense_stream = saved["dense"].to(device) if calib.correct_drift else None
         log(f"calibration resumed at layer {start} from {work.root}")
     else:
         start = 0
         stream = torch.cat([dense.tok_embeddings(ids[c]) for c in chunks])  # (n_seq, T, d)
+        dense_stream = stream.clone() if calib.correct_drift else None  # the dense model's own, beside the converted
     out: dict[int, tuple[Path, Path | None]] = {}
     last_save = time.monotonic()
     last = max((i for i, k in enumerate(target.layer_kinds) if ffn_kind(k).owns_table), default=-1)
@@ -208,13 +222,14 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             continue
         block = dense.layers[i]
         for c in chunks:
-            h = stream[c]
-            h += block.attn(block.attn_norm(h), cos, sin, 0)
+            for s_ in (stream, dense_stream) if dense_stream is not None else (stream,):
+                h = s_[c]
+                h += block.attn(block.attn_norm(h), cos, sin, 0)
         if ffn_kind(kind).owns_table:
             refine = not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model: no W_d change
             kind = fitted_kind(kind, calib)
             rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
-                                      lambda s, i=i: log(f"layer {i}: {s}"), progress)
+                                      lambda s, i=i: log(f"layer {i}: {s}"), progress, dense_stream)
             work.save_table(i, rows, w_down)
             out[i] = (work.table_file(i), work.down_file(i) if w_down is not None else None)
             use_stem = calib.sequential
@@ -227,10 +242,13 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
                 h += _stem_ffn(block.ffn, kind, x, rows[ids[c]], w_down)
             else:
                 h += block.ffn(x)
+            if dense_stream is not None:
+                hd = dense_stream[c]
+                hd += block.ffn(block.ffn_norm(hd))
         del rows
         bar.update(1)
         if ffn_kind(kind).owns_table and time.monotonic() - last_save > save_every_s and i < last:
-            work.save_stream(i + 1, stream)
+            work.save_stream(i + 1, stream, dense_stream)
             last_save = time.monotonic()
     bar.close()
     return out
@@ -252,17 +270,25 @@ def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
                calib: CalibrationConfig, embedding: torch.Tensor, refine: bool,
-               log: Callable[[str], None] = lambda s: None, progress: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               log: Callable[[str], None] = lambda s: None, progress: bool = False,
+               dense_stream: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream.
 
     With ``refine`` the fit is followed by the ``W_d`` refit, alternating least squares and local
-    distillation that ``calib`` asks for (``stemlm.insert.distill``)."""
+    distillation that ``calib`` asks for (``stemlm.insert.distill``). Their target is the dense FFN's
+    output on the same inputs, or, given the dense model's own stream at this layer (after its attention;
+    ``calib.correct_drift``), what brings the converted stream to the dense one after the FFN."""
     ffn = block.ffn
-    d_ff = ffn.w_down.weight.shape[1]
+    d, d_ff = stream.shape[-1], ffn.w_down.weight.shape[1]
 
     def ffn_input(c: slice) -> torch.Tensor:  # (n·T, d)
-        return block.ffn_norm(stream[c]).reshape(-1, stream.shape[-1])
+        return block.ffn_norm(stream[c]).reshape(-1, d)
+
+    def target_of(c: slice) -> torch.Tensor:  # (n·T, d): what the layer's FFN should add to the stream
+        if dense_stream is None:
+            return ffn(ffn_input(c))
+        hd = dense_stream[c]
+        return (hd + ffn(block.ffn_norm(hd)) - stream[c]).reshape(-1, d)  # the dense stream after it, less ours
 
     if ffn_kind(kind).zero_rows_are_dense or calib.method == "zero":
         rows = torch.zeros(len(embedding), d_ff, device=embedding.device)
@@ -289,13 +315,15 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
         for c in chunks:
             x = ffn_input(c)
             hidden = ffn_kind(kind).hidden(ffn, x, rows[ids[c].reshape(-1)])
-            refit.add(hidden, ffn(x))
+            refit.add(hidden, target_of(c))
         w_down = refit.solve()
     if calib.distill_steps:
         settings = DistillSettings(calib.distill_steps, calib.distill_lr, calib.distill_batch, calib.distill_down)
         xs = torch.cat([ffn_input(c) for c in chunks])
+        target = torch.cat([target_of(c) for c in chunks]) if dense_stream is not None else None
         with torch.enable_grad():
-            rows, w_down, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, w_down, settings, progress)
+            rows, w_down, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, w_down, settings, progress,
+                                               target=target)
         log(f"local distillation, output error {info['error_before']:.4f} -> {info['error_after']:.4f}")
     return rows, w_down
 

@@ -62,20 +62,23 @@ def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch
 
 
 def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None,
-                  settings: DistillSettings, progress: bool = False, desc: str = "distill"
-                  ) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+                  settings: DistillSettings, progress: bool = False, desc: str = "distill",
+                  target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
     """Train the rows of the ids in ``ids (N,)`` (and ``W_d`` with ``train_down``) of one converted layer.
 
     ``ffn`` is the dense layer's FFN (its output is the target), ``xs (N, d)`` the normed inputs,
     ``rows (V, d_ff)`` the fitted table, ``w_down`` a refitted ``W_d`` or None (the dense one).
-    Returns ``(rows, w_down or None, {"error_before", "error_after"})``; ``rows`` is a new tensor.
+    ``target (N, d)`` replaces the dense layer's output as what the layer should produce (the calibration
+    pass's drift correction). Returns ``(rows, w_down or None, {"error_before", "error_after"})``; ``rows``
+    is a new tensor.
     """
     from tqdm import tqdm
 
     if settings.steps < 0 or settings.batch < 1 or settings.lr <= 0:
         raise ValueError(f"distillation needs steps >= 0, batch >= 1 and lr > 0, got {settings}")
-    with torch.no_grad():
-        target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
+    if target is None:
+        with torch.no_grad():
+            target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
     wd0 = ffn.w_down.weight if w_down is None else w_down
     before = layer_error(ffn, kind, xs, ids, rows, wd0, target)
     uniq, inv = torch.unique(ids, return_inverse=True)
