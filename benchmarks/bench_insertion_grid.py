@@ -179,7 +179,7 @@ def build(dense, train, name: str, layers: str, log, tok=None):
     ids = calibration_windows(stream, calib.tokens, calib.seq_len)
     work = WORK / "grid" / f"{name}-{layers.replace('/', '_')}"
     t0 = time.perf_counter()
-    target, costs = placed_target(dense, "stem", layers, stream, calib, work, log=log)
+    target, costs = placed_target(dense, "stem", layers, stream, calib, log=log)
     fitted = calibrate(dense, target, ids, calib, work, log=log)
     extra.update(converted_layers=list(target.stem_layer_ids), layer_costs=costs)
     return assemble(dense, target, fitted), {"calib_seconds": time.perf_counter() - t0, "calib_tokens": ids.numel(),

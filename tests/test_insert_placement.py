@@ -53,26 +53,30 @@ def test_cheapest_layers_keeps_layer_order_and_breaks_ties_by_the_earlier_layer(
 
 
 def test_placement_given_as_layers_or_uniform_is_kept_and_costs_are_measured_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
     model, ids = dense_model(n_layers=6), calib_ids()
     tokens = ids.reshape(-1).numpy()
     calib = calib_of(ids)
-    kept, costs = insert_convert.placed_target(model, "stem", "2,5", tokens, calib, tmp_path / "w")
+    kept, costs = insert_convert.placed_target(model, "stem", "2,5", tokens, calib)
     assert kept.stem_layer_ids == (2, 5) and costs is None
-    kept, costs = insert_convert.placed_target(model, "stem", "1/3", tokens, calib_of(ids, layer_choice="uniform"),
-                                               tmp_path / "w")
+    kept, costs = insert_convert.placed_target(model, "stem", "1/3", tokens, calib_of(ids, layer_choice="uniform"))
     assert kept.stem_layer_ids == (2, 5) and costs is None
-    kept, costs = insert_convert.placed_target(model, "stem_dagger", "1/3", tokens, calib, tmp_path / "w")
+    kept, costs = insert_convert.placed_target(model, "stem_dagger", "1/3", tokens, calib)
     assert kept.stem_layer_ids == (2, 5) and costs is None  # zero dagger rows are the dense layer everywhere
-    chosen, costs = insert_convert.placed_target(model, "stem", "1/3", tokens, calib, tmp_path / "w")
+    chosen, costs = insert_convert.placed_target(model, "stem", "1/3", tokens, calib)
     assert len(chosen.stem_layer_ids) == 2 and chosen.stem_layer_ids == tuple(cheapest_layers(costs, 2))
 
     def fail(*a, **k):
         raise AssertionError("measured again")
     monkeypatch.setattr(insert_convert, "layer_costs", fail)
-    again, same = insert_convert.placed_target(model, "stem", "1/3", tokens, calib, tmp_path / "w")
+    again, same = insert_convert.placed_target(model, "stem", "1/3", tokens, calib)
     assert same == costs and again.stem_layer_ids == chosen.stem_layer_ids
+    # what the scoring pass leaves out (distillation, drift correction) shares the measurement
+    shared, _ = insert_convert.placed_target(model, "stem", "1/3", tokens,
+                                             calib_of(ids, distill_steps=5, distill_down=True, correct_drift=True))
+    assert shared.stem_layer_ids == chosen.stem_layer_ids
     with pytest.raises(AssertionError, match="measured again"):  # other settings: other costs
-        insert_convert.placed_target(model, "stem", "1/3", tokens, calib_of(ids, shrink=4.0), tmp_path / "w")
+        insert_convert.placed_target(model, "stem", "1/3", tokens, calib_of(ids, shrink=4.0))
 
 
 def test_convert_calibrate_converts_the_cheapest_layers_and_records_why(tmp_path, monkeypatch):

@@ -20,7 +20,7 @@ from ..config import ModelConfig, is_layer_list, resolve_stem_layers
 from ..ffn import ffn_kind
 from ..model.decoder import StemLM
 from .calibrate import CalibrationConfig, _digest, assemble, calibrate, calibration_windows, fitted_kind
-from .placement import cached_layer_costs, cheapest_layers, layer_costs
+from .placement import cached_layer_costs, cheapest_layers, layer_costs, scoring_config
 
 
 MIXED = "mixed"
@@ -95,13 +95,14 @@ def mixed_tokens(corpus: np.ndarray, encode: Callable[[str], list[int]], n_token
 
 
 def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.ndarray, calib: CalibrationConfig,
-                  work_dir: Path, progress: bool = True, log: Callable[[str], None] = lambda s: None
+                  progress: bool = True, log: Callable[[str], None] = lambda s: None
                   ) -> tuple[ModelConfig, list[float] | None]:
     """The converted config of ``dense`` with ``ffn`` layers, and the per-layer costs it was chosen by.
 
     A ratio or ``full`` placement with ``calib.layer_choice == "cheapest"`` keeps its number of layers
-    and converts the layers of least measured cost (``stemlm.insert.placement``; the costs are kept in
-    ``work_dir`` for a resumed call). A list of layers, ``layer_choice="uniform"``, and kinds whose
+    and converts the layers of least measured cost (``stemlm.insert.placement``; the costs are cached
+    under ``$STEMLM_CACHE/layer-costs`` for a resumed call and for conversions that differ only in what the
+    scoring leaves out). A list of layers, ``layer_choice="uniform"``, and kinds whose
     calibrated rows are zero (nothing to choose by) keep the placement as given (costs None).
     """
     given = dense.cfg.replace(ffn=ffn, stem_layers=spec)
@@ -112,9 +113,9 @@ def placed_target(dense: StemLM, ffn: str, spec: str | list[int], tokens: np.nda
     count = len(resolve_stem_layers(spec, dense.cfg.n_layers))
     log(f"choosing {count} of {dense.cfg.n_layers} layers to convert: each layer's cost alone, measured once")
     device = calib.torch_device()
-    key = calib.key(_digest(dense.tok_embeddings.weight[:64]), _digest(ids), given)
+    key = scoring_config(calib).key(_digest(dense.tok_embeddings.weight[:64]), _digest(ids), given)
     try:
-        costs = cached_layer_costs(work_dir, key, lambda: layer_costs(dense.to(device), ffn, ids, calib,
+        costs = cached_layer_costs(key, lambda: layer_costs(dense.to(device), ffn, ids, calib,
                                                                       progress=progress, log=log))
     finally:
         dense.cpu()

@@ -35,6 +35,15 @@ from ..runtime.files import atomic_write_text
 
 SCORE_TOKENS = 65_536  # calibration tokens the per-layer fits of the scoring pass use (at most)
 PROBE_WINDOWS = 16  # windows the KL is measured on
+# what the scoring pass leaves out of a calibration (each layer is fitted alone, on the dense stream): these
+# settings take their defaults there, so conversions that differ only in them share one measurement
+NOT_SCORED = ("als_rounds", "distill_steps", "distill_lr", "distill_batch", "distill_down", "correct_drift")
+
+
+def scoring_config(calib):
+    """``calib`` (a ``CalibrationConfig``) as the scoring pass fits with it: ``NOT_SCORED`` at their defaults."""
+    defaults = type(calib)()
+    return replace(calib, **{name: getattr(defaults, name) for name in NOT_SCORED})
 
 
 @torch.no_grad()
@@ -58,7 +67,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
     keep = max(1, min(n_seq, score_tokens // T))
     ids = ids[torch.linspace(0, n_seq - 1, keep).round().long()].to(device)  # (keep, T) evenly spaced
     probe = torch.linspace(0, keep - 1, min(keep, probe_windows)).round().long().to(device)
-    calib = replace(calib, als_rounds=0, distill_steps=0)
+    calib = scoring_config(calib)
     kind = fitted_kind(kind, calib)
     cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(T), dense.cfg.head_dim, dense.cfg.rope_theta,
                                                    torch.float32))
@@ -107,17 +116,23 @@ def cheapest_layers(costs: list[float], count: int) -> list[int]:
     return sorted(sorted(range(len(costs)), key=lambda i: (costs[i], i))[:count])
 
 
-def cached_layer_costs(work_dir: Path, key: str, compute: Callable[[], list[float]]) -> list[float]:
-    """``compute()``, kept in ``work_dir/layer_costs.json`` under ``key`` (a digest of the model, the
-    text and the settings: a resumed conversion does not measure again)."""
-    path = Path(work_dir) / "layer_costs.json"
+def cached_layer_costs(key: str, compute: Callable[[], list[float]]) -> list[float]:
+    """``compute()``, kept in ``$STEMLM_CACHE/layer-costs/<key>.json``: ``key`` digests the model, the text
+    and the scoring settings (``scoring_config``), so a resumed conversion, or another one that differs only
+    in what the scoring leaves out (distillation, drift correction, ALS), does not measure again."""
+    from ..runtime.artifacts import cache_dir
+
+    path = cache_dir() / "layer-costs" / f"{key}.json"
     try:
         saved = json.loads(path.read_text())
-        if saved.get("key") == key:
-            return saved["costs"]
-    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
-        pass
+        if saved.get("key") == key and isinstance(saved.get("costs"), list):
+            return [float(c) for c in saved["costs"]]
+    except (OSError, ValueError, AttributeError):
+        pass  # absent or damaged: measure (again)
     costs = compute()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"key": key, "costs": costs}))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps({"key": key, "costs": costs}))
+    except OSError:
+        pass  # a read-only cache: the costs hold for this conversion only
     return costs

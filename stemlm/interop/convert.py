@@ -308,7 +308,7 @@ def convert_from_hf(source: str | os.PathLike, out: str | os.PathLike, gguf_file
         del llama
         tokens = calibration_tokens(calib_data, tokenizer, dense.cfg.vocab_size, progress, calibration.tokens)
         work = work_dir_for(out)
-        target, costs = placed_target(dense, ffn, stem_layers, tokens, calibration, work, progress, log)
+        target, costs = placed_target(dense, ffn, stem_layers, tokens, calibration, progress, log)
         model = calibrated_model(dense, target, tokens, calibration, work, progress, log)
         extra = {"calibration": {**calibration.__dict__, "data": str(calib_data) if calib_data else "default corpus",
                                  "placement": str(stem_layers), "layer_costs": costs}}
