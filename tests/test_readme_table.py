@@ -54,6 +54,8 @@ def test_rows_without_results_are_left_out_and_verdicts_follow_the_json(tmp_path
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     mfu = json.loads((BENCH / "results" / "mfu.json").read_text())
+    for kind in ("dense", "stem"):  # above the goal here, whatever the committed run measured
+        mfu["runs"][kind]["mfu"] = readme_table.MFU_GOAL + 0.01
     (results / "mfu.json").write_text(json.dumps(mfu))
     table, notes = readme_table.render(tmp_path)
     rows = table.splitlines()[2:]
