@@ -5,9 +5,9 @@ project's CI kind, both reporting themselves as a 2-core "AMD EPYC", disagreed: 
 3 % faster at every training shape; on the other, oneDNN's was 33–47 % faster (docs/training.md, "GEMMs on
 CPU"). A fixed default is wrong on one of them, so ``auto`` measures instead:
 
-* the products timed are those both backends compute differently, the forward and input-gradient GEMMs
-  (``rows × in @ in × out`` and ``rows × out @ out × in``) of every distinct bias-free ``nn.Linear``
-  shape of the model, weighted by how many linears have it (the weight gradient stays on ATen either way);
+* the products timed are the three GEMMs of every distinct bias-free ``nn.Linear`` shape of the model
+  (forward ``rows × in @ in × out``, input gradient ``rows × out @ out × in``, weight gradient
+  ``out × rows @ rows × in``), weighted by how many linears have it;
 * each backend's time is the sum over shapes of the best of ``REPEATS`` products, in rounds that
   alternate A B B A, and the backend's figure is its best round;
 * oneDNN is chosen only when ATen takes at least ``ONEDNN_MARGIN`` times as long, so near-ties keep
@@ -77,7 +77,7 @@ def machine_key() -> str:
 
 
 def _time_backend(operands: list[tuple], backend: str) -> float:
-    """Seconds of one weighted pass over ``operands`` (forward and input-gradient products) on ``backend``."""
+    """Seconds of one weighted pass over ``operands`` (forward, input- and weight-gradient products) on ``backend``."""
     total = 0.0
     for x, w, g, count in operands:
         best = float("inf")
@@ -85,6 +85,7 @@ def _time_backend(operands: list[tuple], backend: str) -> float:
             t0 = time.perf_counter()
             mm_nt(x, w, backend)  # forward: (rows, in) @ (out, in).T
             mm_nn(g, w, backend)  # input gradient: (rows, out) @ (out, in)
+            mm_nt(g.t(), x.t(), backend)  # weight gradient: (out, rows) @ (rows, in)
             best = min(best, time.perf_counter() - t0)
         total += count * best
     return total
