@@ -40,6 +40,7 @@ ONEDNN_MARGIN = 1.10  # oneDNN only when ATen's probe time is at least this mult
 MAX_ROWS = 2048  # rows of the probed products (time per row is flat above a few hundred rows)
 REPEATS = 3  # products per shape and round; the best one counts
 CACHE_NAME = "matmul-choices.json"
+PROBE_VERSION = 2  # part of the cache key: v1 timed the forward and input gradient only
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ def choose_matmul(model: nn.Module, rows: int) -> MatmulChoice:
     shapes = linear_shapes(model)
     if not shapes:
         return MatmulChoice("aten", 0.0, 0.0, rows, cached=False)
-    key = f"{machine_key()} | rows {min(rows, MAX_ROWS)} | " + " ".join(f"{i}x{o}:{n}" for (i, o), n in sorted(shapes.items()))
+    key = f"probe v{PROBE_VERSION} | {machine_key()} | rows {min(rows, MAX_ROWS)} | " + " ".join(f"{i}x{o}:{n}" for (i, o), n in sorted(shapes.items()))
     path = cache_dir() / CACHE_NAME
     known = _read_cache(path).get(key)
     if isinstance(known, dict) and known.get("backend") in ("aten", "onednn"):
