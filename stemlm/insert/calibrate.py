@@ -209,6 +209,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         start = 0
         stream = torch.cat([dense.tok_embeddings(ids[c]) for c in chunks])  # (n_seq, T, d)
         dense_stream = stream.clone() if calib.correct_drift else None  # the dense model's own, beside the converted
+    streams = [s for s in (stream, dense_stream) if s is not None]
     out: dict[int, tuple[Path, Path | None]] = {}
     last_save = time.monotonic()
     last = max((i for i, k in enumerate(target.layer_kinds) if ffn_kind(k).owns_table), default=-1)
@@ -222,9 +223,12 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             continue
         block = dense.layers[i]
         for c in chunks:
-            for s_ in (stream, dense_stream) if dense_stream is not None else (stream,):
-                h = s_[c]
+            for s in streams:
+                h = s[c]
                 h += block.attn(block.attn_norm(h), cos, sin, 0)
+            if dense_stream is not None:  # the dense stream passes the whole layer now: it is the fit's target
+                hd = dense_stream[c]
+                hd += block.ffn(block.ffn_norm(hd))
         if ffn_kind(kind).owns_table:
             refine = not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model: no W_d change
             kind = fitted_kind(kind, calib)
@@ -242,9 +246,6 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
                 h += _stem_ffn(block.ffn, kind, x, rows[ids[c]], w_down)
             else:
                 h += block.ffn(x)
-            if dense_stream is not None:
-                hd = dense_stream[c]
-                hd += block.ffn(block.ffn_norm(hd))
         del rows
         bar.update(1)
         if ffn_kind(kind).owns_table and time.monotonic() - last_save > save_every_s and i < last:
@@ -276,8 +277,8 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
 
     With ``refine`` the fit is followed by the ``W_d`` refit, alternating least squares and local
     distillation that ``calib`` asks for (``stemlm.insert.distill``). Their target is the dense FFN's
-    output on the same inputs, or, given the dense model's own stream at this layer (after its attention;
-    ``calib.correct_drift``), what brings the converted stream to the dense one after the FFN."""
+    output on the same inputs, or, given the dense model's own stream after this whole layer
+    (``calib.correct_drift``), what brings the converted stream (after the attention) to it."""
     ffn = block.ffn
     d, d_ff = stream.shape[-1], ffn.w_down.weight.shape[1]
 
@@ -287,8 +288,7 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
     def target_of(c: slice) -> torch.Tensor:  # (n·T, d): what the layer's FFN should add to the stream
         if dense_stream is None:
             return ffn(ffn_input(c))
-        hd = dense_stream[c]
-        return (hd + ffn(block.ffn_norm(hd)) - stream[c]).reshape(-1, d)  # the dense stream after it, less ours
+        return (dense_stream[c] - stream[c]).reshape(-1, d)  # the dense stream after the layer, less ours
 
     if ffn_kind(kind).zero_rows_are_dense or calib.method == "zero":
         rows = torch.zeros(len(embedding), d_ff, device=embedding.device)
