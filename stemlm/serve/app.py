@@ -328,7 +328,7 @@ async def _answer(http: HttpRequest, jobs: list[_Job], streaming: bool, shape: _
     if streaming:
         return _stream(jobs, shape.first, shape.chunk, shape.final, shape.usage, shape.opening)
     await _collect(http, jobs)
-    return body()
+    return JSONResponse(body())  # a Response passes FastAPI untouched: no jsonable_encoder walk of the body
 
 
 def _capped(default: int | None, limits: Limits) -> int | None:
