@@ -139,3 +139,12 @@ def test_eval_vs_harness_quick_scores_alike(tmp_path):
     assert r["n_requests"] == 16 and r["meta"]["git_commit"] and r["meta"]["quick"] is True
     assert r["max_abs_logprob_diff"] <= 1e-4 and r["accuracies_identical"] is True
     assert min(r["seconds"]["stemlm"]) > 0 and "speed ratio" in out
+
+
+def test_core_sharing_quick_times_every_setting_against_alone(tmp_path):
+    out = run_quick("bench_core_sharing.py", tmp_path)
+    r = json.loads((tmp_path / "core_sharing.quick.json").read_text())
+    assert set(r["step_ms"]) == {"alone", "thread", "process", "idle_process"}
+    assert all(len(v) == 1 and v[0] > 0 for v in r["step_ms"].values())
+    assert r["slowdown"]["process"] == r["step_ms"]["process"][0] / r["step_ms"]["alone"][0] - 1
+    assert "share of one core" in out
