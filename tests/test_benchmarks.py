@@ -148,3 +148,9 @@ def test_core_sharing_quick_times_every_setting_against_alone(tmp_path):
     assert all(len(v) == 1 and v[0] > 0 for v in r["step_ms"].values())
     assert r["slowdown"]["process"] == r["step_ms"]["process"][0] / r["step_ms"]["alone"][0] - 1
     assert "share of one core" in out
+
+
+def test_every_benchmark_script_is_listed_in_the_benchmarks_readme():
+    listed = (BENCH / "README.md").read_text()
+    scripts = [p.name for p in [*BENCH.glob("*.py"), *BENCH.glob("*.sh")] if not p.name.startswith("_")]
+    assert scripts and [s for s in scripts if f"`{s}`" not in listed] == []
