@@ -2,6 +2,7 @@
 margin, caches the choice per machine and shape, and the trainer uses and reports what it chose."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this PyTorch b
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("STEMLM_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache" / matmul_probe.CACHE_NAME
+    return tmp_path / "cache" / matmul_probe.CACHE_KIND
 
 
 def test_linear_shapes_count_every_bias_free_linear():
@@ -63,10 +64,11 @@ def test_choice_is_cached_per_machine_and_shape(cache, monkeypatch):
     first, again, other_rows = choose_matmul(model, 64), choose_matmul(model, 64), choose_matmul(model, 128)
     assert calls == [64, 128] and not first.cached and again.cached and not other_rows.cached
     assert again.backend == first.backend == "onednn" and again.aten_s == 2.0
-    data = json.loads(cache.read_text())
-    assert len(data) == 2 and all(matmul_probe.machine_key() in k and k.startswith("probe v") for k in data)
-    cache.write_text("{ not json")  # a corrupt cache is measured again and rewritten, not an error
-    assert not choose_matmul(model, 64).cached and calls == [64, 128, 64] and len(json.loads(cache.read_text())) == 1
+    files = {json.loads(f.read_text())["key"]: f for f in cache.glob("*.json")}  # one file per machine and shape
+    assert len(files) == 2 and all(matmul_probe.machine_key() in k and k.startswith("probe v") for k in files)
+    for f in files.values():
+        f.write_text("{ not json")  # a corrupt cache is measured again and rewritten, not an error
+    assert not choose_matmul(model, 64).cached and calls == [64, 128, 64] and choose_matmul(model, 64).cached
 
 
 @needs_onednn
@@ -74,7 +76,7 @@ def test_trainer_auto_applies_and_reports_the_probed_backend(tmp_path, cache, mo
     data_dir = make_token_data(tmp_path / "data")
     for backend in ("onednn", "aten"):
         monkeypatch.setattr(matmul_probe, "probe_matmul", lambda shapes, rows, b=backend: MatmulChoice(b, 1.0, 1.0, rows))
-        cache.unlink(missing_ok=True)
+        shutil.rmtree(cache, ignore_errors=True)
         cfg = debug_config(data_dir, tmp_path / backend, "run.steps=1")
         assert cfg.run.matmul == "auto"  # the default
         with Trainer(cfg) as trainer:

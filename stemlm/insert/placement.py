@@ -21,17 +21,15 @@ to the converted model's loss; the step-0 grid (docs/insertion.md) measures the 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from ..ffn import ffn_kind
 from ..model.decoder import StemLM, rope_cos_sin
-from ..runtime.files import atomic_write_text
+from ..runtime.cache import cached_json
 
 SCORE_TOKENS = 65_536  # calibration tokens the per-layer fits of the scoring pass use (at most)
 PROBE_WINDOWS = 16  # windows the KL is measured on
@@ -117,22 +115,9 @@ def cheapest_layers(costs: list[float], count: int) -> list[int]:
 
 
 def cached_layer_costs(key: str, compute: Callable[[], list[float]]) -> list[float]:
-    """``compute()``, kept in ``$STEMLM_CACHE/layer-costs/<key>.json``: ``key`` digests the model, the text
-    and the scoring settings (``scoring_config``), so a resumed conversion, or another one that differs only
-    in what the scoring leaves out (distillation, drift correction, ALS), does not measure again."""
-    from ..runtime.artifacts import cache_dir
-
-    path = cache_dir() / "layer-costs" / f"{key}.json"
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("key") == key and isinstance(saved.get("costs"), list):
-            return [float(c) for c in saved["costs"]]
-    except (OSError, ValueError, AttributeError):
-        pass  # absent or damaged: measure (again)
-    costs = compute()
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps({"key": key, "costs": costs}))
-    except OSError:
-        pass  # a read-only cache: the costs hold for this conversion only
-    return costs
+    """``compute()``, kept under ``$STEMLM_CACHE/layer-costs/`` (``stemlm.runtime.cache``): ``key`` digests the
+    model, the text and the scoring settings (``scoring_config``), so a resumed conversion, or another one that
+    differs only in what the scoring leaves out (distillation, drift correction, ALS), does not measure again."""
+    costs, _ = cached_json("layer-costs", key, compute,
+                           valid=lambda v: isinstance(v, list) and all(isinstance(c, (int, float)) for c in v))
+    return [float(c) for c in costs]

@@ -13,7 +13,7 @@ CPU"). A fixed default is wrong on one of them, so ``auto`` measures instead:
 * oneDNN is chosen only when ATen takes at least ``ONEDNN_MARGIN`` times as long, so near-ties keep
   PyTorch's own kernels and noise cannot flip a choice between runs;
 * the choice is cached per machine (PyTorch version, CPU model and flags, thread count) and shape in
-  ``$STEMLM_CACHE/matmul-choices.json``: the same machine makes the same choice, hence the same losses
+  ``$STEMLM_CACHE/matmul-choices/`` (``stemlm.runtime.cache``): the same machine makes the same choice, hence the same losses
   (the two differ in float summation order only). ``run.matmul=aten|onednn`` skips the probe.
 
 The probe takes well under a second at the ``debug`` shapes and a few seconds at P7's.
@@ -21,8 +21,6 @@ The probe takes well under a second at the ``debug`` shapes and a few seconds at
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from collections import Counter
@@ -32,14 +30,13 @@ from hashlib import sha256
 import torch
 import torch.nn as nn
 
-from .artifacts import cache_dir
-from .files import atomic_write_text
+from .cache import cached_json
 from .matmul import mm_nn, mm_nt, resolve_matmul_backend, use_matmul_backend
 
 ONEDNN_MARGIN = 1.10  # oneDNN only when ATen's probe time is at least this multiple of oneDNN's
 MAX_ROWS = 2048  # rows of the probed products (time per row is flat above a few hundred rows)
 REPEATS = 3  # products per shape and round; the best one counts
-CACHE_NAME = "matmul-choices.json"
+CACHE_KIND = "matmul-choices"  # $STEMLM_CACHE/<kind>/, one file per machine and shape
 PROBE_VERSION = 2  # part of the cache key: v1 timed the forward and input gradient only
 
 
@@ -108,14 +105,6 @@ def probe_matmul(shapes: Counter, rows: int, rounds: int = 2) -> MatmulChoice:
     return MatmulChoice(backend, best["aten"], best["onednn"], rows)
 
 
-def _read_cache(path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}  # absent or unreadable: measure again (and rewrite it)
-    return data if isinstance(data, dict) else {}
-
-
 def choose_matmul(model: nn.Module, rows: int) -> MatmulChoice:
     """The faster GEMM backend for training ``model`` on ``rows`` tokens per micro-batch on this CPU:
     the cached choice of this machine and shape, else ``probe_matmul`` (then cached)."""
@@ -123,20 +112,11 @@ def choose_matmul(model: nn.Module, rows: int) -> MatmulChoice:
     if not shapes:
         return MatmulChoice("aten", 0.0, 0.0, rows, cached=False)
     key = f"probe v{PROBE_VERSION} | {machine_key()} | rows {min(rows, MAX_ROWS)} | " + " ".join(f"{i}x{o}:{n}" for (i, o), n in sorted(shapes.items()))
-    path = cache_dir() / CACHE_NAME
-    known = _read_cache(path).get(key)
-    if isinstance(known, dict) and known.get("backend") in ("aten", "onednn"):
-        return MatmulChoice(known["backend"], float(known.get("aten_s", 0.0)), float(known.get("onednn_s", 0.0)),
-                            int(known.get("rows", rows)), cached=True)
-    choice = probe_matmul(shapes, rows)
-    try:
-        os.makedirs(path.parent, exist_ok=True)
-        data = _read_cache(path)  # again: another process may have added its own choice meanwhile
-        data[key] = {k: v for k, v in asdict(choice).items() if k != "cached"}
-        atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
-    except OSError:
-        pass  # a read-only cache: the choice holds for this process only
-    return choice
+    found, cached = cached_json(CACHE_KIND, key, lambda: {k: v for k, v in asdict(probe_matmul(shapes, rows)).items()
+                                                          if k != "cached"},
+                                valid=lambda v: isinstance(v, dict) and v.get("backend") in ("aten", "onednn"))
+    return MatmulChoice(found["backend"], float(found.get("aten_s", 0.0)), float(found.get("onednn_s", 0.0)),
+                        int(found.get("rows", rows)), cached=cached)
 
 
 def apply_training_matmul(model: nn.Module, name: str, device: torch.device | str, dtype: str, rows: int) -> str:
