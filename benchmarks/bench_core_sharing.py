@@ -51,7 +51,11 @@ def spin_and_sleep(stop, busy_s: float, period_s: float, ready=None) -> None:
 
 
 def step_ms(model, vocab: int, steps: int, seed: int) -> float:
-    """Mean milliseconds of one decode step of a running batch of 16 prompts (``PROMPT_LENS``)."""
+    """Mean milliseconds of one decode step of a running batch of 16 prompts (``PROMPT_LENS``); every row stays
+    in the batch for all ``steps`` (the longest prompt plus ``steps`` must fit the model's context)."""
+    if max(PROMPT_LENS) + steps > model.cfg.max_seq_len:
+        raise SystemExit(f"--steps {steps}: the {max(PROMPT_LENS)}-token prompt would pass max_seq_len="
+                         f"{model.cfg.max_seq_len} and leave the batch; use at most {model.cfg.max_seq_len - max(PROMPT_LENS)}")
     g = torch.Generator().manual_seed(seed)
     core = DecodeCore(model, [], 0, "auto", len(PROMPT_LENS))
     core.add([Generation(torch.randint(0, vocab, (n,), generator=g).tolist(), SamplingParams(steps + 1, seed=seed + j))
@@ -93,7 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="tiny", help="model shape (default tiny)")
     ap.add_argument("--stem-layers", default="1/3", help="STEM placement (default 1/3)")
-    ap.add_argument("--steps", type=int, default=200, help="decode steps timed per setting and round (default 200)")
+    ap.add_argument("--steps", type=int, default=160, help="decode steps timed per setting and round (default 160; "
+                    "at most the context less the longest prompt)")
     ap.add_argument("--rounds", type=int, default=5, help="rounds over the settings (default 5)")
     ap.add_argument("--busy-ms", type=float, default=1.0, help="the other work's spin per cycle (default 1 ms)")
     ap.add_argument("--period-ms", type=float, default=10.0, help="its sleep per cycle (default 10 ms)")
