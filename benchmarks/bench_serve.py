@@ -31,7 +31,9 @@ To say where an overhead comes from, each round also runs the same closed-loop w
 server's engine without HTTP (C threads of this process submitting engine requests one after another):
 direct ÷ engine is the cost of continuous batching itself (requests joining and leaving a running
 batch), engine ÷ served the cost of the HTTP layer, including the CPU the load-generating clients take
-from the same machine (reported as ``client_cpu_share``: their CPU seconds ÷ wall time × cores).
+from the same machine (reported as ``client_cpu_share``: their CPU seconds ÷ wall time × cores), and the HTTP
+thread's own CPU a request (``http_thread_ms_per_request``, median over rounds, read per thread from ``/proc`` in
+clock ticks of 10 ms: ~0.1 ms a request at 128 requests a phase).
 
     python benchmarks/bench_serve.py              # the real run (lead)
     python benchmarks/bench_serve.py --quick      # concurrency 1 and 2, a few tokens
@@ -187,6 +189,16 @@ def engine_phase(engine, work: list[list[tuple]], max_tokens: int) -> dict:
             "per_request_tokens": per_request}
 
 
+def thread_cpu_s(native_id: int) -> float:
+    """CPU seconds (user + system) a thread of this process has used so far, from ``/proc`` (Linux; 0.0 elsewhere)."""
+    try:
+        with open(f"/proc/self/task/{native_id}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in clock ticks
+
+
 def cpu_timed(phase) -> dict:
     """``phase()``'s result with ``cpu_s``: the CPU seconds this process (all its threads) spent in it."""
     t0 = time.process_time()
@@ -248,14 +260,18 @@ def main() -> None:
     engine, metrics = served.engine, {}
 
     def drive():  # the rounds, on a thread of their own: the engine runs on the main thread, as `stemlm serve` does
-        with ServerThread(served, **stack) as url, load:
+        server = ServerThread(served, **stack)
+        with server as url, load:
             load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4,
                         args.client).result()
             for r in range(args.repeats):
                 for c in levels[r % len(levels):] + levels[:r % len(levels)]:
                     work = workload(c, args.requests, lens, cfg.vocab_size, args.seed, args.aligned_lengths)
+                    http0 = thread_cpu_s(server.thread.native_id)
                     s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens,
                                                       args.client).result())
+                    # the HTTP thread's own CPU a request (uvicorn, FastAPI, the answer), counted per thread
+                    s["http_thread_ms_per_request"] = 1e3 * (thread_cpu_s(server.thread.native_id) - http0) / len(s["per_request_tokens"])
                     s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
                     e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
                     # direct generation on the engine's thread, between requests (one OpenMP team, as served)
@@ -283,13 +299,15 @@ def main() -> None:
                            "overhead": ratio - 1, "overhead_rounds": [x - 1 for x in round_ratios(speeds["direct"],
                                                                                                speeds["served"])],
                            "overhead_of_continuous_batching": batching - 1, "overhead_of_http": http - 1,
+                           "http_thread_ms_per_request": statistics.median(x[0]["http_thread_ms_per_request"] for x in rs),
                            "requests_lost": max(lost), "requests_with_other_token_counts_than_direct": max(differ),
                            "goal_overhead_10pct": ratio - 1 <= 0.10,
                            "cpu_overhead": paired_ratio(*[[x[i]["cpu_s"] / x[i]["tokens"] for x in rs] for i in (0, 1)]) - 1,
                            "cpu_overhead_of_http": paired_ratio(*[[x[i]["cpu_s"] / x[i]["tokens"] for x in rs]
                                                                    for i in (0, 2)]) - 1}
         print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %; continuous batching "
-              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %), requests lost {max(lost)}; CPU per "
+              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %: its thread "
+              f"{results[str(c)]['http_thread_ms_per_request']:.2f} ms of CPU a request), requests lost {max(lost)}; CPU per "
               f"token {100 * results[str(c)]['cpu_overhead']:+.1f} % (HTTP {100 * results[str(c)]['cpu_overhead_of_http']:+.1f} %)")
     name = "bench_serve" + ("_aligned" if args.aligned_lengths else "") + ("_openai" if args.client == "openai" else "")
     path = write_result(name, args.quick, {
