@@ -53,9 +53,10 @@ def spin_and_sleep(stop, busy_s: float, period_s: float, ready=None) -> None:
 def step_ms(model, vocab: int, steps: int, seed: int) -> float:
     """Mean milliseconds of one decode step of a running batch of 16 prompts (``PROMPT_LENS``); every row stays
     in the batch for all ``steps`` (the longest prompt plus ``steps`` must fit the model's context)."""
-    if max(PROMPT_LENS) + steps > model.cfg.max_seq_len:
+    room = model.cfg.max_seq_len - max(PROMPT_LENS)
+    if steps > room:
         raise SystemExit(f"--steps {steps}: the {max(PROMPT_LENS)}-token prompt would pass max_seq_len="
-                         f"{model.cfg.max_seq_len} and leave the batch; use at most {model.cfg.max_seq_len - max(PROMPT_LENS)}")
+                         f"{model.cfg.max_seq_len} and leave the batch; use at most {room}")
     g = torch.Generator().manual_seed(seed)
     core = DecodeCore(model, [], 0, "auto", len(PROMPT_LENS))
     core.add([Generation(torch.randint(0, vocab, (n,), generator=g).tolist(), SamplingParams(steps + 1, seed=seed + j))

@@ -271,7 +271,8 @@ def main() -> None:
                     s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens,
                                                       args.client).result())
                     # the HTTP thread's own CPU a request (uvicorn, FastAPI, the answer), counted per thread
-                    s["http_thread_ms_per_request"] = 1e3 * (thread_cpu_s(server.thread.native_id) - http0) / len(s["per_request_tokens"])
+                    http_s = thread_cpu_s(server.thread.native_id) - http0
+                    s["http_thread_ms_per_request"] = 1e3 * http_s / len(s["per_request_tokens"])
                     s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
                     e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
                     # direct generation on the engine's thread, between requests (one OpenMP team, as served)
