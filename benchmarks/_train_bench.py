@@ -115,6 +115,13 @@ def time_interleaved(fns: dict, steps: int, warmup: int = 2, samples: dict | Non
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def rotated(items, r: int) -> list:
+    """``items`` started at position ``r`` (cyclically): round ``r``'s order, so no setting always runs first."""
+    items = list(items)
+    k = r % len(items)
+    return items[k:] + items[:k]
+
+
 def round_ratios(numer: list[float], denom: list[float]) -> list[float]:
     """``numer[i] / denom[i]`` for each round."""
     return [a / b for a, b in zip(numer, denom, strict=True)]

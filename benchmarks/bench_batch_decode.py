@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 from _store_bench import stem_bench_model, use_matmul
-from _train_bench import paired_ratio, round_ratios, write_result
+from _train_bench import paired_ratio, rotated, round_ratios, write_result
 
 from stemlm.inference.batch_generate import SamplingParams, decode_batch
 from stemlm.cli.options import add_matmul_argument
@@ -90,7 +90,7 @@ def run_tier(args, ckpt, tables, tier: str, text=None) -> dict:
     timed_batch(model, store, prompts_for(2, lens, model.cfg.vocab_size, args.seed, text), 4, args.seed)  # warm-up
     rounds: dict[int, list[dict]] = {b: [] for b in batches}
     for r in range(args.repeats):
-        for b in batches[r % len(batches):] + batches[:r % len(batches)]:
+        for b in rotated(batches, r):
             res = timed_batch(model, store, prompts_for(b, lens, model.cfg.vocab_size, args.seed, text),
                               args.new_tokens, args.seed)
             rounds[b].append(res)

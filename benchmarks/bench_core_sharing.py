@@ -30,7 +30,7 @@ import time
 
 import torch
 from _store_bench import stem_bench_model
-from _train_bench import paired_ratio, round_ratios, write_result
+from _train_bench import paired_ratio, rotated, round_ratios, write_result
 
 from stemlm.inference.core import DecodeCore, Generation
 from stemlm.inference.sampling import SamplingParams
@@ -115,7 +115,7 @@ def main() -> None:
     step_ms(model, cfg.vocab_size, 10, 0)  # warm-up
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for r in range(args.rounds):
-        for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
+        for kind in rotated(kinds, r):
             with Beside(kind, busy, period):
                 times[kind].append(step_ms(model, cfg.vocab_size, args.steps, r))
         print(f"round {r + 1}: " + ", ".join(f"{k} {times[k][-1]:.2f} ms" for k in kinds), flush=True)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 from _store_bench import bench_checkpoint, drop_page_cache, proc_status, timed_decode, use_matmul
-from _train_bench import paired_ratio, round_ratios, write_result
+from _train_bench import paired_ratio, rotated, round_ratios, write_result
 
 from stemlm import model_config
 from stemlm.runtime.artifacts import cache_dir
@@ -112,7 +112,7 @@ def main() -> None:
     table_bytes = sum(cfg.table_rows(i) for i in cfg.table_layers) * cfg.d_ff * 4  # fp32 rows of every table
     rounds: dict[str, list[dict]] = {run: [] for run in args.runs.split(",")}
     for i in range(1 if args.quick else args.repeats):  # interleaved: slow phases of the machine hit every tier
-        order = list(rounds)[i % len(rounds):] + list(rounds)[:i % len(rounds)]  # rotate: no run always goes first
+        order = rotated(rounds, i)  # no run always goes first
         for run in order:
             cmd = [sys.executable, __file__, "--worker", run, "--ckpt", str(ckpt), "--tables", str(tables),
                    "--preset", args.preset, "--new-tokens", str(args.new_tokens), "--prompt-len", str(args.prompt_len),

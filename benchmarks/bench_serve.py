@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 from _store_bench import stem_bench_model
-from _train_bench import paired_ratio, round_ratios, write_result
+from _train_bench import paired_ratio, rotated, round_ratios, write_result
 
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
@@ -265,7 +265,7 @@ def main() -> None:
             load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4,
                         args.client).result()
             for r in range(args.repeats):
-                for c in levels[r % len(levels):] + levels[:r % len(levels)]:
+                for c in rotated(levels, r):
                     work = workload(c, args.requests, lens, cfg.vocab_size, args.seed, args.aligned_lengths)
                     http0 = thread_cpu_s(server.thread.native_id)
                     s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens,
