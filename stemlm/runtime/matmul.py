@@ -5,7 +5,8 @@ wheels); on CPUs MKL does not tune for, oneDNN's JIT kernels, which PyTorch also
 (``torch.ops.mkldnn._linear_pointwise``), can be much faster. This module routes the forward and
 input-gradient GEMMs through oneDNN, and the weight gradient (``grad.T @ x``) too
 (``WEIGHT_GRAD_ONEDNN``; it was ATen's until 2026-11-28, when an in-process A/B on an AVX-512 CPU,
-``benchmarks/bench_weight_grad.py``, measured whole training steps ~8 % faster with it on oneDNN). Measurements: docs/training.md ("GEMMs on CPU") and docs/generation.md.
+``benchmarks/bench_weight_grad.py``, measured whole training steps ~8 % faster with it on oneDNN).
+Measurements: docs/training.md ("GEMMs on CPU") and docs/generation.md.
 
 Applied from outside, like compile and parallelism: ``use_matmul_backend(model, "onednn")`` turns
 every ``nn.Linear`` of the model into a ``OneDNNLinear`` (same parameters, same state-dict names);

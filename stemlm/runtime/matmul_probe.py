@@ -13,8 +13,8 @@ CPU"). A fixed default is wrong on one of them, so ``auto`` measures instead:
 * oneDNN is chosen only when ATen takes at least ``ONEDNN_MARGIN`` times as long, so near-ties keep
   PyTorch's own kernels and noise cannot flip a choice between runs;
 * the choice is cached per machine (PyTorch version, CPU model and flags, thread count) and shape in
-  ``$STEMLM_CACHE/matmul-choices/`` (``stemlm.runtime.cache``): the same machine makes the same choice, hence the same losses
-  (the two differ in float summation order only). ``run.matmul=aten|onednn`` skips the probe.
+  ``$STEMLM_CACHE/matmul-choices/`` (``stemlm.runtime.cache``): the same machine makes the same choice,
+  hence the same losses (the two differ in float summation order only). ``run.matmul=aten|onednn`` skips the probe.
 
 The probe takes well under a second at the ``debug`` shapes and a few seconds at P7's.
 """
@@ -75,7 +75,8 @@ def machine_key() -> str:
 
 
 def _time_backend(operands: list[tuple], backend: str) -> float:
-    """Seconds of one weighted pass over ``operands`` (forward, input- and weight-gradient products) on ``backend``."""
+    """Seconds of one weighted pass over ``operands`` (forward, input- and weight-gradient products) on
+    ``backend``."""
     total = 0.0
     for x, w, g, count in operands:
         best = float("inf")
@@ -111,9 +112,13 @@ def choose_matmul(model: nn.Module, rows: int) -> MatmulChoice:
     shapes = linear_shapes(model)
     if not shapes:
         return MatmulChoice("aten", 0.0, 0.0, rows, cached=False)
-    key = f"probe v{PROBE_VERSION} | {machine_key()} | rows {min(rows, MAX_ROWS)} | " + " ".join(f"{i}x{o}:{n}" for (i, o), n in sorted(shapes.items()))
-    found, cached = cached_json(CACHE_KIND, key, lambda: {k: v for k, v in asdict(probe_matmul(shapes, rows)).items()
-                                                          if k != "cached"},
+    layout = " ".join(f"{i}x{o}:{n}" for (i, o), n in sorted(shapes.items()))
+    key = f"probe v{PROBE_VERSION} | {machine_key()} | rows {min(rows, MAX_ROWS)} | {layout}"
+
+    def probe() -> dict:
+        return {k: v for k, v in asdict(probe_matmul(shapes, rows)).items() if k != "cached"}
+
+    found, cached = cached_json(CACHE_KIND, key, probe,
                                 valid=lambda v: isinstance(v, dict) and v.get("backend") in ("aten", "onednn"))
     return MatmulChoice(found["backend"], float(found.get("aten_s", 0.0)), float(found.get("onednn_s", 0.0)),
                         int(found.get("rows", rows)), cached=cached)
