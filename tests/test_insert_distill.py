@@ -82,7 +82,19 @@ def test_layer_functions_report_the_error_they_reach():
     assert info["error_after"] == pytest.approx(layer_error(ffn, "stem", x, flat, r, wd, y))
     assert info["error_after"] < info["error_before"] == pytest.approx(1.0)
     r2, wd2, info2 = distill_layer(ffn, "stem", x, flat, rows, None, DistillSettings(steps=30, lr=1e-2, batch=32))
-    assert wd2 is None and info2["error_after"] < info2["error_before"]
+    assert wd2 is None and info2["error_after"] < info2["error_before"] and not info2["kept_start"]
+
+
+def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
+    model, ids = dense_model(), calib_ids()
+    x, y = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows, wd, _ = alternate_layer(ffn, "stem", x, flat, torch.zeros(V, model.cfg.d_ff), rounds=2)  # a good start
+    r, wd2, info = distill_layer(ffn, "stem", x, flat, rows, wd, DistillSettings(steps=20, lr=30.0, batch=8,
+                                                                                  train_down=True))
+    assert info["kept_start"] and info["error_after"] > info["error_before"]
+    assert torch.equal(r, rows) and wd2 is wd  # the start, unchanged
+    assert layer_error(ffn, "stem", x, flat, r, wd2, y) == pytest.approx(info["error_before"])
 
 
 def test_bad_distillation_settings_are_one_line_errors():

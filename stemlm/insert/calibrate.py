@@ -324,7 +324,8 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
         with torch.enable_grad():
             rows, w_down, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, w_down, settings, progress,
                                                target=target)
-        log(f"local distillation, output error {info['error_before']:.4f} -> {info['error_after']:.4f}")
+        log(f"local distillation, output error {info['error_before']:.4f} -> {info['error_after']:.4f}"
+            + (" (larger: the fit it started from is kept)" if info["kept_start"] else ""))
     return rows, w_down
 
 
