@@ -33,10 +33,15 @@ def default_entry(runs: dict) -> dict | None:
     from stemlm.insert.calibrate import CalibrationConfig
 
     want = {k: v for k, v in asdict(CalibrationConfig()).items() if k not in NOT_COMPARED}
-    matches = [r for r in runs.values() if "calibration" in r and not r.get("calib_mixed_sources")  # default text
+    matches = [r for r in runs.values() if "calibration" in r and not _other_text(r)  # the default text
                and _settings(r["calibration"]) == want]
     full = [r for r in matches if r["calibration"].get("tokens") == CalibrationConfig.tokens]  # the token count too
     return (full or matches or [None])[0]
+
+
+def _other_text(r: dict) -> bool:
+    """Whether the entry calibrated on other text than the offline corpus alone (``-mixed``, ``-wide``)."""
+    return bool(r.get("calib_mixed_sources") or r.get("calib_wide_sources"))
 
 
 def distilled_entries(runs: dict) -> list[dict]:
@@ -64,6 +69,10 @@ def _describe(r: dict) -> str:
                      + (" towards the dense stream" if c.get("correct_drift") else ""))
     if r.get("calib_mixed_sources"):
         parts.append("calibrated on corpus + news + stories")
+    if r.get("calib_wide_sources"):
+        left_out = r["calib_wide_sources"].get("excluded") or []
+        parts.append("calibrated on corpus + the wide corpus's sources"
+                     + (f" less {', '.join(left_out)}" if left_out else ""))
     return ", ".join(parts)
 
 
@@ -94,7 +103,36 @@ def grid_section(path: Path = GRID) -> list[str]:
         out.append(f"| {_describe(r)}{mark} | {r['calib_tokens']:,} | {d['in_domain']:+.2f} | {d['technical']:+.2f} | "
                    f"{d['legal']:+.2f} | **{r['delta_ood_mean']:+.2f}** | {r['calib_seconds'] / 60:.1f} min "
                    f"({threads} thread{'s' if threads > 1 else ''}) |")
-    out += [""] + goal_lines(runs) + placement_lines(runs)
+    out += [""] + goal_lines(runs) + oracle_lines(runs) + placement_lines(runs)
+    return out
+
+
+ORACLE_ROWS = (("rare<1", "ids the calibration never showed"), ("rare<16", "ids it showed < 16 times"),
+               ("rare<256", "ids it showed < 256 times"), ("frequent>=16", "ids it showed ≥ 16 times"))
+
+
+def oracle_lines(runs: dict) -> list[str]:
+    """Where each measured entry's step-0 gap sits (``--oracle``): the gap with the dense FFN put back at some
+    positions of the converted layers, by how often the calibration text showed the position's input id."""
+    measured = [r for r in runs.values() if r.get("oracle")]
+    if not measured:
+        return []
+    out = ["", "#### Where the step-0 gap sits: the positions of ids the calibration rarely saw", "",
+           "`bench_insertion_grid.py --oracle`: the same held-out tokens scored again with the dense model's FFN "
+           "output put back in every converted layer at some positions (by how often the calibration text showed "
+           "the position's input id; share of held-out positions in brackets). It is not a row any fit could "
+           "reach (the dense FFN output there depends on the context, a row does not); it shows which positions "
+           "hold the gap, the positions after them included. With the dense FFN everywhere the model is the "
+           "dense one (gap 0, checked).", "",
+           "| entry | held-out text | as converted | " + " | ".join(f"dense FFN at {label}" for _, label in ORACLE_ROWS)
+           + " |", "|---|---|---:|" + "---:|" * len(ORACLE_ROWS)]
+    for r in measured:
+        for domain, o in r["oracle"].items():
+            share = dict(o.get("positions", {}))
+            if "rare<16" in share:
+                share["frequent>=16"] = 1 - share["rare<16"]
+            cells = [f"{o[k]:+.2f}" + (f" ({share[k]:.0%})" if k in share else "") for k, _ in ORACLE_ROWS]
+            out.append(f"| {_describe(r)} | {domain.replace('_', ' ')} | {o['plain']:+.2f} | " + " | ".join(cells) + " |")
     return out
 
 
@@ -119,7 +157,7 @@ def placement_lines(runs: dict) -> list[str]:
     pairs = []
     for c in runs.values():  # the same setting with uniform layers: the paired effect of the choice
         cal = c.get("calibration", {})
-        if c is r or cal.get("layer_choice", "uniform") != "uniform" or c.get("calib_mixed_sources"):
+        if c is r or cal.get("layer_choice", "uniform") != "uniform" or _other_text(c):
             continue
         if {k: v for k, v in cal.items() if k != "layer_choice"} == {k: v for k, v in r["calibration"].items()
                                                                       if k != "layer_choice"}:
