@@ -70,7 +70,7 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
     if ds.vocab_size > vocab_size:
         raise ValueError(f"calibration data {data_dir} has vocab_size {ds.vocab_size}, more than the model's {vocab_size}")
     if named == WIDE:
-        return wide_tokens(ds.tokens, encode, n_tokens)[0]
+        return wide_tokens(ds.tokens, encode, n_tokens, progress=progress)[0]
     if named == MIXED:
         return mixed_tokens(ds.tokens, encode, n_tokens)[0]
     return ds.tokens
