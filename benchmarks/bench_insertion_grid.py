@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -156,13 +157,17 @@ def token_windows(tokens: np.ndarray, batches: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def loss_on(model, stream: torch.Tensor) -> float:
-    """Mean next-token loss over consecutive (4, 256) batches of ``stream``."""
+def loss_on(model, stream: torch.Tensor, batch: tuple[int, int] = (4, 256),
+            before: Callable[[torch.Tensor], None] | None = None) -> float:
+    """Mean next-token loss over consecutive ``batch``-shaped batches of ``stream``; ``before(x)`` is called with
+    each batch's inputs before its forward (the oracle sets its mask there)."""
     model.eval()
-    total, n = 0.0, 0
-    for a in range(0, len(stream) - 1, 4 * 256):
-        x = stream[a:a + 4 * 256].reshape(4, 256)
-        y = stream[a + 1:a + 4 * 256 + 1].reshape(4, 256)
+    total, n, step = 0.0, 0, batch[0] * batch[1]
+    for a in range(0, len(stream) - 1, step):
+        x = stream[a:a + step].reshape(batch)
+        y = stream[a + 1:a + step + 1].reshape(batch)
+        if before is not None:
+            before(x)
         total += float(model(x, targets=y)) * y.numel()
         n += y.numel()
     return total / n
@@ -206,11 +211,12 @@ ORACLE_K = (1, 16, 256)
 
 @torch.no_grad()
 def oracle_gaps(model, dense, sets: dict, counts: torch.Tensor, layers: list[int], base: dict,
-                batch: tuple[int, int] = (4, 256)) -> dict:
+                batch: tuple[int, int] = (4, 256), plain: dict | None = None) -> dict:
     """``{set: {variant: loss − dense loss}}``: the converted ``model`` as it is (``plain``) and with the dense FFN's
     output put back in its converted ``layers`` at the positions whose input id the calibration saw fewer than k
     times (``rare<k``), at least 16 times (``frequent>=16``) and everywhere (``all``, the dense model); ``sets``
-    holds streams of whole ``batch``es of inputs plus one target, ``base`` the dense model's loss on each."""
+    holds streams of whole ``batch``es of inputs plus one target, ``base`` the dense model's loss on each, ``plain``
+    the model's own losses on them if already measured (else measured here)."""
     mask = {"m": None}
 
     def put_back(i):
@@ -222,28 +228,23 @@ def oracle_gaps(model, dense, sets: dict, counts: torch.Tensor, layers: list[int
         return hook
 
     hooks = [model.layers[i].ffn.register_forward_hook(put_back(i)) for i in layers]
-    variants = {"plain": None, **{f"rare<{k}": (lambda c, k=k: c < k) for k in ORACLE_K},
-                "frequent>=16": lambda c: c >= 16, "all": lambda c: c >= 0}
+    variants = {f"rare<{k}": (lambda c, k=k: c < k) for k in ORACLE_K}
+    variants.update({"frequent>=16": lambda c: c >= 16, "all": lambda c: c >= 0})
     out = {}
     try:
         for domain, stream in sets.items():
-            out[domain] = {}
+            own = plain[domain] if plain is not None else loss_on(model, stream, batch)
+            out[domain] = {"plain": own - base[domain]}
             for name, which in variants.items():
-                total, n = 0.0, 0
-                step = batch[0] * batch[1]
-                for a in range(0, len(stream) - 1, step):
-                    x = stream[a:a + step].reshape(batch)
-                    y = stream[a + 1:a + step + 1].reshape(batch)
-                    mask["m"] = None if which is None else which(counts[x])
-                    total += float(model.eval()(x, targets=y)) * y.numel()
-                    n += y.numel()
+                loss = loss_on(model, stream, batch, before=lambda x, which=which: mask.update(m=which(counts[x])))
                 mask["m"] = None
-                out[domain][name] = total / n - base[domain]
+                out[domain][name] = loss - base[domain]
             share = {f"rare<{k}": float((counts[stream[:-1]] < k).double().mean()) for k in ORACLE_K}
             out[domain]["positions"] = share
             print(f"oracle {domain}: " + ", ".join(f"{k} {v:+.3f}" for k, v in out[domain].items()
                                                    if k != "positions"), flush=True)
     finally:
+        mask["m"] = None
         for h in hooks:
             h.remove()
     return out
@@ -323,7 +324,7 @@ def main() -> None:
                  "delta": {k: losses[k] - base[k] for k in sets}, "delta_ood_mean": ood, **info, "log": lines,
                  "threads": args.threads, "git_commit": git_commit()}
         if args.oracle:
-            entry["oracle"] = oracle_gaps(model, dense, sets, counts, info["converted_layers"], base)
+            entry["oracle"] = oracle_gaps(model, dense, sets, counts, info["converted_layers"], base, plain=losses)
         result["runs"][key] = entry
         result["git_commit"] = entry["git_commit"]  # the newest setting's; each entry keeps its own
         print(f"{key}: " + ", ".join(f"{k} {v:.3f} (+{entry['delta'][k]:.2f})" for k, v in losses.items()), flush=True)

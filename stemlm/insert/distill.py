@@ -109,7 +109,8 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     new_down = down.detach() if down is not None else w_down
     after = layer_error(ffn, kind, xs, ids, new_rows, ffn.w_down.weight if new_down is None else new_down, target)
     if after > before:  # never leave the layer worse than the fit it started from
-        return rows.detach().clone(), w_down, {"error_before": before, "error_after": after, "kept_start": True}
+        new_rows[uniq] = rows[uniq].detach()
+        return new_rows, w_down, {"error_before": before, "error_after": after, "kept_start": True}
     return new_rows, new_down, {"error_before": before, "error_after": after, "kept_start": False}
 
 
