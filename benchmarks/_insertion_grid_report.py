@@ -65,7 +65,10 @@ def _describe(r: dict) -> str:
         parts.append(f"shrink {c['shrink']:g}")
     if c.get("distill_steps"):
         parts.append(f"distilled {c['distill_steps']} steps × {c.get('distill_batch', 2048)} tokens"
-                     + (" (rows + W_d)" if c.get("distill_down") else " (rows)")
+                     + (" (rows + W_d + W_g)" if c.get("distill_down") and c.get("distill_gate")
+                        else " (rows + W_g)" if c.get("distill_gate") else " (rows + W_d)" if c.get("distill_down")
+                        else " (rows)")
+                     + (f", lr {c['distill_lr']:g}" if "distill_lr" in c else "")
                      + (" towards the dense stream" if c.get("correct_drift") else ""))
     if r.get("calib_mixed_sources"):
         parts.append("calibrated on corpus + news + stories")

@@ -46,12 +46,13 @@ def test_distillation_trains_only_the_seen_rows_and_leaves_the_dense_model_alone
 
 def test_distillation_is_deterministic_and_a_pass_resumes_to_the_same_tables(tmp_path, monkeypatch):
     model, ids = dense_model(), calib_ids()
-    kw = {"refit_down": True, "distill_down": True, **DISTILL}
+    kw = {"refit_down": True, "distill_down": True, "distill_gate": True, **DISTILL}
     one, _ = fit(model, ids, tmp_path / "1", layers="1,3", **kw)
     two, _ = fit(model, ids, tmp_path / "2", layers="1,3", **kw)
     for k in ("1", "3"):
         assert torch.equal(one.tables[k].weight, two.tables[k].weight)
-        assert torch.equal(one.layers[int(k)].ffn.w_down.weight, two.layers[int(k)].ffn.w_down.weight)
+        for name in ("w_down", "w_gate"):
+            assert torch.equal(getattr(one.layers[int(k)].ffn, name).weight, getattr(two.layers[int(k)].ffn, name).weight)
     import stemlm.insert.calibrate as cal
 
     real, calls = cal._fit_layer, []
@@ -71,6 +72,38 @@ def test_distillation_is_deterministic_and_a_pass_resumes_to_the_same_tables(tmp
     resumed = assemble(model, target, calibrate(model, target, ids, calib, tmp_path / "work", progress=False))
     for k in ("1", "3"):
         assert torch.equal(resumed.tables[k].weight, one.tables[k].weight)
+        assert torch.equal(resumed.layers[int(k)].ffn.w_gate.weight, one.layers[int(k)].ffn.w_gate.weight)
+
+
+def test_distilling_w_g_too_lowers_the_error_further_and_changes_only_the_converted_layers(tmp_path):
+    model, ids = dense_model(), calib_ids()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # lr 1e-3: at the 1e-2 of DISTILL the moving W_g costs this toy (every id seen often) more than it gains
+    kw = {"sequential": False, "refit_down": True, "distill_down": True, "distill_steps": 200, "distill_batch": 32,
+          "distill_lr": 1e-3}
+    both, _ = fit(model, ids, tmp_path / "b", **kw)
+    gate, _ = fit(model, ids, tmp_path / "g", distill_gate=True, **kw)
+    assert output_error(gate, model, ids) < output_error(both, model, ids)
+    for i, layer in enumerate(gate.layers):  # W_g moved in the converted layer only; the dense model untouched
+        moved = not torch.equal(layer.ffn.w_gate.weight, model.layers[i].ffn.w_gate.weight)
+        assert moved == (i == 2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.requires_grad for p in model.parameters()) and all(p.grad is None for p in model.parameters())
+    x, y = ffn_io(model, ids, 2)  # the error distillation reports is the assembled layer's
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    trained = gate.layers[2].ffn
+    assert layer_error(ffn, "stem", x, flat, gate.tables["2"].weight, trained.w_down.weight, y,
+                       trained.w_gate.weight) == pytest.approx(output_error(gate, model, ids), rel=1e-5)
+
+
+def test_distilling_w_g_needs_a_layer_that_keeps_it_and_distillation_steps():
+    model, ids = dense_model(), calib_ids()
+    x, _ = ffn_io(model, ids, 2)
+    with pytest.raises(ValueError, match="train_gate needs a layer that keeps W_g"):
+        distill_layer(model.layers[2].ffn, "stem_gate", x, ids.reshape(-1), torch.zeros(V, model.cfg.d_ff), {},
+                      DistillSettings(steps=2, train_gate=True))
+    with pytest.raises(ValueError, match="distill_gate trains W_g during local distillation: set distill_steps > 0"):
+        CalibrationConfig(distill_gate=True)
 
 
 def test_layer_functions_report_the_error_they_reach():
@@ -81,8 +114,8 @@ def test_layer_functions_report_the_error_they_reach():
     r, wd, info = alternate_layer(ffn, "stem", x, flat, rows, rounds=1)
     assert info["error_after"] == pytest.approx(layer_error(ffn, "stem", x, flat, r, wd, y))
     assert info["error_after"] < info["error_before"] == pytest.approx(1.0)
-    r2, wd2, info2 = distill_layer(ffn, "stem", x, flat, rows, None, DistillSettings(steps=30, lr=1e-2, batch=32))
-    assert wd2 is None and info2["error_after"] < info2["error_before"] and not info2["kept_start"]
+    r2, wd2, info2 = distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=30, lr=1e-2, batch=32))
+    assert wd2 == {} and info2["error_after"] < info2["error_before"] and not info2["kept_start"]
 
 
 def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
@@ -90,10 +123,11 @@ def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
     x, y = ffn_io(model, ids, 2)
     ffn, flat = model.layers[2].ffn, ids.reshape(-1)
     rows, wd, _ = alternate_layer(ffn, "stem", x, flat, torch.zeros(V, model.cfg.d_ff), rounds=2)  # a good start
-    r, wd2, info = distill_layer(ffn, "stem", x, flat, rows, wd, DistillSettings(steps=20, lr=30.0, batch=8,
-                                                                                  train_down=True))
+    r, wd2, info = distill_layer(ffn, "stem", x, flat, rows, {"w_down": wd},
+                                 DistillSettings(steps=20, lr=30.0, batch=8, train_down=True, train_gate=True))
     assert info["kept_start"] and info["error_after"] > info["error_before"]
-    assert torch.equal(r, rows) and wd2 is wd  # the start, unchanged
+    assert torch.equal(r, rows) and wd2 == {"w_down": wd}  # the start, unchanged (no trained W_g either)
+    wd2 = wd2["w_down"]
     assert layer_error(ffn, "stem", x, flat, r, wd2, y) == pytest.approx(info["error_before"])
 
 
@@ -119,9 +153,9 @@ def test_convert_cli_distills_after_calibrating(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     assert main(["convert", "--from-hf", str(src), "--out", str(out), "--ffn", "stem", "--stem-layers", "2",
                  "--init", "calibrate", "--calib-data", str(text), "--calib-tokens", "256", "--calib-seq-len", "16",
-                 "--distill-steps", "5", "--distill-batch", "16", "--distill-down"]) == 0
+                 "--distill-steps", "5", "--distill-batch", "16", "--distill-down", "--distill-gate"]) == 0
     calib = json.loads((out / "config.json").read_text())["stemlm_conversion"]["calibration"]
-    assert calib["distill_steps"] == 5 and calib["distill_down"] is True
+    assert calib["distill_steps"] == 5 and calib["distill_down"] is True and calib["distill_gate"] is True
     assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "o2"), "--ffn", "stem",
                  "--distill-steps", "3"]) != 0
     assert "--distill-steps applies to --init calibrate only" in capsys.readouterr().err

@@ -104,6 +104,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="tokens per local-distillation step (default: %(default)s)")
     distill.add_argument("--distill-down", action=argparse.BooleanOptionalAction, default=CalibrationConfig.distill_down,
                          help="also train W_d of the converted layers while distilling (default: %(default)s)")
+    distill.add_argument("--distill-gate", action=argparse.BooleanOptionalAction, default=CalibrationConfig.distill_gate,
+                         help="also train W_g of the converted layers while distilling: the whole layer then fits "
+                         "ids the calibration showed rarely, not only their rows (default: %(default)s)")
     calib.add_argument("--layer-choice", choices=LAYER_CHOICES, default=CalibrationConfig.layer_choice,
                        help="with a ratio --stem-layers (1/3, 1/2, full): 'cheapest' converts that many layers, the ones "
                        "whose fitted rows cost the dense model least (each measured alone, one pass); 'uniform' the "
@@ -158,7 +161,8 @@ def run(args: argparse.Namespace) -> int:
                                         shrink=args.calib_shrink, als_rounds=args.calib_als_rounds,
                                         distill_steps=args.distill_steps,
                                         distill_lr=args.distill_lr, distill_batch=args.distill_batch,
-                                        distill_down=args.distill_down, correct_drift=args.calib_correct_drift)
+                                        distill_down=args.distill_down, distill_gate=args.distill_gate,
+                                        correct_drift=args.calib_correct_drift)
     elif args.calib_data is not None:
         raise ValueError("--calib-data applies to --init calibrate only")
     elif args.distill_steps:

@@ -43,7 +43,7 @@ from ..ffn import ffn_kind
 from ..model.decoder import StemLM, rope_cos_sin
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_file, atomic_write_text
-from .distill import DistillSettings, alternate_layer, distill_layer
+from .distill import DistillSettings, alternate_layer, distill_layer, projections
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
 LAYER_CHOICES = ("cheapest", "uniform")
@@ -72,6 +72,7 @@ class CalibrationConfig:
     distill_lr: float = 1e-3  # its learning rate (linear decay to a tenth)
     distill_batch: int = 2048  # its minibatch, in tokens
     distill_down: bool = False  # also train W_d of the converted layers while distilling
+    distill_gate: bool = False  # also train W_g of the converted layers while distilling
     correct_drift: bool = False  # sequential: the W_d refit and local distillation aim at the dense model's own
     #                              residual stream, so each converted layer also undoes the drift of those before it
     layer_choice: str = "cheapest"  # ratio placements: cheapest (the layers of least measured cost,
@@ -98,6 +99,8 @@ class CalibrationConfig:
                              f"{self.distill_lr}")
         if self.correct_drift and not self.sequential:
             raise ValueError("correct_drift needs sequential calibration (with a parallel pass nothing drifts)")
+        if self.distill_gate and not self.distill_steps:
+            raise ValueError("distill_gate trains W_g during local distillation: set distill_steps > 0")
         if self.correct_drift and self.als_rounds:
             raise ValueError("correct_drift applies to the W_d refit and local distillation, not to als_rounds")
         if self.tokens < self.seq_len:
@@ -109,8 +112,10 @@ class CalibrationConfig:
         return resolve_device(self.device, "calibration device")
 
     def key(self, model_digest: str, ids_digest: str, target: ModelConfig) -> str:
-        # the same fit on any device; correct_drift only when on, so work dirs keyed before it existed stay valid
-        settings = {k: v for k, v in asdict(self).items() if k != "device" and not (k == "correct_drift" and not v)}
+        # the same fit on any device; correct_drift and distill_gate only when on, so work dirs keyed before they
+        # existed stay valid
+        settings = {k: v for k, v in asdict(self).items()
+                    if k != "device" and not (k in ("correct_drift", "distill_gate") and not v)}
         text = json.dumps({"calib": settings, "model": model_digest, "ids": ids_digest,
                            "target": target.to_dict()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -140,12 +145,13 @@ class _WorkDir:
         return self.root / f"table_{layer}.safetensors"
 
     def down_file(self, layer: int) -> Path:
+        """The layer's refitted projections (``w_down``, and ``w_gate`` where distillation trained it)."""
         return self.root / f"down_{layer}.safetensors"
 
-    def save_table(self, layer: int, rows: torch.Tensor, down: torch.Tensor | None) -> None:
+    def save_table(self, layer: int, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> None:
         _atomic_save({"rows": rows.contiguous()}, self.table_file(layer))
-        if down is not None:
-            _atomic_save({"w_down": down.contiguous()}, self.down_file(layer))
+        if weights:
+            _atomic_save({k: w.contiguous() for k, w in weights.items()}, self.down_file(layer))
 
     def save_stream(self, next_layer: int, stream: torch.Tensor, dense_stream: torch.Tensor | None = None) -> None:
         _atomic_save({"stream": stream, **({"dense": dense_stream} if dense_stream is not None else {})},
@@ -179,11 +185,11 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
 
     The pass runs where ``dense`` is (``calibrated_model`` moves it to ``calib.device``).
 
-    Returns ``{layer: (table file, refitted w_down file or None)}`` in ``work_dir``; every table
-    is ``(V, d_ff)`` fp32 under key ``rows``. ``stem_dagger`` layers get zero tables (with its
-    up-projection kept, zero rows are exactly the dense layer) unless ``calib.dagger_rows="fit"``.
-    Resumes a pass stopped earlier
-    in the same ``work_dir`` with the same model, text and settings.
+    Returns ``{layer: (table file, refitted projections file or None)}`` in ``work_dir``; every table
+    is ``(V, d_ff)`` fp32 under key ``rows``, the projections under their names (``w_down``, ``w_gate``).
+    ``stem_dagger`` layers get zero tables (with its up-projection kept, zero rows are exactly the dense
+    layer) unless ``calib.dagger_rows="fit"``. Resumes a pass stopped earlier in the same ``work_dir``
+    with the same model, text and settings.
     """
     from tqdm import tqdm
 
@@ -232,18 +238,18 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         if ffn_kind(kind).owns_table:
             refine = not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model: no W_d change
             kind = fitted_kind(kind, calib)
-            rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
-                                      lambda s, i=i: log(f"layer {i}: {s}"), progress, dense_stream)
-            work.save_table(i, rows, w_down)
-            out[i] = (work.table_file(i), work.down_file(i) if w_down is not None else None)
+            rows, weights = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
+                                       lambda s, i=i: log(f"layer {i}: {s}"), progress, dense_stream)
+            work.save_table(i, rows, weights)
+            out[i] = (work.table_file(i), work.down_file(i) if weights else None)
             use_stem = calib.sequential
         else:
-            rows, w_down, use_stem = None, None, False
+            rows, weights, use_stem = None, {}, False
         for c in chunks:
             h = stream[c]
             x = block.ffn_norm(h)
             if use_stem:
-                h += _stem_ffn(block.ffn, kind, x, rows[ids[c]], w_down)
+                h += _stem_ffn(block.ffn, kind, x, rows[ids[c]], weights)
             else:
                 h += block.ffn(x)
         del rows
@@ -263,17 +269,18 @@ def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
     return becomes if becomes and calib.dagger_rows == "fit" else kind
 
 
-def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None) -> torch.Tensor:
-    """The converted layer's output at ``x (n, T, d)`` with its rows ``(n, T, d_ff)``."""
-    wd = ffn.w_down.weight if w_down is None else w_down
-    return F.linear(ffn_kind(kind).hidden(ffn, x, rows), wd)
+def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The converted layer's output at ``x (n, T, d)`` with its rows ``(n, T, d_ff)`` and refitted projections."""
+    with projections(ffn, weights):
+        return F.linear(ffn_kind(kind).hidden(ffn, x, rows), ffn.w_down.weight)
 
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
                calib: CalibrationConfig, embedding: torch.Tensor, refine: bool,
                log: Callable[[str], None] = lambda s: None, progress: bool = False,
-               dense_stream: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rows ``(V, d_ff)`` (and a refitted ``W_d`` or None) for one layer from the current stream.
+               dense_stream: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Rows ``(V, d_ff)`` and the refitted projections (``{"w_down": …}``, with ``W_g`` where distillation trains
+    it; empty: the dense ones) for one layer from the current stream.
 
     With ``refine`` the fit is followed by the ``W_d`` refit, alternating least squares and local
     distillation that ``calib`` asks for (``stemlm.insert.distill``). Their target is the dense FFN's
@@ -303,12 +310,13 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
         if calib.method == "down":
             xs = torch.cat([ffn_input(c) for c in chunks])
             rows = _refine_down(ffn, kind, xs, ids, rows, calib.down_iters)
-    w_down = None
+    weights: dict[str, torch.Tensor] = {}
     if not refine:
-        return rows, w_down
+        return rows, weights
     if calib.als_rounds:
         xs = torch.cat([ffn_input(c) for c in chunks])
         rows, w_down, info = alternate_layer(ffn, kind, xs, ids.reshape(-1), rows, calib.als_rounds, calib.down_iters)
+        weights = {"w_down": w_down}
         log(f"alternating least squares, output error {info['error_before']:.4f} -> {info['error_after']:.4f}")
     elif calib.refit_down:
         refit = DownRefit(d_ff, ffn.w_down.weight.shape[0], embedding.device)
@@ -316,17 +324,18 @@ def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks
             x = ffn_input(c)
             hidden = ffn_kind(kind).hidden(ffn, x, rows[ids[c].reshape(-1)])
             refit.add(hidden, target_of(c))
-        w_down = refit.solve()
+        weights = {"w_down": refit.solve()}
     if calib.distill_steps:
-        settings = DistillSettings(calib.distill_steps, calib.distill_lr, calib.distill_batch, calib.distill_down)
+        settings = DistillSettings(calib.distill_steps, calib.distill_lr, calib.distill_batch, calib.distill_down,
+                                   train_gate=calib.distill_gate)
         xs = torch.cat([ffn_input(c) for c in chunks])
         target = torch.cat([target_of(c) for c in chunks]) if dense_stream is not None else None
         with torch.enable_grad():
-            rows, w_down, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, w_down, settings, progress,
-                                               target=target)
+            rows, weights, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, weights, settings, progress,
+                                                target=target)
         log(f"local distillation, output error {info['error_before']:.4f} -> {info['error_after']:.4f}"
             + (" (larger: the fit it started from is kept)" if info["kept_start"] else ""))
-    return rows, w_down
+    return rows, weights
 
 
 def _refine_down(ffn, kind, xs, ids, rows, iters):
@@ -341,7 +350,7 @@ def _refine_down(ffn, kind, xs, ids, rows, iters):
 def assemble(dense: StemLM, target: ModelConfig, fitted: dict[int, tuple[Path, Path | None]],
              mmap: bool = False) -> StemLM:
     """The STEM model of ``target``: the dense model's weights, the fitted tables (memory-mapped
-    from the work dir with ``mmap``), refitted down-projections where there are any."""
+    from the work dir with ``mmap``), refitted projections (``W_d``, a distilled ``W_g``) where there are any."""
     from ..checkpoint.directory import model_from_state
     from ..checkpoint.safetensors_io import map_tensor, tensor_info
 
@@ -357,5 +366,6 @@ def assemble(dense: StemLM, target: ModelConfig, fitted: dict[int, tuple[Path, P
         else:
             state[f"tables.{i}.weight"] = load_file(str(table_file))["rows"]
         if down_file is not None:
-            state[f"layers.{i}.ffn.w_down.weight"] = load_file(str(down_file))["w_down"]
+            for name, w in load_file(str(down_file)).items():
+                state[f"layers.{i}.ffn.{name}.weight"] = w
     return model_from_state(target, state)

@@ -7,8 +7,10 @@ layer's output on the calibration pass's own inputs:
     min  Σ_n ‖ W_d^dense (SiLU(W_g x_n) ⊙ W_u x_n) − W_d (hidden(x_n, U[t_n])) ‖²  /  Σ_n ‖ y_n ‖²
 
 over the rows of the ids the pass saw (a compact ``(U, d_ff)`` parameter, so the optimizer state
-is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d``. Everything else is
-frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
+is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d``; with ``train_gate`` also
+its ``W_g``, the one projection a STEM layer keeps that the rows do not already stand in for (trained, it
+fits the whole layer to ids the text showed rarely: rows fitted from few contexts, or the pooled row,
+cannot). Everything else is frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
 generator seeded by ``seed`` (deterministic on the CPU). ``alternate`` runs alternating least squares
 instead: rows given ``W_d`` (conjugate gradients through the down-projection), then ``W_d`` given
 the rows, for a few rounds.
@@ -30,13 +32,14 @@ from .fit import DownRefit, refine_through_down
 
 @dataclass(frozen=True)
 class DistillSettings:
-    """Steps, learning rate, batch (tokens), whether ``W_d`` trains too, and the minibatch seed."""
+    """Steps, learning rate, batch (tokens), whether ``W_d`` and ``W_g`` train too, and the minibatch seed."""
 
     steps: int = 0
     lr: float = 1e-3
     batch: int = 2048
     train_down: bool = False
     seed: int = 0
+    train_gate: bool = False
 
 
 def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
@@ -44,9 +47,26 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
     return float((out - target).double().square().sum() / target.double().square().sum().clamp_min(1e-30))
 
 
-def layer_output(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """The converted layer's output ``(N, d)`` at inputs ``x (N, d)`` with rows ``(N, d_ff)``."""
-    return F.linear(ffn_kind(kind).hidden(ffn, x, rows), w_down)
+def layer_output(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor,
+                 w_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """The converted layer's output ``(N, d)`` at inputs ``x (N, d)`` with rows ``(N, d_ff)`` (and ``W_g`` in
+    place of the dense one when given)."""
+    with projections(ffn, {} if w_gate is None else {"w_gate": w_gate}):
+        return F.linear(ffn_kind(kind).hidden(ffn, x, rows), w_down)
+
+
+@contextmanager
+def projections(ffn, weights: dict[str, torch.Tensor]):
+    """``ffn``'s projections ``{name: weight}`` (``w_gate``, ``w_down``, …) replaced by ``weights`` inside the block:
+    a converted layer's refitted or trained projections, used through the dense FFN's own modules."""
+    saved = {name: getattr(ffn, name)._parameters["weight"] for name in weights}
+    try:
+        for name, w in weights.items():  # the module's parameter slot, without the Parameter-type check
+            getattr(ffn, name)._parameters["weight"] = w
+        yield ffn
+    finally:
+        for name, w in saved.items():
+            getattr(ffn, name)._parameters["weight"] = w
 
 
 def _chunked(fn, n: int, size: int = 8192) -> torch.Tensor:
@@ -55,50 +75,58 @@ def _chunked(fn, n: int, size: int = 8192) -> torch.Tensor:
 
 @torch.no_grad()
 def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor,
-                target: torch.Tensor) -> float:
+                target: torch.Tensor, w_gate: torch.Tensor | None = None) -> float:
     """The relative output error of the converted layer over every calibration token."""
-    out = _chunked(lambda c: layer_output(ffn, kind, xs[c], rows[ids[c]], w_down), len(xs))
+    out = _chunked(lambda c: layer_output(ffn, kind, xs[c], rows[ids[c]], w_down, w_gate), len(xs))
     return relative_error(out, target)
 
 
-def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor | None,
-                  settings: DistillSettings, progress: bool = False, desc: str = "distill",
-                  target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
-    """Train the rows of the ids in ``ids (N,)`` (and ``W_d`` with ``train_down``) of one converted layer.
+def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                  weights: dict[str, torch.Tensor], settings: DistillSettings, progress: bool = False,
+                  desc: str = "distill", target: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict]:
+    """Train the rows of the ids in ``ids (N,)`` (and ``W_d`` with ``train_down``, ``W_g`` with ``train_gate``) of one
+    converted layer.
 
     ``ffn`` is the dense layer's FFN (its output is the target), ``xs (N, d)`` the normed inputs,
-    ``rows (V, d_ff)`` the fitted table, ``w_down`` a refitted ``W_d`` or None (the dense one).
-    ``target (N, d)`` replaces the dense layer's output as what the layer should produce (the calibration
-    pass's drift correction). Returns ``(rows, w_down or None, {"error_before", "error_after", "kept_start"})``;
-    ``rows`` is a new tensor. Distillation that ends with a larger error than it started from (seen at 262k
-    calibration tokens with lr 1e-2; likely Adam's moments moving rows the minibatches no longer hold) returns
-    the start unchanged, ``kept_start`` True and ``error_after`` the error it reached.
+    ``rows (V, d_ff)`` the fitted table, ``weights`` the layer's refitted projections so far (``{"w_down": …}``;
+    empty: the dense ones). ``target (N, d)`` replaces the dense layer's output as what the layer should produce
+    (the calibration pass's drift correction). Returns ``(rows, weights, {"error_before", "error_after",
+    "kept_start"})``: ``rows`` a new tensor, ``weights`` the refitted projections with the trained ones added.
+    Distillation that ends with a larger error than it started from (seen at 262k calibration tokens with lr 1e-2;
+    likely Adam's moments moving rows the minibatches no longer hold) returns the start unchanged, ``kept_start``
+    True and ``error_after`` the error it reached.
     """
     from tqdm import tqdm
 
     if settings.steps < 0 or settings.batch < 1 or settings.lr <= 0:
         raise ValueError(f"distillation needs steps >= 0, batch >= 1 and lr > 0, got {settings}")
+    if settings.train_gate and "w_gate" not in ffn_kind(kind).holds:
+        raise ValueError(f"train_gate needs a layer that keeps W_g; a {kind!r} layer does not")
     if target is None:
         with torch.no_grad():
             target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
-    wd0 = ffn.w_down.weight if w_down is None else w_down
-    before = layer_error(ffn, kind, xs, ids, rows, wd0, target)
+    wd0 = weights.get("w_down", ffn.w_down.weight)
+    wg0 = weights.get("w_gate", ffn.w_gate.weight) if "w_gate" in ffn_kind(kind).holds else None
+    before = layer_error(ffn, kind, xs, ids, rows, wd0, target, wg0)
     uniq, inv = torch.unique(ids, return_inverse=True)
     compact = torch.nn.Parameter(rows[uniq].detach().clone())  # (U, d_ff)
     down = torch.nn.Parameter(wd0.detach().clone()) if settings.train_down else None
-    params = [compact] + ([down] if down is not None else [])
+    gate = torch.nn.Parameter(wg0.detach().clone()) if settings.train_gate else None
+    params = [compact] + [p for p in (down, gate) if p is not None]
     opt = torch.optim.Adam(params, lr=settings.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, settings.steps))
     gen = torch.Generator().manual_seed(settings.seed)
     scale = target.square().sum(1).mean().clamp_min(1e-30)  # mean ‖y‖²: the loss is a relative error
     order, pos = torch.randperm(len(xs), generator=gen), 0
-    with _frozen(ffn):  # the dense weights are constants here (W_d trains as its own copy)
+    with _frozen(ffn):  # the dense weights are constants here (W_d, W_g train as their own copies)
         for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
             if pos + settings.batch > len(order):
                 order, pos = torch.randperm(len(xs), generator=gen), 0
             b = order[pos:pos + settings.batch].to(xs.device)
             pos += settings.batch
-            out = layer_output(ffn, kind, xs[b], compact[inv[b]], down if down is not None else wd0.detach())
+            out = layer_output(ffn, kind, xs[b], compact[inv[b]], down if down is not None else wd0.detach(),
+                               gate if gate is not None else (None if wg0 is None else wg0.detach()))
             loss = (out - target[b]).square().sum(1).mean() / scale
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -106,12 +134,14 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
             sched.step()
     new_rows = rows.detach().clone()
     new_rows[uniq] = compact.detach()
-    new_down = down.detach() if down is not None else w_down
-    after = layer_error(ffn, kind, xs, ids, new_rows, ffn.w_down.weight if new_down is None else new_down, target)
+    trained = {name: p.detach() for name, p in (("w_down", down), ("w_gate", gate)) if p is not None}
+    new_weights = {**weights, **trained}
+    after = layer_error(ffn, kind, xs, ids, new_rows, new_weights.get("w_down", ffn.w_down.weight), target,
+                        new_weights.get("w_gate", wg0))
     if after > before:  # never leave the layer worse than the fit it started from
         new_rows[uniq] = rows[uniq].detach()
-        return new_rows, w_down, {"error_before": before, "error_after": after, "kept_start": True}
-    return new_rows, new_down, {"error_before": before, "error_after": after, "kept_start": False}
+        return new_rows, weights, {"error_before": before, "error_after": after, "kept_start": True}
+    return new_rows, new_weights, {"error_before": before, "error_after": after, "kept_start": False}
 
 
 @contextmanager

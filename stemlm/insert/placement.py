@@ -35,7 +35,8 @@ SCORE_TOKENS = 65_536  # calibration tokens the per-layer fits of the scoring pa
 PROBE_WINDOWS = 16  # windows the KL is measured on
 # what the scoring pass leaves out of a calibration (each layer is fitted alone, on the dense stream): these
 # settings take their defaults there, so conversions that differ only in them share one measurement
-NOT_SCORED = ("als_rounds", "distill_steps", "distill_lr", "distill_batch", "distill_down", "correct_drift")
+NOT_SCORED = ("als_rounds", "distill_steps", "distill_lr", "distill_batch", "distill_down", "distill_gate",
+              "correct_drift")
 
 
 def scoring_config(calib):
@@ -89,18 +90,18 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
         for c in chunks:
             h = stream[c]
             h += block.attn(block.attn_norm(h), cos, sin, 0)
-        rows, w_down = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, True)
+        rows, weights = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, True)
         kl, n = 0.0, 0
         for p, ref in zip(probe_parts, reference):
             h = stream[probe[p]]
             x = block.ffn_norm(h)
-            lp = log_probs(final(h + _stem_ffn(block.ffn, kind, x, rows[ids[probe[p]]], w_down), i + 1))
+            lp = log_probs(final(h + _stem_ffn(block.ffn, kind, x, rows[ids[probe[p]]], weights), i + 1))
             ref = log_probs(ref)
             kl += float((ref.exp() * (ref - lp)).sum())
             n += lp.shape[0] * lp.shape[1]
         costs.append(kl / n)
         log(f"layer {i}: converting it alone costs {costs[-1]:.4f} nats of KL a token")
-        del rows, w_down
+        del rows, weights
         for c in chunks:
             h = stream[c]
             h += block.ffn(block.ffn_norm(h))
