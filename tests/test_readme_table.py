@@ -107,9 +107,10 @@ def test_the_insertion_grid_row_reads_the_current_default_from_calibration_confi
             "a": entry(default, 0.8), "b": entry({**default, "method": "mean"}, 0.1),
             "c": entry({**default, "distill_steps": 10}, 0.4), "e": entry({**default, "distill_steps": 20}, 0.6)}
     assert default_entry({k: v for k, v in runs.items() if k != "dense"}) is runs["a"]
-    measured, met = readme_cell({"runs": runs})
-    assert "+0.80" in measured and "+0.40" in measured and met
+    measured, verdict = readme_cell({"runs": runs})
+    assert "+0.80" in measured and "+0.40" in measured
+    assert verdict == "step 0, default flags: yes; after local distillation: yes"
     runs["c"]["delta_ood_mean"] = 0.7
-    assert readme_cell({"runs": runs})[1] is False
+    assert readme_cell({"runs": runs})[1] == "step 0, default flags: yes; after local distillation: no"
     runs["f"] = entry({**default, "tokens": d.tokens}, 0.9)  # the default token count too: that entry is the default
     assert default_entry({k: v for k, v in runs.items() if k != "dense"}) is runs["f"]
