@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="tokens per local-distillation step (default: %(default)s)")
     distill.add_argument("--distill-down", action=argparse.BooleanOptionalAction, default=CalibrationConfig.distill_down,
                          help="also train W_d of the converted layers while distilling (default: %(default)s)")
-    distill.add_argument("--distill-gate", action=argparse.BooleanOptionalAction, default=CalibrationConfig.distill_gate,
+    distill.add_argument("--distill-gate", action=argparse.BooleanOptionalAction,
+                         default=CalibrationConfig.distill_gate,
                          help="also train W_g of the converted layers while distilling: the whole layer then fits "
                          "ids the calibration showed rarely, not only their rows (default: %(default)s)")
     calib.add_argument("--layer-choice", choices=LAYER_CHOICES, default=CalibrationConfig.layer_choice,

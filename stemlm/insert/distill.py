@@ -7,15 +7,16 @@ layer's output on the calibration pass's own inputs:
     min  Σ_n ‖ W_d^dense (SiLU(W_g x_n) ⊙ W_u x_n) − W_d (hidden(x_n, U[t_n])) ‖²  /  Σ_n ‖ y_n ‖²
 
 over the rows of the ids the pass saw (a compact ``(U, d_ff)`` parameter, so the optimizer state
-is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d``; with ``train_gate`` also
-its ``W_g``, the one projection a STEM layer keeps that the rows do not already stand in for (trained, it
-fits the whole layer to ids the text showed rarely: rows fitted from few contexts, or the pooled row,
-cannot). Everything else is frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
+is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d``; with ``train_gate``
+its ``W_g`` too. Rows fitted from few contexts, and the pooled row of ids never seen, cannot follow the
+context; a trained ``W_g`` fits the whole layer, so it also changes what those ids get. Everything else
+is frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
 generator seeded by ``seed`` (deterministic on the CPU). ``alternate`` runs alternating least squares
 instead: rows given ``W_d`` (conjugate gradients through the down-projection), then ``W_d`` given
 the rows, for a few rounds.
 
-Memory: the layer's inputs and targets (``N × d`` each), the compact rows and their Adam moments.
+Memory: the layer's inputs and targets (``N × d`` each), the compact rows and their Adam moments, and a copy of
+``W_d`` / ``W_g`` with its moments where it trains.
 """
 
 from __future__ import annotations
