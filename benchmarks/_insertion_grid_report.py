@@ -50,6 +50,11 @@ def distilled_entries(runs: dict) -> list[dict]:
                   key=lambda r: r["delta_ood_mean"])
 
 
+def _distilled_parts(c: dict) -> list[str]:
+    """What local distillation trained, from an entry's calibration settings."""
+    return ["rows"] + (["W_d"] if c.get("distill_down") else []) + (["W_g"] if c.get("distill_gate") else [])
+
+
 def _describe(r: dict) -> str:
     c = r["calibration"]
     parts = [c.get("method", "gated"), "layer by layer" if c.get("sequential", True) else "parallel (dense hidden states)"]
@@ -66,9 +71,7 @@ def _describe(r: dict) -> str:
     if c.get("distill_steps"):
         parts.append(f"distilled {c['distill_steps']} steps × {c.get('distill_batch', 2048)} tokens"
                      + (f" at lr {c['distill_lr']:g}" if "distill_lr" in c else "")
-                     + (" (rows + W_d + W_g)" if c.get("distill_down") and c.get("distill_gate")
-                        else " (rows + W_g)" if c.get("distill_gate") else " (rows + W_d)" if c.get("distill_down")
-                        else " (rows)")
+                     + f" ({' + '.join(_distilled_parts(c))})"
                      + (" towards the dense stream" if c.get("correct_drift") else ""))
     if r.get("calib_mixed_sources"):
         parts.append("calibrated on corpus + news + stories")
@@ -232,8 +235,8 @@ def readme_cell(g: dict) -> tuple[str, str]:
     if distilled:
         b = distilled[0]
         c = b["calibration"]
-        how = (", W_d and W_g too" if c.get("distill_gate") else ", W_d too" if c.get("distill_down") else "") + (
-            ", calibrated on the wide corpus's text" if b.get("calib_wide_sources") else "")
+        how = f", {' and '.join(_distilled_parts(c)[1:])} too" if len(_distilled_parts(c)) > 1 else ""
+        how += ", calibrated on the wide corpus's text" if b.get("calib_wide_sources") else ""
         cells.append(f"best distilled ({c['distill_steps']} steps{how}): out of domain **{b['delta_ood_mean']:+.2f}**, "
                      f"in domain {b['delta']['in_domain']:+.2f}")
         verdicts.append(f"after local distillation: {'yes' if b['delta_ood_mean'] <= DISTILLED_GOAL else 'no'}")

@@ -58,7 +58,7 @@ def errors(ffn, sets: dict, counts: torch.Tensor, rows: torch.Tensor, weights: d
     """Per set: the relative output error over every position and over those of ids seen < RARE times."""
     out = {}
     for name, (x, y, ids) in sets.items():
-        pred = layer_output(ffn, "stem", x, rows[ids], weights.get("w_down", ffn.w_down.weight), weights.get("w_gate"))
+        pred = layer_output(ffn, "stem", x, rows[ids], weights)
         rare = counts[ids] < RARE
         out[name] = {"all": relative_error(pred, y), f"rare<{RARE}": relative_error(pred[rare], y[rare]),
                      "rare_share": float(rare.float().mean())}

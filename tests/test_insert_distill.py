@@ -92,8 +92,8 @@ def test_distilling_w_g_too_lowers_the_error_further_and_changes_only_the_conver
     x, y = ffn_io(model, ids, 2)  # the error distillation reports is the assembled layer's
     ffn, flat = model.layers[2].ffn, ids.reshape(-1)
     trained = gate.layers[2].ffn
-    assert layer_error(ffn, "stem", x, flat, gate.tables["2"].weight, trained.w_down.weight, y,
-                       trained.w_gate.weight) == pytest.approx(output_error(gate, model, ids), rel=1e-5)
+    assert layer_error(ffn, "stem", x, flat, gate.tables["2"].weight,
+                       {"w_down": trained.w_down.weight, "w_gate": trained.w_gate.weight}, y) == pytest.approx(output_error(gate, model, ids), rel=1e-5)
 
 
 def test_distilling_w_g_needs_a_layer_that_keeps_it_and_distillation_steps():
@@ -112,7 +112,7 @@ def test_layer_functions_report_the_error_they_reach():
     ffn, flat = model.layers[2].ffn, ids.reshape(-1)
     rows = torch.zeros(V, model.cfg.d_ff)
     r, wd, info = alternate_layer(ffn, "stem", x, flat, rows, rounds=1)
-    assert info["error_after"] == pytest.approx(layer_error(ffn, "stem", x, flat, r, wd, y))
+    assert info["error_after"] == pytest.approx(layer_error(ffn, "stem", x, flat, r, {"w_down": wd}, y))
     assert info["error_after"] < info["error_before"] == pytest.approx(1.0)
     r2, wd2, info2 = distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=30, lr=1e-2, batch=32))
     assert wd2 == {} and info2["error_after"] < info2["error_before"] and not info2["kept_start"]
@@ -128,7 +128,7 @@ def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
     assert info["kept_start"] and info["error_after"] > info["error_before"]
     assert torch.equal(r, rows) and wd2 == {"w_down": wd}  # the start, unchanged (no trained W_g either)
     wd2 = wd2["w_down"]
-    assert layer_error(ffn, "stem", x, flat, r, wd2, y) == pytest.approx(info["error_before"])
+    assert layer_error(ffn, "stem", x, flat, r, {"w_down": wd2}, y) == pytest.approx(info["error_before"])
 
 
 def test_bad_distillation_settings_are_one_line_errors():

@@ -35,7 +35,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
@@ -43,7 +42,7 @@ from ..ffn import ffn_kind
 from ..model.decoder import StemLM, rope_cos_sin
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_file, atomic_write_text
-from .distill import DistillSettings, alternate_layer, distill_layer, projections
+from .distill import DistillSettings, alternate_layer, distill_layer, layer_output
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
 LAYER_CHOICES = ("cheapest", "uniform")
@@ -249,7 +248,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             h = stream[c]
             x = block.ffn_norm(h)
             if use_stem:
-                h += _stem_ffn(block.ffn, kind, x, rows[ids[c]], weights)
+                h += layer_output(block.ffn, kind, x, rows[ids[c]], weights)
             else:
                 h += block.ffn(x)
         del rows
@@ -267,12 +266,6 @@ def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
     ``run.anneal=blend`` (``FFNKind.anneals_to``)."""
     becomes = ffn_kind(kind).anneals_to
     return becomes if becomes and calib.dagger_rows == "fit" else kind
-
-
-def _stem_ffn(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The converted layer's output at ``x (n, T, d)`` with its rows ``(n, T, d_ff)`` and refitted projections."""
-    with projections(ffn, weights):
-        return F.linear(ffn_kind(kind).hidden(ffn, x, rows), ffn.w_down.weight)
 
 
 def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],

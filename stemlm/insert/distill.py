@@ -48,12 +48,12 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
     return float((out - target).double().square().sum() / target.double().square().sum().clamp_min(1e-30))
 
 
-def layer_output(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor,
-                 w_gate: torch.Tensor | None = None) -> torch.Tensor:
-    """The converted layer's output ``(N, d)`` at inputs ``x (N, d)`` with rows ``(N, d_ff)`` (and ``W_g`` in
-    place of the dense one when given)."""
-    with projections(ffn, {} if w_gate is None else {"w_gate": w_gate}):
-        return F.linear(ffn_kind(kind).hidden(ffn, x, rows), w_down)
+def layer_output(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor,
+                 weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The converted layer's output (``(…, d)``) at inputs ``x (…, d)`` with rows ``(…, d_ff)`` and its refitted or
+    trained projections ``weights`` (``{"w_down": …, "w_gate": …}``; those absent are the dense FFN's)."""
+    with projections(ffn, weights):
+        return F.linear(ffn_kind(kind).hidden(ffn, x, rows), ffn.w_down.weight)
 
 
 @contextmanager
@@ -75,10 +75,10 @@ def _chunked(fn, n: int, size: int = 8192) -> torch.Tensor:
 
 
 @torch.no_grad()
-def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, w_down: torch.Tensor,
-                target: torch.Tensor, w_gate: torch.Tensor | None = None) -> float:
-    """The relative output error of the converted layer over every calibration token."""
-    out = _chunked(lambda c: layer_output(ffn, kind, xs[c], rows[ids[c]], w_down, w_gate), len(xs))
+def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
+                weights: dict[str, torch.Tensor], target: torch.Tensor) -> float:
+    """The relative output error of the converted layer (projections ``weights``) over every calibration token."""
+    out = _chunked(lambda c: layer_output(ffn, kind, xs[c], rows[ids[c]], weights), len(xs))
     return relative_error(out, target)
 
 
@@ -107,14 +107,13 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     if target is None:
         with torch.no_grad():
             target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
-    wd0 = weights.get("w_down", ffn.w_down.weight)
-    wg0 = weights.get("w_gate", ffn.w_gate.weight) if "w_gate" in ffn_kind(kind).holds else None
-    before = layer_error(ffn, kind, xs, ids, rows, wd0, target, wg0)
+    before = layer_error(ffn, kind, xs, ids, rows, weights, target)
     uniq, inv = torch.unique(ids, return_inverse=True)
     compact = torch.nn.Parameter(rows[uniq].detach().clone())  # (U, d_ff)
-    down = torch.nn.Parameter(wd0.detach().clone()) if settings.train_down else None
-    gate = torch.nn.Parameter(wg0.detach().clone()) if settings.train_gate else None
-    params = [compact] + [p for p in (down, gate) if p is not None]
+    trains = [name for name, on in (("w_down", settings.train_down), ("w_gate", settings.train_gate)) if on]
+    copies = {name: torch.nn.Parameter(weights.get(name, getattr(ffn, name).weight).detach().clone())
+              for name in trains}  # the projections that train, as copies of where they start
+    params = [compact, *copies.values()]
     opt = torch.optim.Adam(params, lr=settings.lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, settings.steps))
     gen = torch.Generator().manual_seed(settings.seed)
@@ -126,8 +125,7 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
                 order, pos = torch.randperm(len(xs), generator=gen), 0
             b = order[pos:pos + settings.batch].to(xs.device)
             pos += settings.batch
-            out = layer_output(ffn, kind, xs[b], compact[inv[b]], down if down is not None else wd0.detach(),
-                               gate if gate is not None else (None if wg0 is None else wg0.detach()))
+            out = layer_output(ffn, kind, xs[b], compact[inv[b]], {**weights, **copies})
             loss = (out - target[b]).square().sum(1).mean() / scale
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -135,10 +133,8 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
             sched.step()
     new_rows = rows.detach().clone()
     new_rows[uniq] = compact.detach()
-    trained = {name: p.detach() for name, p in (("w_down", down), ("w_gate", gate)) if p is not None}
-    new_weights = {**weights, **trained}
-    after = layer_error(ffn, kind, xs, ids, new_rows, new_weights.get("w_down", ffn.w_down.weight), target,
-                        new_weights.get("w_gate", wg0))
+    new_weights = {**weights, **{name: p.detach() for name, p in copies.items()}}
+    after = layer_error(ffn, kind, xs, ids, new_rows, new_weights, target)
     if after > before:  # never leave the layer worse than the fit it started from
         new_rows[uniq] = rows[uniq].detach()
         return new_rows, weights, {"error_before": before, "error_after": after, "kept_start": True}
@@ -170,7 +166,7 @@ def alternate_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: t
         raise ValueError(f"alternating least squares needs rounds >= 1, got {rounds}")
     target = _chunked(lambda c: ffn(xs[c]), len(xs))
     w_down = ffn.w_down.weight.detach().clone()
-    before = layer_error(ffn, kind, xs, ids, rows, w_down, target)
+    before = layer_error(ffn, kind, xs, ids, rows, {"w_down": w_down}, target)
     gate = ffn_kind(kind).gate_of_rows(ffn, xs)
     for _ in range(rounds):
         if gate is not None:
@@ -180,5 +176,5 @@ def alternate_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: t
             c = slice(a, a + 8192)
             refit.add(ffn_kind(kind).hidden(ffn, xs[c], rows[ids[c]]), target[c])
         w_down = refit.solve()
-    after = layer_error(ffn, kind, xs, ids, rows, w_down, target)
+    after = layer_error(ffn, kind, xs, ids, rows, {"w_down": w_down}, target)
     return rows, w_down, {"error_before": before, "error_after": after}

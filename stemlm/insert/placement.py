@@ -58,7 +58,8 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
     """
     from tqdm import tqdm
 
-    from .calibrate import _chunks, _fit_layer, _stem_ffn, fitted_kind
+    from .calibrate import _chunks, _fit_layer, fitted_kind
+    from .distill import layer_output
 
     dense = dense.float().eval()
     device = dense.tok_embeddings.weight.device
@@ -95,7 +96,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
         for p, ref in zip(probe_parts, reference):
             h = stream[probe[p]]
             x = block.ffn_norm(h)
-            lp = log_probs(final(h + _stem_ffn(block.ffn, kind, x, rows[ids[probe[p]]], weights), i + 1))
+            lp = log_probs(final(h + layer_output(block.ffn, kind, x, rows[ids[probe[p]]], weights), i + 1))
             ref = log_probs(ref)
             kl += float((ref.exp() * (ref - lp)).sum())
             n += lp.shape[0] * lp.shape[1]
