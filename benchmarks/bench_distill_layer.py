@@ -2,7 +2,7 @@
 
 SmolLM2-135M's FFN at one layer (default 14, one of the ten the default conversion picks) is converted alone on the
 dense model's own hidden states (``calibrate --calib-parallel``'s inputs): rows fitted as ``convert`` does (gated,
-shrink 4096, ids never seen get the pooled row) and ``W_d`` refitted, then distilled by ``stemlm.insert.distill``
+shrink 4096, ids never seen get the pooled row) and ``W_d`` refitted, by ``convert``'s own ``fit_layer``, then distilled by ``stemlm.insert.distill``
 with the same steps, batch and lr twice: rows + ``W_d``, and rows + ``W_d`` + ``W_g`` (``--distill-gate``). Each
 variant's relative output error ``Σ‖out − y‖² / Σ‖y‖²`` (0 = the dense layer) is measured on the calibration tokens
 and on the held-out sets of ``bench_insertion_grid.py`` (the corpus's validation split; technical and legal prose),
@@ -29,9 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_insertion import RESULTS, WORK, dense_and_data  # noqa: E402
 from bench_insertion_grid import ood_texts, python_doc_deb, token_windows  # noqa: E402
 
-from stemlm.insert.calibrate import CalibrationConfig, calibration_windows  # noqa: E402
+from stemlm.insert.calibrate import CalibrationConfig, calibration_windows, fit_layer  # noqa: E402
 from stemlm.insert.distill import DistillSettings, distill_layer, layer_output, relative_error  # noqa: E402
-from stemlm.insert.fit import DownRefit, LayerStats  # noqa: E402
 from stemlm.runtime.files import atomic_write_text  # noqa: E402
 from stemlm.version import git_commit  # noqa: E402
 
@@ -39,25 +38,28 @@ RARE = 16
 
 
 @torch.no_grad()
-def ffn_io(dense, layer: int, windows: torch.Tensor, chunk: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(x, y)``: the normed FFN inputs ``(N, d)`` and the dense FFN's outputs ``(N, d)`` at ``layer`` over ``windows``."""
-    seen: list[tuple[torch.Tensor, torch.Tensor]] = []
-    ffn = dense.layers[layer].ffn
-    hook = ffn.register_forward_hook(lambda m, a, out: seen.append((a[0].reshape(-1, a[0].shape[-1]),
-                                                                     out.reshape(-1, out.shape[-1]))))
+def layer_io(dense, layer: int, windows: torch.Tensor, chunk: int = 8) -> dict[str, torch.Tensor]:
+    """At ``layer`` over ``windows``: the stream after the attention ``(n, T, d)`` (what ``fit_layer`` fits from),
+    the normed FFN inputs ``x`` and the dense FFN's outputs ``y`` ``(n·T, d)``, and the ids ``(n·T,)``."""
+    seen: list[torch.Tensor] = []
+    block = dense.layers[layer]
+    hook = block.ffn_norm.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
     try:
         for a in range(0, len(windows), chunk):
             dense(windows[a:a + chunk])
     finally:
         hook.remove()
-    return torch.cat([x for x, _ in seen]), torch.cat([y for _, y in seen])
+    stream = torch.cat(seen)
+    x = block.ffn_norm(stream).reshape(-1, stream.shape[-1])
+    return {"stream": stream, "x": x, "y": block.ffn(x), "ids": windows.reshape(-1)}
 
 
 @torch.no_grad()
 def errors(ffn, sets: dict, counts: torch.Tensor, rows: torch.Tensor, weights: dict) -> dict:
     """Per set: the relative output error over every position and over those of ids seen < RARE times."""
     out = {}
-    for name, (x, y, ids) in sets.items():
+    for name, io in sets.items():
+        x, y, ids = io["x"], io["y"], io["ids"]
         pred = layer_output(ffn, "stem", x, rows[ids], weights)
         rare = counts[ids] < RARE
         out[name] = {"all": relative_error(pred, y), f"rare<{RARE}": relative_error(pred[rare], y[rare]),
@@ -91,20 +93,15 @@ def main() -> None:
     calib = CalibrationConfig(tokens=args.tokens)
     windows = calibration_windows(train.tokens, calib.tokens, calib.seq_len)  # (n, 256)
     t0 = time.perf_counter()
-    x, y = ffn_io(dense, args.layer, windows)
-    ids = windows.reshape(-1)
-    sets = {"calibration": (x, y, ids), **{k: (*ffn_io(dense, args.layer, w), w.reshape(-1)) for k, w in held.items()}}
+    sets = {k: layer_io(dense, args.layer, w) for k, w in {"calibration": windows, **held}.items()}
     print(f"captured layer {args.layer}'s inputs in {time.perf_counter() - t0:.0f} s", flush=True)
-    ffn, vocab, d_ff = dense.layers[args.layer].ffn, dense.cfg.vocab_size, dense.cfg.d_ff
-    with torch.no_grad():  # the fit `convert` makes: gated rows, shrink, pooled unseen, then the W_d refit
-        gate = torch.nn.functional.silu(ffn.w_gate(x))
-        stats = LayerStats.zeros(vocab, d_ff)
-        stats.add(ids, ffn.w_up(x), gate * gate)
-        rows = stats.rows(calib.unseen, shrink=calib.shrink)
-        refit = DownRefit(d_ff, dense.cfg.d_model, x.device)
-        refit.add(gate * rows[ids], y)
-        fitted = {"w_down": refit.solve()}
-    counts = stats.count
+    block, vocab = dense.layers[args.layer], dense.cfg.vocab_size
+    ffn, x, ids = block.ffn, sets["calibration"]["x"], sets["calibration"]["ids"]
+    chunks = [slice(a, a + calib.chunk) for a in range(0, len(windows), calib.chunk)]
+    with torch.no_grad():  # the fit `convert` makes (gated rows, shrink, pooled unseen, the W_d refit): its own code
+        rows, fitted = fit_layer(block, "stem", sets["calibration"]["stream"], windows, chunks, calib,
+                                 dense.tok_embeddings.weight, refine=True)
+    counts = torch.bincount(ids, minlength=vocab)
     variants = {"fit + W_d refit": errors(ffn, sets, counts, rows, fitted)}
     print(f"fit + W_d refit: {json.dumps(variants['fit + W_d refit'])}", flush=True)
     timings = {}

@@ -134,7 +134,7 @@ def test_interrupted_calibration_resumes_to_the_same_tables(tmp_path, monkeypatc
     whole, _ = fit(model, ids, tmp_path / "whole", layers="1,2,3")
     import stemlm.insert.calibrate as cal
 
-    real, calls = cal._fit_layer, []
+    real, calls = cal.fit_layer, []
 
     def failing(*args, **kw):
         calls.append(1)
@@ -144,11 +144,11 @@ def test_interrupted_calibration_resumes_to_the_same_tables(tmp_path, monkeypatc
 
     target = model.cfg.replace(ffn="stem", stem_layers="1,2,3")
     calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4, **FIT_BASE)
-    monkeypatch.setattr(cal, "_fit_layer", failing)
+    monkeypatch.setattr(cal, "fit_layer", failing)
     with pytest.raises(KeyboardInterrupt):
         calibrate(model, target, ids, calib, tmp_path / "work", progress=False, save_every_s=0)
     assert json.loads((tmp_path / "work" / "progress.json").read_text())["next_layer"] == 3
-    monkeypatch.setattr(cal, "_fit_layer", real)
+    monkeypatch.setattr(cal, "fit_layer", real)
     logs = []
     fitted = calibrate(model, target, ids, calib, tmp_path / "work", progress=False, log=logs.append)
     assert any("resumed at layer 3" in line for line in logs)

@@ -55,7 +55,7 @@ def test_distillation_is_deterministic_and_a_pass_resumes_to_the_same_tables(tmp
             assert torch.equal(getattr(one.layers[int(k)].ffn, name).weight, getattr(two.layers[int(k)].ffn, name).weight)
     import stemlm.insert.calibrate as cal
 
-    real, calls = cal._fit_layer, []
+    real, calls = cal.fit_layer, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -65,10 +65,10 @@ def test_distillation_is_deterministic_and_a_pass_resumes_to_the_same_tables(tmp
 
     target = model.cfg.replace(ffn="stem", stem_layers="1,3")
     calib = CalibrationConfig(tokens=ids.numel(), seq_len=ids.shape[1], chunk=4, **{**FIT_BASE, **kw})
-    monkeypatch.setattr(cal, "_fit_layer", failing)
+    monkeypatch.setattr(cal, "fit_layer", failing)
     with pytest.raises(KeyboardInterrupt):
         calibrate(model, target, ids, calib, tmp_path / "work", progress=False, save_every_s=0)
-    monkeypatch.setattr(cal, "_fit_layer", real)
+    monkeypatch.setattr(cal, "fit_layer", real)
     resumed = assemble(model, target, calibrate(model, target, ids, calib, tmp_path / "work", progress=False))
     for k in ("1", "3"):
         assert torch.equal(resumed.tables[k].weight, one.tables[k].weight)

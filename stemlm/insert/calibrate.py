@@ -237,7 +237,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         if ffn_kind(kind).owns_table:
             refine = not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model: no W_d change
             kind = fitted_kind(kind, calib)
-            rows, weights = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
+            rows, weights = fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
                                        lambda s, i=i: log(f"layer {i}: {s}"), progress, dense_stream)
             work.save_table(i, rows, weights)
             out[i] = (work.table_file(i), work.down_file(i) if weights else None)
@@ -268,7 +268,7 @@ def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
     return becomes if becomes and calib.dagger_rows == "fit" else kind
 
 
-def _fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
+def fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
                calib: CalibrationConfig, embedding: torch.Tensor, refine: bool,
                log: Callable[[str], None] = lambda s: None, progress: bool = False,
                dense_stream: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -58,7 +58,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
     """
     from tqdm import tqdm
 
-    from .calibrate import _chunks, _fit_layer, fitted_kind
+    from .calibrate import _chunks, fit_layer, fitted_kind
     from .distill import layer_output
 
     dense = dense.float().eval()
@@ -91,7 +91,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
         for c in chunks:
             h = stream[c]
             h += block.attn(block.attn_norm(h), cos, sin, 0)
-        rows, weights = _fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, True)
+        rows, weights = fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, True)
         kl, n = 0.0, 0
         for p, ref in zip(probe_parts, reference):
             h = stream[probe[p]]
