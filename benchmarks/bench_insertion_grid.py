@@ -23,6 +23,7 @@ whose input id the calibration text showed fewer than k times (k = 1, 16, 256), 
     apt-get download python3.11-doc
     python benchmarks/bench_insertion_grid.py --python-doc python3.11-doc_*.deb      # -> insertion_grid.json
     python benchmarks/bench_insertion_grid.py --python-doc ... --grid gated-seq,gated-seq-refit-regress
+    python benchmarks/bench_insertion_grid.py --python-doc auto --grid NAME --save-ckpt runs/grid-ckpt   # keep the model
 
 Settings are merged into the JSON file as they finish (a setting already there is skipped), so an
 interrupted grid resumes. Each entry records every calibration setting it ran with. Each entry records the calibration time (the layer choice's scoring pass included), the layers converted, the
@@ -48,6 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_insertion import RESULTS, WORK, dense_and_data  # noqa: E402
 
+from stemlm.checkpoint.directory import save_model  # noqa: E402
 from stemlm.insert.calibrate import CalibrationConfig  # noqa: E402
 from stemlm.runtime.files import atomic_write_text  # noqa: E402
 from stemlm.version import git_commit  # noqa: E402
@@ -298,6 +300,10 @@ def main() -> None:
     p.add_argument("--oracle", action="store_true", help="also measure where each setting's gap sits (the dense "
                    "FFN put back at the positions of ids the calibration saw rarely; see above)")
     p.add_argument("--out", type=Path, default=RESULTS / "insertion_grid.json", help="results JSON (default: %(default)s)")
+    p.add_argument("--save-ckpt", type=Path, default=None, metavar="DIR",
+                   help="also save each setting's converted model as a checkpoint DIR/<setting>-<layers> (e.g. for "
+                        "bench_edit_real.py --ckpt); a setting measured earlier is rebuilt from its calibration work "
+                        "dir and saved, not measured again")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     names = args.grid.split(",")
@@ -321,12 +327,21 @@ def main() -> None:
     base = result["runs"]["dense"]
     for name in names:
         key = f"{name}@{args.layers}"
-        if key in result["runs"] and (not args.oracle or "oracle" in result["runs"][key]):
+        measured = key in result["runs"] and (not args.oracle or "oracle" in result["runs"][key])
+        if measured and args.save_ckpt is None:
             print(f"{key}: measured earlier")
             continue
         lines: list[str] = []
         model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
         counts = info.pop("_counts")
+        if args.save_ckpt is not None:
+            where = save_model(model, args.save_ckpt / f"{name}-{args.layers.replace('/', '_')}",
+                               tokenizer_dir=WORK / "smollm2-dense")
+            print(f"{key}: the converted model saved to {where}", flush=True)
+        if measured:
+            print(f"{key}: measured earlier")
+            del model
+            continue
         if key in result["runs"]:  # measured earlier, the oracle asked for now
             entry = result["runs"][key]
             entry["oracle"] = oracle_gaps(model, dense, sets, counts, entry["converted_layers"], base)
