@@ -407,6 +407,18 @@ def test_a_midtrain_arm_s_calibration_settings_go_over_the_stage_s():
         midtrain_arms({"arms": {"a": {"ffn": "stem", "calibration": "cheapest"}}})
 
 
+def test_a_midtrain_arm_s_calibration_text_goes_over_the_stage_s():
+    from stemlm.study.midtrain import midtrain_runs
+
+    m = {"source": "smollm2", "steps": 2, "batch_size": 1, "seq_len": 8, "calib_data": "wide",
+         "arms": {"dense": {"ffn": "dense"}, "a": {"ffn": "stem", "init": "calibrate"},
+                  "b": {"ffn": "stem", "init": "calibrate", "calib_data": "/data/mine"}}}
+    runs = {r.labels["variant"]: r for r in midtrain_runs({"budget": {}}, m)}
+    assert runs["a"].convert["calib_data"] == "wide"
+    assert runs["b"].convert["calib_data"] == "/data/mine"
+    assert runs["a"].hash_input(None) != runs["b"].hash_input(None)
+
+
 def test_plan_of_a_midtrain_spec_lists_its_arms(tmp_path, capsys):
     """A spec without model sizes (a pretrained model's mid-training) plans and estimates without error."""
     assert main(["study", "plan", "--spec", "midtrain", "--results", str(tmp_path / "res")]) == 0

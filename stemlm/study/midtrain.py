@@ -26,8 +26,8 @@ from ..config import ConfigError
 from ..ffn import KINDS, ffn_kind
 from .runspec import RunSpec, slug
 
-MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "calibration", "anneal", "anneal_ratio", "distill",
-                     "train"}
+MIDTRAIN_ARM_KEYS = {"ffn", "init", "stem_layers", "dagger_rows", "calibration", "calib_data", "anneal", "anneal_ratio",
+                     "distill", "train"}
 DISTILL_KEYS = {"weight", "temperature", "top_k", "schedule"}
 
 
@@ -38,7 +38,7 @@ def _anneals(ffn: str | None) -> bool:
 
 def midtrain_arms(m: dict) -> dict[str, dict]:
     """The arms of a ``midtrain`` stage: ``m["arms"]`` (name -> {ffn, init, stem_layers, dagger_rows,
-    calibration, anneal, anneal_ratio, distill, train}), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
+    calibration, calib_data, anneal, anneal_ratio, distill, train}; ``calib_data`` overrides the stage's), or the legacy pair ``dense`` + ``m.ffn`` converted with ``m.init``."""
     if "arms" not in m:
         ffn, layers = m.get("ffn", "stem"), m.get("stem_layers", "1/3")
         return {"dense": {"ffn": "dense"}, f"{ffn}-{layers}": {"ffn": ffn, "init": m.get("init", "project")}}
@@ -87,7 +87,7 @@ def midtrain_runs(spec: dict, m: dict) -> list[RunSpec]:
             if init == "calibrate":
                 convert["calibration"] = {**(m.get("calibration") or {}), **(arm.get("calibration") or {}),
                                           **({"dagger_rows": arm["dagger_rows"]} if "dagger_rows" in arm else {})}
-                convert["calib_data"] = m.get("calib_data")
+                convert["calib_data"] = arm.get("calib_data", m.get("calib_data"))
             anneal = arm.get("anneal", "off")
             distill = arm.get("distill")
             ov = (budget(spec, m) + seeded(seed)  # the stage's own settings: the same runs whichever spec includes it
