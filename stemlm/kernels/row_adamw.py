@@ -27,7 +27,9 @@ def _row_adamw_kernel(w_ptr, m_ptr, v_ptr, flat_ptr, w_rows_ptr, g_ptr, decay_pt
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     mask = cols < D
     if HAS_VALID:
-        mask = mask & (tl.load(valid_ptr + k) != 0)
+        # the flag broadcast over the block before the comparison: Triton 3.9's interpreter types a block mask
+        # `&` a scalar comparison as int32, which tl.load then refuses
+        mask = mask & ((cols * 0 + tl.load(valid_ptr + k)) != 0)
     row = tl.load(flat_ptr + k).to(tl.int64) * D
     own = k.to(tl.int64) * D
     w = tl.load(w_rows_ptr + own + cols, mask=mask, other=0.0)
