@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_insertion import RESULTS, WORK, dense_and_data  # noqa: E402
 from bench_insertion_grid import ood_texts, python_doc_deb, token_windows  # noqa: E402
 
-from stemlm.insert.calibrate import CalibrationConfig, calibration_windows, fit_layer  # noqa: E402
+from stemlm.insert.calibrate import CalibrationConfig, calibration_windows, chunk_slices, fit_layer  # noqa: E402
 from stemlm.insert.distill import DistillSettings, distill_layer, layer_output, relative_error  # noqa: E402
 from stemlm.runtime.files import atomic_write_text  # noqa: E402
 from stemlm.version import git_commit  # noqa: E402
@@ -97,9 +97,9 @@ def main() -> None:
     print(f"captured layer {args.layer}'s inputs in {time.perf_counter() - t0:.0f} s", flush=True)
     block, vocab = dense.layers[args.layer], dense.cfg.vocab_size
     ffn, x, ids = block.ffn, sets["calibration"]["x"], sets["calibration"]["ids"]
-    chunks = [slice(a, a + calib.chunk) for a in range(0, len(windows), calib.chunk)]
     with torch.no_grad():  # the fit `convert` makes (gated rows, shrink, pooled unseen, the W_d refit): its own code
-        rows, fitted = fit_layer(block, "stem", sets["calibration"]["stream"], windows, chunks, calib,
+        rows, fitted = fit_layer(block, "stem", sets["calibration"]["stream"], windows,
+                                 chunk_slices(len(windows), calib.chunk), calib,
                                  dense.tok_embeddings.weight, refine=True)
     counts = torch.bincount(ids, minlength=vocab)
     variants = {"fit + W_d refit": errors(ffn, sets, counts, rows, fitted)}

@@ -328,9 +328,10 @@ def main() -> None:
     for name in names:
         key = f"{name}@{args.layers}"
         measured = key in result["runs"] and (not args.oracle or "oracle" in result["runs"][key])
-        if measured and args.save_ckpt is None:
-            print(f"{key}: measured earlier")
-            continue
+        if measured:
+            print(f"{key}: measured earlier" + ("; rebuilt from its work dir to be saved" if args.save_ckpt else ""))
+            if args.save_ckpt is None:
+                continue
         lines: list[str] = []
         model, info = build(dense, train, name, args.layers, lambda s: (lines.append(s), print(s, flush=True)), tok)
         counts = info.pop("_counts")
@@ -339,7 +340,6 @@ def main() -> None:
                                tokenizer_dir=WORK / "smollm2-dense")
             print(f"{key}: the converted model saved to {where}", flush=True)
         if measured:
-            print(f"{key}: measured earlier")
             del model
             continue
         if key in result["runs"]:  # measured earlier, the oracle asked for now

@@ -155,6 +155,9 @@ def test_interrupted_calibration_resumes_to_the_same_tables(tmp_path, monkeypatc
     resumed = assemble(model, target, fitted)
     for k in ("1", "2", "3"):
         assert torch.equal(resumed.tables[k].weight, whole.tables[k].weight)
+    monkeypatch.setattr(cal, "fit_layer", failing)  # a finished pass is reused whole: no layer is fitted again
+    calls.clear()
+    assert calibrate(model, target, ids, calib, tmp_path / "work", progress=False) == fitted and not calls
 
 
 def test_stem_dagger_with_zero_tables_is_exactly_the_dense_model(tmp_path):

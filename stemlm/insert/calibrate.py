@@ -157,13 +157,21 @@ class _WorkDir:
                      self.root / "stream.safetensors")
         atomic_write_text(self.root / "progress.json", json.dumps({"key": self.key, "next_layer": next_layer}))
 
+    def save_done(self, next_layer: int) -> None:
+        """Every table is fitted: a later call with the same key reuses them and needs no stream."""
+        atomic_write_text(self.root / "progress.json",
+                          json.dumps({"key": self.key, "next_layer": next_layer, "done": True}))
+
     def resume(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """``(next layer, saved streams)`` of a pass with this key (no streams once it is done), or None."""
         try:
             progress = json.loads((self.root / "progress.json").read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
         if progress.get("key") != self.key:
             return None
+        if progress.get("done"):
+            return progress["next_layer"], {}
         return progress["next_layer"], load_file(str(self.root / "stream.safetensors"))
 
 
@@ -172,7 +180,8 @@ def _atomic_save(tensors: dict[str, torch.Tensor], path: Path) -> None:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp))
 
 
-def _chunks(n: int, size: int):
+def chunk_slices(n: int, size: int) -> list[slice]:
+    """``n`` windows in slices of at most ``size`` (the forward chunks of the calibration pass and ``fit_layer``)."""
     return [slice(a, min(n, a + size)) for a in range(0, n, size)]
 
 
@@ -203,13 +212,14 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
     work = _WorkDir(work_dir, calib.key(_digest(dense.tok_embeddings.weight[:64]), _digest(ids), target))
     n_seq, T = ids.shape
     cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(T), target.head_dim, target.rope_theta, torch.float32))
-    chunks = _chunks(n_seq, calib.chunk)
+    chunks = chunk_slices(n_seq, calib.chunk)
     resumed = work.resume()
     if resumed is not None:
-        start, saved = resumed
-        stream = saved["stream"].to(device)
-        dense_stream = saved["dense"].to(device) if calib.correct_drift else None
-        log(f"calibration resumed at layer {start} from {work.root}")
+        start, saved = resumed  # saved is empty for a finished pass: every layer below is skipped
+        stream = saved["stream"].to(device) if saved else None
+        dense_stream = saved["dense"].to(device) if saved and calib.correct_drift else None
+        log(f"calibration resumed at layer {start} from {work.root}" if saved else
+            f"calibration finished earlier in {work.root}: its tables are reused")
     else:
         start = 0
         stream = torch.cat([dense.tok_embeddings(ids[c]) for c in chunks])  # (n_seq, T, d)
@@ -238,7 +248,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
             refine = not ffn_kind(kind).zero_rows_are_dense  # such a start must stay the dense model: no W_d change
             kind = fitted_kind(kind, calib)
             rows, weights = fit_layer(block, kind, stream, ids, chunks, calib, dense.tok_embeddings.weight, refine,
-                                       lambda s, i=i: log(f"layer {i}: {s}"), progress, dense_stream)
+                                      lambda s, i=i: log(f"layer {i}: {s}"), progress, dense_stream)
             work.save_table(i, rows, weights)
             out[i] = (work.table_file(i), work.down_file(i) if weights else None)
             use_stem = calib.sequential
@@ -256,6 +266,7 @@ def calibrate(dense: StemLM, target: ModelConfig, ids: torch.Tensor, calib: Cali
         if ffn_kind(kind).owns_table and time.monotonic() - last_save > save_every_s and i < last:
             work.save_stream(i + 1, stream, dense_stream)
             last_save = time.monotonic()
+    work.save_done(last + 1)
     bar.close()
     return out
 
@@ -269,9 +280,9 @@ def fitted_kind(kind: str, calib: CalibrationConfig) -> str:
 
 
 def fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks: list[slice],
-               calib: CalibrationConfig, embedding: torch.Tensor, refine: bool,
-               log: Callable[[str], None] = lambda s: None, progress: bool = False,
-               dense_stream: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+              calib: CalibrationConfig, embedding: torch.Tensor, refine: bool,
+              log: Callable[[str], None] = lambda s: None, progress: bool = False,
+              dense_stream: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Rows ``(V, d_ff)`` and the refitted projections (``{"w_down": …}``, with ``W_g`` where distillation trains
     it; empty: the dense ones) for one layer from the current stream.
 

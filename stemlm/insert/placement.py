@@ -58,7 +58,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
     """
     from tqdm import tqdm
 
-    from .calibrate import _chunks, fit_layer, fitted_kind
+    from .calibrate import chunk_slices, fit_layer, fitted_kind
     from .distill import layer_output
 
     dense = dense.float().eval()
@@ -71,7 +71,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
     kind = fitted_kind(kind, calib)
     cos, sin = (t.to(device) for t in rope_cos_sin(torch.arange(T), dense.cfg.head_dim, dense.cfg.rope_theta,
                                                    torch.float32))
-    chunks = _chunks(keep, calib.chunk)
+    chunks = chunk_slices(keep, calib.chunk)
     layers = dense.layers
 
     def final(h: torch.Tensor, start: int) -> torch.Tensor:  # the stream entering layer `start` → the last one
@@ -83,7 +83,7 @@ def layer_costs(dense: StemLM, kind: str, ids: torch.Tensor, calib, score_tokens
     def log_probs(h: torch.Tensor) -> torch.Tensor:  # (n, T, d) final stream → (n, T, V)
         return F.log_softmax(dense.lm_head(dense.norm(h)).float(), -1)
 
-    probe_parts = _chunks(len(probe), 4)
+    probe_parts = chunk_slices(len(probe), 4)
     reference = [final(dense.tok_embeddings(ids[probe[p]]), 0) for p in probe_parts]  # (4, T, d) each, not (.., V)
     stream = torch.cat([dense.tok_embeddings(ids[c]) for c in chunks])  # (keep, T, d)
     costs = []
