@@ -410,6 +410,16 @@ def test_wide_calibration_text_takes_equal_shares_of_the_corpus_and_each_wide_so
         wide_tokens(corpus, encode, 64, exclude=("pyhton-docs",))
 
 
+def test_calib_data_names_the_wide_corpus_less_some_sources():
+    from stemlm.insert.convert import named_source
+
+    assert named_source("wide") == ("wide", ()) and named_source("mixed") == ("mixed", ())
+    assert named_source("wide-except:python-docs, linux-docs") == ("wide", ("python-docs", "linux-docs"))
+    assert named_source("runs/my_text.txt") == (None, ())
+    with pytest.raises(ValueError, match="name the wide corpus's sources"):
+        named_source("wide-except:")
+
+
 def test_the_grid_s_oracle_puts_the_dense_ffn_back_where_asked(tmp_path):
     import sys
     from pathlib import Path

@@ -64,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     calib = parser.add_argument_group("calibration (--init calibrate)")
     calib.add_argument("--calib-data", metavar="DIR|FILE|mixed|wide", help="calibration text: a prepared data dir in "
                        "the model's vocabulary, raw text (file or directory of .txt/.md/.jsonl), 'mixed' (a third each "
-                       "of the offline corpus, news and stories from a pinned package) or 'wide' (the offline corpus "
-                       "and each of the wide corpus's seven text sources in equal shares); default: the offline corpus")
+                       "of the offline corpus, news and stories from a pinned package), 'wide' (the offline corpus "
+                       "and each of the wide corpus's seven text sources in equal shares) or 'wide-except:A,B' (the "
+                       "same less sources A and B, e.g. python-docs); default: the offline corpus")
     calib.add_argument("--calib-tokens", type=positive_int, default=CalibrationConfig.tokens,
                        help="calibration tokens, in windows spread evenly over the text (default: %(default)s)")
     calib.add_argument("--calib-seq-len", type=positive_int, default=CalibrationConfig.seq_len,

