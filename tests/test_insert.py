@@ -214,6 +214,15 @@ def test_calibration_device_is_not_part_of_the_key():
     assert CalibrationConfig(device="cpu").torch_device().type == "cpu"
 
 
+def test_a_float_setting_given_as_an_int_keys_the_same_work_dir():
+    target = model_config("debug", ffn="stem", vocab_size=V)
+    assert CalibrationConfig(shrink=4096, distill_steps=5, distill_lr=1).key("m", "i", target) == \
+        CalibrationConfig(shrink=4096.0, distill_steps=5, distill_lr=1.0).key("m", "i", target)
+    assert CalibrationConfig(distill_steps=5, distill_lr="2e-3").distill_lr == 0.002  # YAML 1.1 reads 2e-3 as text
+    with pytest.raises(ValueError, match="calibration shrink must be a number, got 'lots'"):
+        CalibrationConfig(shrink="lots")
+
+
 def test_bad_calibration_settings_are_one_line_errors():
     with pytest.raises(ValueError, match="unknown calibration method 'bogus'"):
         CalibrationConfig(method="bogus")

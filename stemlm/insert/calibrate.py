@@ -79,6 +79,14 @@ class CalibrationConfig:
     device: str = "auto"  # where the pass runs: auto (the GPU if there is one) | cpu | cuda[:N]; not part of the key
 
     def __post_init__(self):
+        for name in ("shrink", "distill_lr"):  # 4096 (a YAML int) and 4096.0 are one setting, with one work-dir key
+            value = getattr(self, name)
+            try:
+                if isinstance(value, bool):
+                    raise ValueError
+                object.__setattr__(self, name, float(value))
+            except (TypeError, ValueError):
+                raise ValueError(f"calibration {name} must be a number, got {value!r}") from None
         if self.method not in METHODS:
             raise ValueError(f"unknown calibration method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.unseen not in UNSEEN:
