@@ -118,6 +118,22 @@ def test_layer_functions_report_the_error_they_reach():
     assert wd2 == {} and info2["error_after"] < info2["error_before"] and not info2["kept_start"]
 
 
+def test_fused_adam_distils_as_the_default_adam_does_to_rounding():
+    model, ids = dense_model(), calib_ids()
+    x, _ = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows = torch.zeros(V, model.cfg.d_ff)
+    runs = [distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=30, lr=1e-2, batch=32,
+                                                                          train_down=True, train_gate=True,
+                                                                          fused_adam=fused))
+            for fused in (True, False)]
+    (r1, w1, i1), (r2, w2, i2) = runs
+    torch.testing.assert_close(r1, r2, rtol=1e-4, atol=1e-6)
+    for name in ("w_down", "w_gate"):
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-6)
+    assert i1["error_after"] == pytest.approx(i2["error_after"], rel=1e-4)
+
+
 def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
     model, ids = dense_model(), calib_ids()
     x, y = ffn_io(model, ids, 2)
