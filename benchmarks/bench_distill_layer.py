@@ -37,16 +37,28 @@ from stemlm.version import git_commit  # noqa: E402
 RARE = 16
 
 
+class _Reached(Exception):
+    """Raised by ``layer_io``'s hook once the layer's input is kept."""
+
+
 @torch.no_grad()
 def layer_io(dense, layer: int, windows: torch.Tensor, chunk: int = 8) -> dict[str, torch.Tensor]:
     """At ``layer`` over ``windows``: the stream after the attention ``(n, T, d)`` (what ``fit_layer`` fits from),
     the normed FFN inputs ``x`` and the dense FFN's outputs ``y`` ``(n·T, d)``, and the ids ``(n·T,)``."""
     seen: list[torch.Tensor] = []
     block = dense.layers[layer]
-    hook = block.ffn_norm.register_forward_pre_hook(lambda m, a: seen.append(a[0].clone()))
+
+    def keep_and_stop(module, args):  # the layers above (and the LM head) are not needed: stop the forward here
+        seen.append(args[0].clone())
+        raise _Reached
+
+    hook = block.ffn_norm.register_forward_pre_hook(keep_and_stop)
     try:
         for a in range(0, len(windows), chunk):
-            dense(windows[a:a + chunk])
+            try:
+                dense(windows[a:a + chunk])
+            except _Reached:
+                pass
     finally:
         hook.remove()
     stream = torch.cat(seen)

@@ -7,9 +7,11 @@ twenty thousand rows, and Adam's passes over them and their moments cost more th
 script fits one layer as ``convert`` does (``fit_layer``: gated rows, shrink 4096, the ``W_d`` refit) on the dense
 model's own hidden states, then distils it from that same fit with each implementation in turn, ``--rounds`` times
 interleaved (rows, ``W_d`` and ``W_g`` train, as in the recommended recipe), and reports seconds per step, their
-ratio per round, and each run's output error on the calibration tokens (the two should agree to rounding).
+ratio per round, and each run's output error on the calibration tokens (the two should agree to rounding). A
+run's fixed cost (the error before and after over every calibration token, the copies) is timed by a 0-step run in
+each round and taken off; the projection to the recipe's ten layers × 2,000 steps adds it back once a layer.
 
-    python benchmarks/bench_distill_speed.py                      # -> distill_speed.json (~15 min, 2 threads)
+    python benchmarks/bench_distill_speed.py                      # -> distill_speed.json (~12 min, 2 threads)
     python benchmarks/bench_distill_speed.py --steps 50 --rounds 1 --tokens 16384   # a smoke run
 
 Time it on a quiet machine: nothing else may run beside it.
@@ -66,28 +68,39 @@ def main() -> None:
                                  dense.tok_embeddings.weight, refine=True)
     print(f"captured and fitted layer {args.layer} in {time.perf_counter() - t0:.0f} s", flush=True)
     unique = int(torch.unique(io["ids"]).numel())
+    def run(steps: int, fused: bool) -> tuple[float, float]:
+        settings = DistillSettings(steps, args.lr, args.batch, train_down=True, train_gate=True, fused_adam=fused)
+        t0 = time.perf_counter()
+        with torch.enable_grad():
+            _, _, info = distill_layer(block.ffn, "stem", io["x"], io["ids"], rows, fitted, settings, target=io["y"])
+        return time.perf_counter() - t0, info["error_after"]
+
     seconds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
     error: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
+    fixed: list[float] = []
     for r in range(args.rounds):
+        fixed.append(run(0, True)[0])  # what a run costs besides its steps: the error before and after, the copies
         order = list(IMPLEMENTATIONS) if r % 2 == 0 else list(reversed(IMPLEMENTATIONS))  # alternate who goes first
         for name in order:
-            settings = DistillSettings(args.steps, args.lr, args.batch, train_down=True, train_gate=True,
-                                       fused_adam=IMPLEMENTATIONS[name])
-            t0 = time.perf_counter()
-            with torch.enable_grad():
-                _, _, info = distill_layer(block.ffn, "stem", io["x"], io["ids"], rows, fitted, settings, target=io["y"])
-            seconds[name].append((time.perf_counter() - t0) / args.steps)  # the error passes included, once a run
-            error[name].append(info["error_after"])
-            print(f"round {r + 1}, {name}: {seconds[name][-1] * 1e3:.1f} ms a step, error {info['error_after']:.5f}",
-                  flush=True)
+            total, err = run(args.steps, IMPLEMENTATIONS[name])
+            seconds[name].append((total - fixed[-1]) / args.steps)
+            error[name].append(err)
+            print(f"round {r + 1}, {name}: {seconds[name][-1] * 1e3:.1f} ms a step (the run's fixed "
+                  f"{fixed[-1]:.1f} s taken off), error {err:.5f}", flush=True)
     ratios = [f / d for f, d in zip(seconds["fused Adam"], seconds["default Adam"])]
+    layers, full_steps = 10, 2000  # the recommended recipe: ten converted layers, 2,000 steps each
+    projected = {name: layers * (full_steps * statistics.median(v) + statistics.median(fixed)) / 60
+                 for name, v in seconds.items()}
     result = {"benchmark": "distill_speed", "layer": args.layer, "calib_tokens": int(io["ids"].numel()),
               "unique_rows": unique, "d_ff": dense.cfg.d_ff, "steps": args.steps, "batch": args.batch, "lr": args.lr,
               "trains": "rows + W_d + W_g", "rounds": args.rounds, "seconds_per_step": seconds,
               "fused_over_default": ratios, "fused_over_default_median": statistics.median(ratios),
+              "fixed_seconds_per_run": fixed, "projected_minutes_10_layers_2000_steps": projected,
               "error_after": error, "threads": args.threads, "git_commit": git_commit()}
     print(f"fused ÷ default Adam, seconds a step: {statistics.median(ratios):.3f} (rounds {min(ratios):.3f} – "
           f"{max(ratios):.3f}); {unique:,} rows × {dense.cfg.d_ff} train")
+    print("projected distillation of ten layers × 2,000 steps: " +
+          ", ".join(f"{name} {m:.0f} min" for name, m in projected.items()))
     atomic_write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 
