@@ -230,16 +230,17 @@ def plot_midtrain(by: dict, study_name: str) -> Path | None:
         return None
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
     base = _train_losses(by["dense"]) if "dense" in by else {}
-    for name, r in by.items():
+    for i, (name, r) in enumerate(by.items()):
+        color = f"C{i % 10}"  # one colour per arm in both panels (the gap panel has no dense line)
         val = r["metrics"]["val"]
         a.plot([0] + [v["tokens"] for v in val], [r["metrics"].get("val_loss_init") or np.nan] + [v["val_loss"] for v in val],
-               marker="o", label=name)
+               marker="o", label=name, color=color)
         if name != "dense" and base:
             own = _train_losses(r)
             steps = sorted(set(own) & set(base))
             gap = np.array([own[s] - base[s] for s in steps])
             k = min(10, len(gap))
-            b.plot(steps[k - 1:], np.convolve(gap, np.ones(k) / k, mode="valid"), label=name)
+            b.plot(steps[k - 1:], np.convolve(gap, np.ones(k) / k, mode="valid"), label=name, color=color)
     a.set(xlabel="tokens", ylabel="validation loss (nats)", yscale="log", title=f"SmolLM2-135M mid-training ({study_name})")
     b.axhline(0, color="k", lw=0.8)
     if any(r["labels"].get("anneal", "off") != "off" for r in by.values()):
