@@ -39,6 +39,7 @@ from safetensors.torch import load_file, save_file
 
 from ..config import ModelConfig
 from ..ffn import ffn_kind
+from ..fields import coerce_fields
 from ..model.decoder import StemLM, rope_cos_sin
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_file, atomic_write_text
@@ -79,14 +80,9 @@ class CalibrationConfig:
     device: str = "auto"  # where the pass runs: auto (the GPU if there is one) | cpu | cuda[:N]; not part of the key
 
     def __post_init__(self):
-        for name in ("shrink", "distill_lr"):  # 4096 (a YAML int) and 4096.0 are one setting, with one work-dir key
-            value = getattr(self, name)
-            try:
-                if isinstance(value, bool):
-                    raise ValueError
-                object.__setattr__(self, name, float(value))
-            except (TypeError, ValueError):
-                raise ValueError(f"calibration {name} must be a number, got {value!r}") from None
+        # every field as its annotation says, as the configs do: a YAML 4096 and the CLI's 4096.0 are one shrink,
+        # with one work-dir key; YAML 1.1's text "2e-3" is a number
+        coerce_fields(self, "calibration ")
         if self.method not in METHODS:
             raise ValueError(f"unknown calibration method {self.method!r}; choose one of {', '.join(METHODS)}")
         if self.unseen not in UNSEEN:
