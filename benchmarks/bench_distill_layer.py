@@ -67,6 +67,14 @@ def layer_io(dense, layer: int, windows: torch.Tensor, chunk: int = 8) -> dict[s
 
 
 @torch.no_grad()
+def fit_as_convert(dense, layer: int, stream: torch.Tensor, windows: torch.Tensor, calib: CalibrationConfig):
+    """``(rows, refitted projections)`` of ``layer`` fitted from ``stream`` (``layer_io``'s) as ``convert`` fits it
+    (gated rows, shrink, pooled unseen, the ``W_d`` refit): its own ``fit_layer``."""
+    return fit_layer(dense.layers[layer], "stem", stream, windows, chunk_slices(len(windows), calib.chunk), calib,
+                     dense.tok_embeddings.weight, refine=True)
+
+
+@torch.no_grad()
 def errors(ffn, sets: dict, counts: torch.Tensor, rows: torch.Tensor, weights: dict) -> dict:
     """Per set: the relative output error over every position and over those of ids seen < RARE times."""
     out = {}
@@ -109,10 +117,7 @@ def main() -> None:
     print(f"captured layer {args.layer}'s inputs in {time.perf_counter() - t0:.0f} s", flush=True)
     block, vocab = dense.layers[args.layer], dense.cfg.vocab_size
     ffn, x, ids = block.ffn, sets["calibration"]["x"], sets["calibration"]["ids"]
-    with torch.no_grad():  # the fit `convert` makes (gated rows, shrink, pooled unseen, the W_d refit): its own code
-        rows, fitted = fit_layer(block, "stem", sets["calibration"]["stream"], windows,
-                                 chunk_slices(len(windows), calib.chunk), calib,
-                                 dense.tok_embeddings.weight, refine=True)
+    rows, fitted = fit_as_convert(dense, args.layer, sets["calibration"]["stream"], windows, calib)
     counts = torch.bincount(ids, minlength=vocab)
     variants = {"fit + W_d refit": errors(ffn, sets, counts, rows, fitted)}
     print(f"fit + W_d refit: {json.dumps(variants['fit + W_d refit'])}", flush=True)
