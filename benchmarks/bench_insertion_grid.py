@@ -115,6 +115,13 @@ GRID_SETTINGS = {
                                             "shrink": 4096.0, "layer_choice": "cheapest", "distill_steps": 2000,
                                             "distill_batch": 1024, "distill_lr": 2e-3, "distill_down": True,
                                             "distill_gate": True},
+    # the same recipe with distillation's fast settings: Adam steps on the rows each minibatch touched only (per-row
+    # moments), the layer's GEMMs in bf16 autocast (benchmarks/bench_distill_speed.py times both)
+    "default-262k-wide-distill-gate-2000-lazy-bf16": {"method": "gated", "tokens": 262_144, "refit_down": True,
+                                                      "shrink": 4096.0, "layer_choice": "cheapest",
+                                                      "distill_steps": 2000, "distill_batch": 1024, "distill_lr": 2e-3,
+                                                      "distill_down": True, "distill_gate": True,
+                                                      "distill_rows": "lazy", "distill_precision": "bf16"},
     # shrink beyond 1024 (65k: 64 -> 256 -> 1024 lowered the out-of-domain gap each time); 4x the tokens, 4x the prior
     "default-262k-shrink4096": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 4096.0,
                                 "layer_choice": "cheapest"},

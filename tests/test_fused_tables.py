@@ -192,7 +192,7 @@ def test_cpu_loop_equals_eager_update():
     """The C++ loop (one pass per row, factors inside) against the eager path: moments and counters
     bit-identical, rows within a few ulp (1e-6 relative, 1e-7 absolute)."""
     from stemlm.train.fused import cpu_kernel
-    from stemlm.train.fused.kernels import indexed_update_, row_factors
+    from stemlm.row_adam import indexed_update_, row_factors
 
     if cpu_kernel.load() is None:
         pytest.skip("no C++ toolchain for inductor here")

@@ -22,6 +22,7 @@ import argparse
 from ..config import TABLE_INITS
 from ..ffn import DENSE, KINDS, ffn_kind
 from ..insert.calibrate import LAYER_CHOICES, CalibrationConfig
+from ..insert.distill import PRECISIONS, ROW_UPDATES
 from ..insert.fit import METHODS, UNSEEN
 from ..interop.convert import INITS
 from ..model.quant import TABLE_DTYPES
@@ -109,6 +110,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          default=CalibrationConfig.distill_gate,
                          help="also train W_g of the converted layers while distilling: the whole layer then fits "
                          "ids the calibration showed rarely, not only their rows (default: %(default)s)")
+    distill.add_argument("--distill-rows", choices=ROW_UPDATES, default=CalibrationConfig.distill_rows,
+                         help="how the rows take local distillation's Adam steps: dense (every row each step, its "
+                         "moments moving rows the minibatch does not hold) or lazy (only the rows the minibatch "
+                         "touched, each with its own moments: a step's cost grows with its tokens, not with the "
+                         "rows) (default: %(default)s)")
+    distill.add_argument("--distill-precision", choices=PRECISIONS, default=CalibrationConfig.distill_precision,
+                         help="local distillation's GEMMs: fp32, bf16 (autocast; weights, moments and target stay "
+                         "fp32) or auto (bf16 on CUDA or a CPU with native bf16 instructions, else fp32) "
+                         "(default: %(default)s)")
     calib.add_argument("--layer-choice", choices=LAYER_CHOICES, default=CalibrationConfig.layer_choice,
                        help="with a ratio --stem-layers (1/3, 1/2, full): 'cheapest' converts that many layers, the ones "
                        "whose fitted rows cost the dense model least (each measured alone, one pass); 'uniform' the "
@@ -164,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
                                         distill_steps=args.distill_steps,
                                         distill_lr=args.distill_lr, distill_batch=args.distill_batch,
                                         distill_down=args.distill_down, distill_gate=args.distill_gate,
+                                        distill_rows=args.distill_rows, distill_precision=args.distill_precision,
                                         correct_drift=args.calib_correct_drift)
     elif args.calib_data is not None:
         raise ValueError("--calib-data applies to --init calibrate only")

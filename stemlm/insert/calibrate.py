@@ -43,7 +43,7 @@ from ..fields import coerce_fields
 from ..model.decoder import StemLM, rope_cos_sin
 from ..runtime.devices import resolve_device
 from ..runtime.files import atomic_file, atomic_write_text
-from .distill import DistillSettings, alternate_layer, distill_layer, layer_output
+from .distill import DistillSettings, alternate_layer, distill_layer, layer_output, resolved_precision
 from .fit import METHODS, UNSEEN, DownRefit, LayerStats, refine_through_down
 
 LAYER_CHOICES = ("cheapest", "uniform")
@@ -73,6 +73,8 @@ class CalibrationConfig:
     distill_batch: int = 2048  # its minibatch, in tokens
     distill_down: bool = False  # also train W_d of the converted layers while distilling
     distill_gate: bool = False  # also train W_g of the converted layers while distilling
+    distill_rows: str = "dense"  # how rows take distillation's Adam steps: dense (all each step) | lazy (those touched)
+    distill_precision: str = "fp32"  # distillation's GEMMs: fp32 | bf16 | auto (bf16 where it is fast: bf16_is_fast)
     correct_drift: bool = False  # sequential: the W_d refit and local distillation aim at the dense model's own
     #                              residual stream, so each converted layer also undoes the drift of those before it
     layer_choice: str = "cheapest"  # ratio placements: cheapest (the layers of least measured cost,
@@ -104,6 +106,7 @@ class CalibrationConfig:
             raise ValueError("correct_drift needs sequential calibration (with a parallel pass nothing drifts)")
         if self.distill_gate and not self.distill_steps:
             raise ValueError("distill_gate trains W_g during local distillation: set distill_steps > 0")
+        self.distill_settings()  # a one-line error for an unknown distill_rows or distill_precision
         if self.correct_drift and self.als_rounds:
             raise ValueError("correct_drift applies to the W_d refit and local distillation, not to als_rounds")
         if self.tokens < self.seq_len:
@@ -114,11 +117,22 @@ class CalibrationConfig:
         """The ``torch.device`` the pass runs on."""
         return resolve_device(self.device, "calibration device")
 
+    def distill_settings(self) -> DistillSettings:
+        """The local distillation these settings ask for (``steps`` 0: none)."""
+        return DistillSettings(self.distill_steps, self.distill_lr, self.distill_batch, self.distill_down,
+                               train_gate=self.distill_gate, rows=self.distill_rows,
+                               precision=self.distill_precision)
+
     def key(self, model_digest: str, ids_digest: str, target: ModelConfig) -> str:
-        # the same fit on any device; correct_drift and distill_gate only when on, so work dirs keyed before they
-        # existed stay valid
+        # the same fit on any device; correct_drift and distill_gate only when on, distillation's row update and
+        # precision only when distilling and not as before they existed (dense, fp32; auto as what it resolves to
+        # here), so work dirs keyed before these settings existed stay valid
         settings = {k: v for k, v in asdict(self).items()
                     if k != "device" and not (k in ("correct_drift", "distill_gate") and not v)}
+        settings["distill_precision"] = resolved_precision(self.distill_precision, self.torch_device())
+        for name, legacy in (("distill_rows", "dense"), ("distill_precision", "fp32")):
+            if not self.distill_steps or settings[name] == legacy:
+                del settings[name]
         text = json.dumps({"calib": settings, "model": model_digest, "ids": ids_digest,
                            "target": target.to_dict()}, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -334,8 +348,7 @@ def fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks:
             refit.add(hidden, target_of(c))
         weights = {"w_down": refit.solve()}
     if calib.distill_steps:
-        settings = DistillSettings(calib.distill_steps, calib.distill_lr, calib.distill_batch, calib.distill_down,
-                                   train_gate=calib.distill_gate)
+        settings = calib.distill_settings()
         xs = torch.cat([ffn_input(c) for c in chunks])
         target = torch.cat([target_of(c) for c in chunks]) if dense_stream is not None else None
         with torch.enable_grad():

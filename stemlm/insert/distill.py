@@ -11,9 +11,14 @@ is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d
 its ``W_g`` too. Rows fitted from few contexts, and the pooled row of ids never seen, cannot follow the
 context; a trained ``W_g`` fits the whole layer, so it also changes what those ids get. Everything else
 is frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
-generator seeded by ``seed`` (deterministic on the CPU). ``alternate`` runs alternating least squares
-instead: rows given ``W_d`` (conjugate gradients through the down-projection), then ``W_d`` given
-the rows, for a few rounds.
+generator seeded by ``seed`` (deterministic on the CPU). The rows take Adam steps either all at once
+(``rows="dense"``: torch's Adam on the whole ``(U, d_ff)`` parameter, whose moments keep moving rows the
+minibatch does not hold) or only where the minibatch touched them (``rows="lazy"``: per-row moments and bias
+corrections, the training's row update of ``stemlm.row_adam`` without weight decay, a step's cost growing with
+its unique ids, not with ``U``). ``precision="bf16"`` runs the layer's GEMMs in bfloat16 autocast (fp32
+weights, moments and target): about four times the fp32 GEMM throughput on CPUs with AVX512-BF16 or AMX.
+``alternate`` runs alternating least squares instead: rows given ``W_d`` (conjugate gradients through the
+down-projection), then ``W_d`` given the rows, for a few rounds.
 
 Memory: the layer's inputs and targets (``N × d`` each), the compact rows and their Adam moments, and a copy of
 ``W_d`` / ``W_g`` with its moments where it trains.
@@ -28,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ffn import ffn_kind
+from ..row_adam import indexed_update_, row_factors
 from .fit import DownRefit, refine_through_down
 
 
@@ -36,7 +42,10 @@ class DistillSettings:
     """Steps, learning rate, batch (tokens), whether ``W_d`` and ``W_g`` train too, the minibatch seed, and whether
     Adam runs as one fused pass over each parameter (``fused_adam``, torch's ``Adam(fused=True)``: the same update as
     torch's default one to float rounding, ~0.7 of its time a step on 2 CPU cores with ~21k rows training
-    (``benchmarks/bench_distill_speed.py``); False: the default implementation, as before 2026-11-29)."""
+    (``benchmarks/bench_distill_speed.py``); False: the default implementation, as before 2026-11-29), how the rows
+    take their steps (``rows``: ``dense`` or ``lazy``, see the module docstring; ``fused_adam`` applies to what
+    torch's Adam updates) and the GEMMs' ``precision`` (``fp32``, ``bf16``, or ``auto``: bf16 where
+    ``bf16_is_fast``)."""
 
     steps: int = 0
     lr: float = 1e-3
@@ -45,6 +54,39 @@ class DistillSettings:
     seed: int = 0
     train_gate: bool = False
     fused_adam: bool = True
+    rows: str = "dense"  # dense: Adam on every row each step | lazy: only the rows the minibatch touched
+    precision: str = "fp32"  # fp32 | bf16 (the GEMMs in bfloat16 autocast) | auto (bf16 where it is fast)
+
+    def __post_init__(self):
+        if self.rows not in ROW_UPDATES:
+            raise ValueError(f"distillation rows must be one of {', '.join(ROW_UPDATES)}, got {self.rows!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"distillation precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+
+
+ROW_UPDATES = ("dense", "lazy")
+PRECISIONS = ("fp32", "bf16", "auto")
+
+
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bfloat16 GEMMs beat fp32 ones on ``device``: CUDA, or a CPU with native bf16 instructions
+    (AVX512-BF16 or AMX, which oneDNN reports); elsewhere bf16 is emulated and slower than fp32."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def resolved_precision(precision: str, device: torch.device) -> str:
+    """``fp32`` or ``bf16``: a distillation ``precision`` as it runs on ``device`` (``auto``: ``bf16_is_fast``)."""
+    if precision == "auto":
+        return "bf16" if bf16_is_fast(device) else "fp32"
+    return precision
+
+
+def autocast_of(precision: str, device: torch.device):
+    """The autocast context of a distillation ``precision`` on ``device`` (a no-op for fp32)."""
+    use_bf16 = resolved_precision(precision, device) == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
 def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
@@ -111,38 +153,76 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     if target is None:
         with torch.no_grad():
             target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
-    before = layer_error(ffn, kind, xs, ids, rows, weights, target)
+    autocast = lambda: autocast_of(settings.precision, xs.device)  # noqa: E731  (the GEMMs' precision)
+    with autocast():
+        before = layer_error(ffn, kind, xs, ids, rows, weights, target)
     uniq, inv = torch.unique(ids, return_inverse=True)
     compact = torch.nn.Parameter(rows[uniq].detach().clone())  # (U, d_ff)
     trains = [name for name, on in (("w_down", settings.train_down), ("w_gate", settings.train_gate)) if on]
     copies = {name: torch.nn.Parameter(weights.get(name, getattr(ffn, name).weight).detach().clone())
               for name in trains}  # the projections that train, as copies of where they start
-    params = [compact, *copies.values()]
-    opt = torch.optim.Adam(params, lr=settings.lr, **({"fused": True} if settings.fused_adam else {}))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.9 * s / max(1, settings.steps))
+    lazy = _LazyRows(compact.data) if settings.rows == "lazy" else None
+    params = [*([] if lazy else [compact]), *copies.values()]
+    opt = (torch.optim.Adam(params, lr=settings.lr, **({"fused": True} if settings.fused_adam else {}))
+           if params else None)
     gen = torch.Generator().manual_seed(settings.seed)
     scale = target.square().sum(1).mean().clamp_min(1e-30)  # mean ‖y‖²: the loss is a relative error
     order, pos = torch.randperm(len(xs), generator=gen), 0
     with _frozen(ffn):  # the dense weights are constants here (W_d, W_g train as their own copies)
-        for _ in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
+        for step in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
             if pos + settings.batch > len(order):
                 order, pos = torch.randperm(len(xs), generator=gen), 0
             b = order[pos:pos + settings.batch].to(xs.device)
             pos += settings.batch
-            out = layer_output(ffn, kind, xs[b], compact[inv[b]], {**weights, **copies})
-            loss = (out - target[b]).square().sum(1).mean() / scale
-            opt.zero_grad(set_to_none=True)
+            lr = settings.lr * (1.0 - 0.9 * step / max(1, settings.steps))  # linear decay to a tenth
+            if lazy:  # the minibatch's own rows as a leaf: its gradient is theirs alone
+                touched, local = torch.unique(inv[b], return_inverse=True)
+                leaf = compact.data.index_select(0, touched).requires_grad_()  # (u, d_ff)
+                batch_rows = leaf.index_select(0, local)  # (batch, d_ff); its backward is an index_add
+            else:
+                batch_rows = compact[inv[b]]
+            with autocast():
+                out = layer_output(ffn, kind, xs[b], batch_rows, {**weights, **copies})
+            loss = (out.float() - target[b]).square().sum(1).mean() / scale
+            if opt:
+                opt.zero_grad(set_to_none=True)
             loss.backward()
-            opt.step()
-            sched.step()
+            if opt:
+                for group in opt.param_groups:
+                    group["lr"] = lr
+                opt.step()
+            if lazy:
+                lazy.step(touched, leaf.detach(), leaf.grad, lr)
     new_rows = rows.detach().clone()
     new_rows[uniq] = compact.detach()
     new_weights = {**weights, **{name: p.detach() for name, p in copies.items()}}
-    after = layer_error(ffn, kind, xs, ids, new_rows, new_weights, target)
+    with autocast():
+        after = layer_error(ffn, kind, xs, ids, new_rows, new_weights, target)
     if after > before:  # never leave the layer worse than the fit it started from
         new_rows[uniq] = rows[uniq].detach()
         return new_rows, weights, {"error_before": before, "error_after": after, "kept_start": True}
     return new_rows, new_weights, {"error_before": before, "error_after": after, "kept_start": False}
+
+
+class _LazyRows:
+    """Adam on the rows a step touched, with per-row moments and update counts (``stemlm.row_adam``: the training's
+    row update, without weight decay; torch's Adam defaults ``betas (0.9, 0.999)``, ``eps 1e-8``)."""
+
+    betas, eps = (0.9, 0.999), 1e-8
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight  # (U, d_ff), updated in place
+        self.exp_avg, self.exp_avg_sq = torch.zeros_like(weight), torch.zeros_like(weight)
+        self.count = torch.zeros(len(weight), dtype=torch.long, device=weight.device)  # updates of each row
+
+    @torch.no_grad()
+    def step(self, touched: torch.Tensor, current: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
+        """One update of rows ``touched (u,)`` (unique) whose values are ``current (u, d_ff)`` (overwritten)."""
+        n, decay, neg_step, eps_r = row_factors(self.count.index_select(0, touched), None, lr, 0.0, 0, self.betas,
+                                                self.eps, False)
+        self.count.index_copy_(0, touched, n)
+        indexed_update_(self.weight, self.exp_avg, self.exp_avg_sq, touched, current, grad, decay, neg_step, eps_r,
+                        None, *self.betas)
 
 
 @contextmanager

@@ -4,7 +4,7 @@ For each touched row ``k`` (flat index ``flat[k]`` into stacked ``(R, D)`` state
 
     m <- m + (1 - β1)(g - m);   v <- β2 v + (1 - β2) g²;   w <- w · decay + (neg_step · m) / (√v + eps_r)
 
-with the per-row factors ``decay``, ``neg_step``, ``eps_r`` of ``stemlm.train.fused.kernels.row_factors``
+with the per-row factors ``decay``, ``neg_step``, ``eps_r`` of ``stemlm.row_adam.row_factors``
 (the same operations in the same order as ``adamw_math_``). Each program reads the row's weight,
 gradient and moments once and writes weight and moments once: 4 reads and 3 writes of ``D`` fp32
 per row, the whole cost of the update. Invalid (padded) slots are not written at all, which is what
