@@ -17,7 +17,8 @@ OOD_GOAL, DISTILLED_GOAL = 1.0, 0.5  # nats above dense at step 0, out of the ca
 NOT_COMPARED = {"tokens", "device", "seq_len", "chunk", "down_iters"}  # fixed by the grid, or not part of the fit
 # What an entry's settings left out meant when the grid's first entries were written (the CalibrationConfig defaults
 # of the time); entries written since record every setting, so a later change of the defaults cannot relabel them.
-MEASURED_BASE = {"refit_down": False, "shrink": 0.0, "layer_choice": "uniform"}
+MEASURED_BASE = {"refit_down": False, "shrink": 0.0, "layer_choice": "uniform", "distill_rows": "dense",
+                 "distill_precision": "fp32"}
 
 
 def _settings(calibration: dict) -> dict:
@@ -72,6 +73,8 @@ def _describe(r: dict) -> str:
         parts.append(f"distilled {c['distill_steps']} steps × {c.get('distill_batch', 2048)} tokens"
                      + (f" at lr {c['distill_lr']:g}" if "distill_lr" in c else "")
                      + f" ({' + '.join(_distilled_parts(c))})"
+                     + (", lazy row updates" if c.get("distill_rows") == "lazy" else "")
+                     + (f", {c['distill_precision']} GEMMs" if c.get("distill_precision", "fp32") != "fp32" else "")
                      + (" towards the dense stream" if c.get("correct_drift") else ""))
     if r.get("calib_mixed_sources"):
         parts.append("calibrated on corpus + news + stories")

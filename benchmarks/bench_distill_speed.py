@@ -1,18 +1,31 @@
-"""Local distillation's step time with torch's fused Adam against its default Adam, side by side on one real layer.
+"""Local distillation's step time with each of its implementations, side by side on one real layer.
 
 The distillation of ``convert --distill-steps N`` (``stemlm.insert.distill``) trains the rows of every id the
 calibration saw as one ``(U, d_ff)`` parameter: at 262,144 calibration tokens of SmolLM2's vocabulary that is some
-twenty thousand rows, and Adam's passes over them and their moments cost more than the layer's GEMMs on two cores.
-``DistillSettings.fused_adam`` (the default since 2026-11-29) runs each parameter's update as one fused pass. This
-script fits one layer as ``convert`` does (``fit_layer``: gated rows, shrink 4096, the ``W_d`` refit) on the dense
-model's own hidden states, then distils it from that same fit with each implementation in turn, ``--rounds`` times
-interleaved (rows, ``W_d`` and ``W_g`` train, as in the recommended recipe), and reports seconds per step, their
-ratio per round, and each run's output error on the calibration tokens (the two should agree to rounding). A
-run's fixed cost (the error before and after over every calibration token, the copies) is timed by a 0-step run in
-each round and taken off; the projection to the recipe's ten layers × 2,000 steps adds it back once a layer.
+twenty thousand rows. Its implementations:
 
-    python benchmarks/bench_distill_speed.py                      # -> distill_speed.json (~12 min, 2 threads)
+* ``fused Adam``: torch's Adam over every row each step as one fused pass over each parameter, fp32
+  (``DistillSettings.fused_adam``; the default from 2026-11-29 until lazy rows and bf16 were measured);
+* ``default Adam``: the same update with torch's default (unfused) implementation, as before;
+* ``bf16``: the fused dense update with the layer's GEMMs in bfloat16 autocast (``precision="bf16"``);
+* ``catch-up rows``: the dense update computed for the rows the minibatch touched only, the steps a row skipped
+  applied in closed form when it is next read (``DistillSettings.rows="catchup"``): a step's cost grows with its
+  tokens, not with the rows;
+* ``catch-up rows + bf16``: both;
+* ``lazy rows + bf16``: Adam steps on the touched rows with per-row counts (``rows="lazy"``; another update: a
+  row the minibatches skip does not move), bf16 GEMMs.
+
+This script fits one layer as ``convert`` does (``fit_layer``: gated rows, shrink 4096, the ``W_d`` refit) on the dense
+model's own hidden states, then distils it from that same fit with each implementation in turn, ``--rounds`` times
+interleaved (rows, ``W_d`` and ``W_g`` train, as in the recommended recipe), and reports seconds per step (the step
+loop's own time, ``info["seconds_steps"]``), each one's ratio to the first implementation per round, and each run's
+output error on the calibration tokens after its steps. The rest of a run (the output error over every calibration
+token before and after, the copies) is its fixed cost; the projection to the recipe's ten layers × 2,000 steps adds
+it once a layer. The calibration pass around the distillation (the capture, the fit, the ``W_d`` refit) is not in it.
+
+    python benchmarks/bench_distill_speed.py                      # -> distill_speed.json (~13 min, 2 threads)
     python benchmarks/bench_distill_speed.py --steps 50 --rounds 1 --tokens 16384   # a smoke run
+    python benchmarks/bench_distill_speed.py --compare "fused Adam,lazy rows + bf16"
 
 Time it on a quiet machine: nothing else may run beside it.
 """
@@ -33,11 +46,14 @@ from bench_distill_layer import fit_as_convert, layer_io  # noqa: E402
 from bench_insertion import RESULTS, dense_and_data  # noqa: E402
 
 from stemlm.insert.calibrate import CalibrationConfig, calibration_windows  # noqa: E402
-from stemlm.insert.distill import DistillSettings, distill_layer  # noqa: E402
+from stemlm.insert.distill import DistillSettings, bf16_is_fast, distill_layer  # noqa: E402
 from stemlm.runtime.files import atomic_write_text  # noqa: E402
 from stemlm.version import git_commit  # noqa: E402
 
-IMPLEMENTATIONS = {"default Adam": False, "fused Adam": True}
+IMPLEMENTATIONS = {"fused Adam": {}, "default Adam": {"fused_adam": False},
+                   "bf16": {"precision": "bf16"}, "catch-up rows": {"rows": "catchup"},
+                   "catch-up rows + bf16": {"rows": "catchup", "precision": "bf16"},
+                   "lazy rows + bf16": {"rows": "lazy", "precision": "bf16"}}
 
 
 def main() -> None:
@@ -45,14 +61,19 @@ def main() -> None:
     p.add_argument("--layer", type=int, default=14, help="the converted layer (default: %(default)s)")
     p.add_argument("--tokens", type=int, default=262_144, help="calibration tokens (default: %(default)s, convert's)")
     p.add_argument("--steps", type=int, default=200, help="distillation steps of each run (default: %(default)s)")
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of both runs (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every run (default: %(default)s)")
     p.add_argument("--batch", type=int, default=1024, help="tokens per step (default: %(default)s)")
     p.add_argument("--lr", type=float, default=2e-3, help="distillation lr (default: %(default)s)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default: %(default)s)")
+    p.add_argument("--compare", default=",".join(IMPLEMENTATIONS),
+                   help="implementations, comma-separated; ratios are to the first (default: %(default)s)")
     p.add_argument("--out", type=Path, default=RESULTS / "distill_speed.json", help="results JSON (default: %(default)s)")
     args = p.parse_args()
     if min(args.steps, args.rounds, args.batch, args.tokens) < 1:
         raise SystemExit("--steps, --rounds, --batch and --tokens must be positive")
+    names = [n.strip() for n in args.compare.split(",") if n.strip()]
+    if unknown := [n for n in names if n not in IMPLEMENTATIONS]:
+        raise SystemExit(f"unknown implementation(s) {unknown}; choose from {', '.join(IMPLEMENTATIONS)}")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dense, train, _ = dense_and_data()
@@ -67,42 +88,45 @@ def main() -> None:
     print(f"captured and fitted layer {args.layer} in {time.perf_counter() - t0:.0f} s", flush=True)
     unique = int(torch.unique(io["ids"]).numel())
 
-    def run(steps: int, fused: bool) -> tuple[float, float]:
-        settings = DistillSettings(steps, args.lr, args.batch, train_down=True, train_gate=True, fused_adam=fused)
+    def run(name: str) -> dict:
+        settings = DistillSettings(args.steps, args.lr, args.batch, train_down=True, train_gate=True,
+                                   **IMPLEMENTATIONS[name])
         t0 = time.perf_counter()
         with torch.enable_grad():
-            _, _, info = distill_layer(block.ffn, "stem", io["x"], io["ids"], rows, fitted, settings, target=io["y"])
-        return time.perf_counter() - t0, info["error_after"]
+            # no target given: the run computes the dense layer's output itself, as convert's does (in its fixed cost)
+            _, _, info = distill_layer(block.ffn, "stem", io["x"], io["ids"], rows, fitted, settings)
+        total = time.perf_counter() - t0
+        return {"step": info["seconds_steps"] / args.steps, "fixed": total - info["seconds_steps"],
+                "error": info["error_after"]}
 
-    seconds: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-    error: dict[str, list[float]] = {name: [] for name in IMPLEMENTATIONS}
-    fixed: list[float] = []
+    runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.rounds):
-        fixed.append(run(0, True)[0])  # what a run costs besides its steps: the error before and after, the copies
-        order = list(IMPLEMENTATIONS) if r % 2 == 0 else list(reversed(IMPLEMENTATIONS))  # alternate who goes first
-        for name in order:
-            total, err = run(args.steps, IMPLEMENTATIONS[name])
-            seconds[name].append((total - fixed[-1]) / args.steps)
-            error[name].append(err)
-            print(f"round {r + 1}, {name}: {seconds[name][-1] * 1e3:.1f} ms a step (the run's fixed "
-                  f"{fixed[-1]:.1f} s taken off), error {err:.5f}", flush=True)
-    ratios = [f / d for f, d in zip(seconds["fused Adam"], seconds["default Adam"])]
-    if min(min(v) for v in seconds.values()) <= 0:
-        print(f"warning: at --steps {args.steps} the runs' fixed cost (~{statistics.median(fixed):.0f} s) swamps their "
-              "steps and a step time came out <= 0: the figures below are noise; give more --steps", flush=True)
+        for name in (names if r % 2 == 0 else list(reversed(names))):  # alternate who goes first
+            runs[name].append(run(name))
+            got = runs[name][-1]
+            print(f"round {r + 1}, {name}: {got['step'] * 1e3:.1f} ms a step, fixed {got['fixed']:.1f} s, "
+                  f"error {got['error']:.5f}", flush=True)
+    seconds = {name: [x["step"] for x in v] for name, v in runs.items()}
+    fixed = {name: [x["fixed"] for x in v] for name, v in runs.items()}
+    error = {name: [x["error"] for x in v] for name, v in runs.items()}
+    base = names[0]
+    ratios = {name: [a / b for a, b in zip(seconds[name], seconds[base])] for name in names[1:]}
     layers, full_steps = 10, 2000  # the recommended recipe: ten converted layers, 2,000 steps each
-    projected = {name: layers * (full_steps * statistics.median(v) + statistics.median(fixed)) / 60
-                 for name, v in seconds.items()}
+    projected = {name: layers * (full_steps * statistics.median(seconds[name]) + statistics.median(fixed[name])) / 60
+                 for name in names}
     result = {"benchmark": "distill_speed", "layer": args.layer, "calib_tokens": int(io["ids"].numel()),
               "unique_rows": unique, "d_ff": dense.cfg.d_ff, "steps": args.steps, "batch": args.batch, "lr": args.lr,
-              "trains": "rows + W_d + W_g", "rounds": args.rounds, "seconds_per_step": seconds,
-              "fused_over_default": ratios, "fused_over_default_median": statistics.median(ratios),
+              "trains": "rows + W_d + W_g", "rounds": args.rounds,
+              "implementations": {n: IMPLEMENTATIONS[n] for n in names},
+              "seconds_per_step": seconds, "ratio_to": base, "step_ratio": ratios,
+              "step_ratio_median": {n: statistics.median(v) for n, v in ratios.items()},
               "fixed_seconds_per_run": fixed, "projected_minutes_10_layers_2000_steps": projected,
-              "error_after": error, "threads": args.threads, "git_commit": git_commit()}
-    print(f"fused ÷ default Adam, seconds a step: {statistics.median(ratios):.3f} (rounds {min(ratios):.3f} – "
-          f"{max(ratios):.3f}); {unique:,} rows × {dense.cfg.d_ff} train")
-    print("projected distillation of ten layers × 2,000 steps: " +
-          ", ".join(f"{name} {m:.0f} min" for name, m in projected.items()))
+              "error_after": error, "bf16_is_fast": bf16_is_fast(torch.device("cpu")), "threads": args.threads,
+              "git_commit": git_commit()}
+    for name, v in ratios.items():
+        print(f"{name} ÷ {base}, seconds a step: {statistics.median(v):.3f} (rounds {min(v):.3f} – {max(v):.3f})")
+    print(f"{unique:,} rows × {dense.cfg.d_ff} train; projected distillation of ten layers × 2,000 steps: " +
+          ", ".join(f"{name} {m:.1f} min" for name, m in projected.items()))
     atomic_write_text(args.out, json.dumps(result, indent=1))
     print(f"wrote {args.out}")
 

@@ -122,6 +122,12 @@ GRID_SETTINGS = {
                                                       "distill_steps": 2000, "distill_batch": 1024, "distill_lr": 2e-3,
                                                       "distill_down": True, "distill_gate": True,
                                                       "distill_rows": "lazy", "distill_precision": "bf16"},
+    # the dense recipe's Adam computed for the touched rows only (skipped steps applied in closed form), bf16 GEMMs
+    "default-262k-wide-distill-gate-2000-catchup-bf16": {"method": "gated", "tokens": 262_144, "refit_down": True,
+                                                         "shrink": 4096.0, "layer_choice": "cheapest",
+                                                         "distill_steps": 2000, "distill_batch": 1024,
+                                                         "distill_lr": 2e-3, "distill_down": True, "distill_gate": True,
+                                                         "distill_rows": "catchup", "distill_precision": "bf16"},
     # shrink beyond 1024 (65k: 64 -> 256 -> 1024 lowered the out-of-domain gap each time); 4x the tokens, 4x the prior
     "default-262k-shrink4096": {"method": "gated", "tokens": 262_144, "refit_down": True, "shrink": 4096.0,
                                 "layer_choice": "cheapest"},

@@ -134,6 +134,103 @@ def test_fused_adam_distils_as_the_default_adam_does_to_rounding():
     assert i1["error_after"] == pytest.approx(i2["error_after"], rel=1e-4)
 
 
+def test_lazy_rows_distil_as_dense_adam_when_every_step_touches_every_row():
+    # a minibatch of every token: each step touches every row, so per-row bias corrections are the global ones and
+    # the lazy update is torch's Adam to rounding
+    model, ids = dense_model(), calib_ids()
+    x, _ = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows = torch.zeros(V, model.cfg.d_ff)
+    runs = [distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=20, lr=1e-2, batch=len(flat),
+                                                                          train_down=True, rows=kind))
+            for kind in ("dense", "lazy")]
+    (r1, w1, i1), (r2, w2, i2) = runs
+    torch.testing.assert_close(r1, r2, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(w1["w_down"], w2["w_down"], rtol=1e-4, atol=1e-6)
+    assert i1["error_after"] == pytest.approx(i2["error_after"], rel=1e-4)
+
+
+def test_catchup_rows_distil_as_dense_adam_with_small_minibatches():
+    # minibatches of 16 of 144 tokens: most rows skip most steps; their skipped steps, applied in closed form when
+    # they are next read, give torch's Adam over every row (to rounding with eps -> 0; within eps's share otherwise)
+    import functools
+
+    from stemlm.insert import distill
+
+    model, ids = dense_model(), calib_ids()
+    x, _ = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows = torch.zeros(V, model.cfg.d_ff)
+
+    def run(kind, eps=None):
+        settings = DistillSettings(steps=60, lr=1e-2, batch=16, train_down=True, rows=kind, fused_adam=False)
+        if eps is None:
+            return distill_layer(ffn, "stem", x, flat, rows, {}, settings)
+        adam, row_eps = torch.optim.Adam, distill._RowAdam.eps
+        torch.optim.Adam, distill._RowAdam.eps = functools.partial(adam, eps=eps), eps
+        try:
+            return distill_layer(ffn, "stem", x, flat, rows, {}, settings)
+        finally:
+            torch.optim.Adam, distill._RowAdam.eps = adam, row_eps
+
+    (r1, w1, i1), (r2, w2, i2) = run("dense", 1e-30), run("catchup", 1e-30)
+    torch.testing.assert_close(r2, r1, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(w2["w_down"], w1["w_down"], rtol=1e-4, atol=1e-5)
+    (r1, _, i1), (r2, _, i2), (r3, _, i3) = run("dense"), run("catchup"), run("lazy")
+    assert (r2 - r1).abs().max() < 0.01 * r1.abs().max() < (r3 - r1).abs().max()  # lazy is another update
+    assert i2["error_after"] == pytest.approx(i1["error_after"], rel=1e-4)
+
+
+def test_lazy_rows_move_only_the_rows_of_the_minibatch_and_lower_the_error():
+    model, ids = dense_model(), calib_ids()
+    x, _ = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows = torch.zeros(V, model.cfg.d_ff)
+    settings = DistillSettings(steps=1, lr=1e-2, batch=8, rows="lazy")
+    one, _, _ = distill_layer(ffn, "stem", x, flat, rows, {}, settings)
+    gen = torch.Generator().manual_seed(settings.seed)  # the first minibatch, as distill_layer draws it
+    first = flat[torch.randperm(len(flat), generator=gen)[:settings.batch]].unique()
+    moved = (one != rows).any(1).nonzero().squeeze(1)
+    assert set(moved.tolist()) == set(first.tolist())
+    _, _, info = distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=40, lr=1e-2, batch=32,
+                                                                               rows="lazy"))
+    assert info["error_after"] < info["error_before"] and not info["kept_start"]
+
+
+def test_bf16_gemms_distil_to_the_fp32_result_within_bf16_rounding():
+    from stemlm.insert.distill import bf16_is_fast, resolved_precision
+
+    model, ids = dense_model(), calib_ids()
+    x, _ = ffn_io(model, ids, 2)
+    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
+    rows = torch.zeros(V, model.cfg.d_ff)
+    (_, _, fp32), (r, w, bf16) = [
+        distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=30, lr=1e-2, batch=32, train_down=True,
+                                                                      train_gate=True, precision=p))
+        for p in ("fp32", "bf16")]
+    assert bf16["error_after"] < bf16["error_before"] and not bf16["kept_start"]
+    assert bf16["error_after"] == pytest.approx(fp32["error_after"], rel=0.05)
+    assert r.dtype == w["w_down"].dtype == w["w_gate"].dtype == torch.float32  # fp32 results, fp32 state
+    assert resolved_precision("fp32", torch.device("cpu")) == "fp32"
+    assert resolved_precision("auto", torch.device("cpu")) == ("bf16" if bf16_is_fast(torch.device("cpu")) else "fp32")
+    assert resolved_precision("auto", torch.device("cuda")) == "bf16"
+
+
+def test_distillation_s_row_update_and_precision_key_the_work_dir_only_when_they_change_it():
+    target = dense_model().cfg
+    base = {"distill_steps": 5, "distill_lr": 1e-2}
+    key = CalibrationConfig(**base).key("m", "i", target)
+    assert CalibrationConfig(**base, distill_rows="dense", distill_precision="fp32").key("m", "i", target) == key
+    assert CalibrationConfig(**base, distill_rows="lazy").key("m", "i", target) != key
+    assert CalibrationConfig(**base, distill_precision="bf16").key("m", "i", target) != key
+    assert CalibrationConfig(distill_rows="lazy", distill_precision="bf16").key("m", "i", target) == \
+        CalibrationConfig().key("m", "i", target)  # no distillation: they change nothing
+    with pytest.raises(ValueError, match="distillation rows must be one of dense, catchup, lazy, got 'sparse'"):
+        CalibrationConfig(distill_rows="sparse")
+    with pytest.raises(ValueError, match="distillation precision must be one of fp32, bf16, auto, got 'fp16'"):
+        CalibrationConfig(distill_precision="fp16")
+
+
 def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
     model, ids = dense_model(), calib_ids()
     x, y = ffn_io(model, ids, 2)
@@ -169,9 +266,11 @@ def test_convert_cli_distills_after_calibrating(tmp_path, monkeypatch, capsys):
     out = tmp_path / "out"
     assert main(["convert", "--from-hf", str(src), "--out", str(out), "--ffn", "stem", "--stem-layers", "2",
                  "--init", "calibrate", "--calib-data", str(text), "--calib-tokens", "256", "--calib-seq-len", "16",
-                 "--distill-steps", "5", "--distill-batch", "16", "--distill-down", "--distill-gate"]) == 0
+                 "--distill-steps", "5", "--distill-batch", "16", "--distill-down", "--distill-gate",
+                 "--distill-rows", "lazy", "--distill-precision", "bf16"]) == 0
     calib = json.loads((out / "config.json").read_text())["stemlm_conversion"]["calibration"]
     assert calib["distill_steps"] == 5 and calib["distill_down"] is True and calib["distill_gate"] is True
+    assert calib["distill_rows"] == "lazy" and calib["distill_precision"] == "bf16"
     assert main(["convert", "--from-hf", str(src), "--out", str(tmp_path / "o2"), "--ffn", "stem",
                  "--distill-steps", "3"]) != 0
     assert "--distill-steps applies to --init calibrate only" in capsys.readouterr().err

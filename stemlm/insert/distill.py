@@ -11,12 +11,15 @@ is ``U × d_ff``, not ``V × d_ff``) and, with ``train_down``, the layer's ``W_d
 its ``W_g`` too. Rows fitted from few contexts, and the pooled row of ids never seen, cannot follow the
 context; a trained ``W_g`` fits the whole layer, so it also changes what those ids get. Everything else
 is frozen. Adam with a linear decay to a tenth of ``lr``, minibatches of ``batch`` tokens drawn from a
-generator seeded by ``seed`` (deterministic on the CPU). The rows take Adam steps either all at once
-(``rows="dense"``: torch's Adam on the whole ``(U, d_ff)`` parameter, whose moments keep moving rows the
-minibatch does not hold) or only where the minibatch touched them (``rows="lazy"``: per-row moments and bias
-corrections, the training's row update of ``stemlm.row_adam`` without weight decay, a step's cost growing with
-its unique ids, not with ``U``). ``precision="bf16"`` runs the layer's GEMMs in bfloat16 autocast (fp32
-weights, moments and target): about four times the fp32 GEMM throughput on CPUs with AVX512-BF16 or AMX.
+generator seeded by ``seed`` (deterministic on the CPU). The rows take their Adam steps in one of three ways:
+``rows="dense"``, torch's Adam on the whole ``(U, d_ff)`` parameter, whose moments keep moving rows the minibatch
+does not hold; ``rows="catchup"``, the same update computed for the rows the minibatch touched only, the steps a
+row skipped applied in closed form when it is next read (``_RowAdam``: equal to the dense update but for how
+``eps`` enters the skipped steps); ``rows="lazy"``, Adam on the touched rows with per-row counts (the training's
+row update of ``stemlm.row_adam`` without weight decay), so a row the minibatches skip does not move. The last two
+cost a step what its unique ids cost, not what ``U`` does. ``precision="bf16"`` runs the layer's GEMMs in
+bfloat16 autocast (fp32 weights, moments and target): about four times the fp32 GEMM throughput on CPUs with
+AVX512-BF16 or AMX.
 ``alternate`` runs alternating least squares instead: rows given ``W_d`` (conjugate gradients through the
 down-projection), then ``W_d`` given the rows, for a few rounds.
 
@@ -26,6 +29,8 @@ Memory: the layer's inputs and targets (``N × d`` each), the compact rows and t
 
 from __future__ import annotations
 
+import math
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -33,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ffn import ffn_kind
-from ..row_adam import indexed_update_, row_factors
+from ..row_adam import adamw_math_, row_factors
 from .fit import DownRefit, refine_through_down
 
 
@@ -54,7 +59,8 @@ class DistillSettings:
     seed: int = 0
     train_gate: bool = False
     fused_adam: bool = True
-    rows: str = "dense"  # dense: Adam on every row each step | lazy: only the rows the minibatch touched
+    rows: str = "dense"  # dense: torch's Adam on every row | catchup: the same update on the touched rows only |
+    #                      lazy: Adam on the touched rows with per-row counts (a skipped row does not move)
     precision: str = "fp32"  # fp32 | bf16 (the GEMMs in bfloat16 autocast) | auto (bf16 where it is fast)
 
     def __post_init__(self):
@@ -64,7 +70,7 @@ class DistillSettings:
             raise ValueError(f"distillation precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
 
 
-ROW_UPDATES = ("dense", "lazy")
+ROW_UPDATES = ("dense", "catchup", "lazy")
 PRECISIONS = ("fp32", "bf16", "auto")
 
 
@@ -139,7 +145,8 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     ``rows (V, d_ff)`` the fitted table, ``weights`` the layer's refitted projections so far (``{"w_down": …}``;
     empty: the dense ones). ``target (N, d)`` replaces the dense layer's output as what the layer should produce
     (the calibration pass's drift correction). Returns ``(rows, weights, {"error_before", "error_after",
-    "kept_start"})``: ``rows`` a new tensor, ``weights`` the refitted projections with the trained ones added.
+    "kept_start", "seconds_steps"})``: ``rows`` a new tensor, ``weights`` the refitted projections with the trained
+    ones added, ``seconds_steps`` the wall time of the step loop alone (not the error passes around it).
     Distillation that ends with a larger error than it started from (seen at 262k calibration tokens with lr 1e-2;
     likely Adam's moments moving rows the minibatches no longer hold) returns the start unchanged, ``kept_start``
     True and ``error_after`` the error it reached.
@@ -161,23 +168,26 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     trains = [name for name, on in (("w_down", settings.train_down), ("w_gate", settings.train_gate)) if on]
     copies = {name: torch.nn.Parameter(weights.get(name, getattr(ffn, name).weight).detach().clone())
               for name in trains}  # the projections that train, as copies of where they start
-    lazy = _LazyRows(compact.data) if settings.rows == "lazy" else None
-    params = [*([] if lazy else [compact]), *copies.values()]
+    lrs = [settings.lr * (1.0 - 0.9 * step / max(1, settings.steps)) for step in range(settings.steps)]
+    sparse = _RowAdam(compact.data, settings.rows == "catchup", lrs) if settings.rows != "dense" else None
+    params = [*([] if sparse else [compact]), *copies.values()]
     opt = (torch.optim.Adam(params, lr=settings.lr, **({"fused": True} if settings.fused_adam else {}))
            if params else None)
     gen = torch.Generator().manual_seed(settings.seed)
     scale = target.square().sum(1).mean().clamp_min(1e-30)  # mean ‖y‖²: the loss is a relative error
     order, pos = torch.randperm(len(xs), generator=gen), 0
+    started = time.perf_counter()
     with _frozen(ffn):  # the dense weights are constants here (W_d, W_g train as their own copies)
         for step in tqdm(range(settings.steps), desc=desc, disable=not progress, leave=False, dynamic_ncols=True):
             if pos + settings.batch > len(order):
                 order, pos = torch.randperm(len(xs), generator=gen), 0
             b = order[pos:pos + settings.batch].to(xs.device)
             pos += settings.batch
-            lr = settings.lr * (1.0 - 0.9 * step / max(1, settings.steps))  # linear decay to a tenth
-            if lazy:  # the minibatch's own rows as a leaf: its gradient is theirs alone
+            lr = lrs[step]  # linear decay to a tenth
+            if sparse:  # the minibatch's own rows as a leaf: its gradient is theirs alone
                 touched, local = torch.unique(inv[b], return_inverse=True)
-                leaf = compact.data.index_select(0, touched).requires_grad_()  # (u, d_ff)
+                leaf, m, v = sparse.gather(touched, step + 1)  # (u, d_ff) each
+                leaf.requires_grad_()
                 batch_rows = leaf.index_select(0, local)  # (batch, d_ff); its backward is an index_add
             else:
                 batch_rows = compact[inv[b]]
@@ -191,8 +201,11 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
                 for group in opt.param_groups:
                     group["lr"] = lr
                 opt.step()
-            if lazy:
-                lazy.step(touched, leaf.detach(), leaf.grad, lr)
+            if sparse:
+                sparse.update(touched, leaf.detach(), m, v, leaf.grad, lr)
+        if sparse:
+            sparse.finish()
+    timing = {"seconds_steps": time.perf_counter() - started}  # the step loop alone (the error passes are not in it)
     new_rows = rows.detach().clone()
     new_rows[uniq] = compact.detach()
     new_weights = {**weights, **{name: p.detach() for name, p in copies.items()}}
@@ -200,29 +213,93 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
         after = layer_error(ffn, kind, xs, ids, new_rows, new_weights, target)
     if after > before:  # never leave the layer worse than the fit it started from
         new_rows[uniq] = rows[uniq].detach()
-        return new_rows, weights, {"error_before": before, "error_after": after, "kept_start": True}
-    return new_rows, new_weights, {"error_before": before, "error_after": after, "kept_start": False}
+        return new_rows, weights, {"error_before": before, "error_after": after, "kept_start": True, **timing}
+    return new_rows, new_weights, {"error_before": before, "error_after": after, "kept_start": False, **timing}
 
 
-class _LazyRows:
-    """Adam on the rows a step touched, with per-row moments and update counts (``stemlm.row_adam``: the training's
-    row update, without weight decay; torch's Adam defaults ``betas (0.9, 0.999)``, ``eps 1e-8``)."""
+class _RowAdam:
+    """Adam steps on the rows a minibatch touched (``rows="lazy"`` or ``"catchup"``), on ``weight (U, d_ff)`` in place,
+    with torch's Adam defaults (``betas (0.9, 0.999)``, ``eps 1e-8``) and the arithmetic of ``stemlm.row_adam``.
+
+    ``lazy``: each row keeps its own update count, so its bias corrections are its own (the training's row update,
+    without weight decay); a row the minibatches skip does not move. ``catchup``: torch's Adam over every row, computed
+    for the touched rows only. When a row is read again (``gather``), the steps it skipped are applied at once:
+    with a zero gradient a skipped step ``j`` scales ``m`` by ``b1`` and ``v`` by ``b2`` and moves the row by
+    ``lr_j sqrt(1 - b2^j) / (1 - b1^j) · m_j / sqrt(v_j)``, so ``k`` skipped steps after the row's last update ``a``
+    move it by ``m_a / sqrt(v_a) · Σ_k r^k lr_(a+k) sqrt(1 - b2^(a+k)) / (1 - b1^(a+k))``, ``r = b1 / sqrt(b2)``.
+    That is the dense update up to ``eps`` in the skipped steps (``eps`` against ``sqrt(v)``) and the terms past
+    ``r^k < 1e-12``, which are dropped. ``gather`` reads rows (caught up), ``update`` steps and writes them back,
+    ``finish`` brings every row to the last step."""
 
     betas, eps = (0.9, 0.999), 1e-8
 
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight  # (U, d_ff), updated in place
+    def __init__(self, weight: torch.Tensor, catchup: bool, lrs: list[float]):
+        self.weight, self.catchup = weight, catchup  # (U, d_ff), updated in place
         self.exp_avg, self.exp_avg_sq = torch.zeros_like(weight), torch.zeros_like(weight)
-        self.count = torch.zeros(len(weight), dtype=torch.long, device=weight.device)  # updates of each row
+        # lazy: each row's update count; catchup: the step that last updated it (0: none yet)
+        self.count = torch.zeros(len(weight), dtype=torch.long, device=weight.device)
+        self.t = 0  # steps taken
+        b1, b2 = self.betas
+        j = torch.arange(1, len(lrs) + 1, dtype=torch.float64)
+        zero, lr = torch.zeros(1, dtype=torch.float64), torch.tensor(lrs, dtype=torch.float64)
+        # a skipped step j's move per unit of m_j / sqrt(v_j), and per unit of m_j / eps (index 0 unused)
+        self.move = torch.cat([zero, lr * (1 - b2 ** j).sqrt() / (1 - b1 ** j)])
+        self.move_eps = torch.cat([zero, lr / (1 - b1 ** j)])
+        r = b1 / b2 ** 0.5
+        self.horizon = int(math.ceil(math.log(1e-12) / math.log(r)))  # steps after which r^k < 1e-12 (b1^k too)
+        k = torch.arange(1, self.horizon + 1, dtype=torch.float64)
+        self.decay, self.decay_eps = r ** k, b1 ** k  # (K,) r^k, b1^k
 
     @torch.no_grad()
-    def step(self, touched: torch.Tensor, current: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
-        """One update of rows ``touched (u,)`` (unique) whose values are ``current (u, d_ff)`` (overwritten)."""
-        n, decay, neg_step, eps_r = row_factors(self.count.index_select(0, touched), None, lr, 0.0, 0, self.betas,
-                                                self.eps, False)
-        self.count.index_copy_(0, touched, n)
-        indexed_update_(self.weight, self.exp_avg, self.exp_avg_sq, touched, current, grad, decay, neg_step, eps_r,
-                        None, *self.betas)
+    def gather(self, rows: torch.Tensor, now: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Copies ``(w, m, v)`` ``(u, d_ff)`` of rows ``rows (u,)`` (unique) and their moments as step ``now`` reads
+        them: with ``catchup``, the steps before ``now`` that they skipped since their last update applied."""
+        w, m, v = (t.index_select(0, rows) for t in (self.weight, self.exp_avg, self.exp_avg_sq))
+        if self.catchup:
+            self._catch_up(w, m, v, self.count.index_select(0, rows), now)
+        return w, m, v
+
+    def _catch_up(self, w, m, v, last: torch.Tensor, now: int) -> None:
+        skipped = (now - 1 - last).clamp_min(0)  # (u,) rows never updated (last 0) have no momentum: m = 0
+        if not bool((skipped > 0).any()):
+            return
+        k = torch.arange(1, self.horizon + 1, device=w.device)  # (K,)
+        steps = (last[:, None] + k).clamp_max(len(self.move) - 1)  # (u, K) the skipped steps' numbers
+        inside = k <= skipped[:, None]  # (u, K)
+
+        def summed(decay, move):  # (u,) Σ over the skipped steps k of decay^k · move[last + k]
+            return (torch.where(inside, decay.to(w.device), 0.0) * move.to(w.device)[steps]).sum(1)
+
+        total, total_eps = summed(self.decay, self.move), summed(self.decay_eps, self.move_eps)
+        # the skipped moves sum to m_a · total / (sqrt(v_a) + eps · total / total_eps): exact for eps -> 0 and for one
+        # skipped step; between, eps enters through the steps' mean denominator
+        eps_r = (self.eps * total / total_eps.clamp_min(1e-300))[:, None].float()  # (u, 1)
+        b1, b2 = self.betas
+        w.sub_(total[:, None].float() * m / (v.sqrt() + eps_r))
+        m.mul_(torch.pow(b1, skipped.double())[:, None].float())
+        v.mul_(torch.pow(b2, skipped.double())[:, None].float())
+
+    @torch.no_grad()
+    def update(self, rows: torch.Tensor, w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
+               lr: float) -> None:
+        """One Adam step of rows ``rows (u,)`` from ``gather``'s ``(w, m, v)`` (updated in place) and their
+        gradient ``grad (u, d_ff)``, written back."""
+        self.t += 1
+        counts = torch.full_like(rows, self.t - 1) if self.catchup else self.count.index_select(0, rows)
+        n, decay, neg_step, eps_r = row_factors(counts, None, lr, 0.0, 0, self.betas, self.eps, False)
+        adamw_math_(w, m, v, grad, decay, neg_step, eps_r, *self.betas)
+        for table, new in ((self.weight, w), (self.exp_avg, m), (self.exp_avg_sq, v)):
+            table.index_copy_(0, rows, new)
+        self.count.index_copy_(0, rows, n)  # lazy: one more update; catchup: last updated at step t
+
+    @torch.no_grad()
+    def finish(self, chunk: int = 4096) -> None:
+        """Bring every row to the last step (catchup; nothing to do for lazy)."""
+        if not self.catchup:
+            return
+        for a in range(0, len(self.weight), chunk):
+            rows = torch.arange(a, min(a + chunk, len(self.weight)), device=self.weight.device)
+            self.weight.index_copy_(0, rows, self.gather(rows, self.t + 1)[0])
 
 
 @contextmanager
