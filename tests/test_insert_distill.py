@@ -181,6 +181,23 @@ def test_catchup_rows_distil_as_dense_adam_with_small_minibatches():
     assert i2["error_after"] == pytest.approx(i1["error_after"], rel=1e-4)
 
 
+def test_catchup_rows_stay_finite_where_a_gradient_element_is_exactly_zero():
+    # an element whose gradient is 0 keeps m = v = 0; a row read again right after its update skipped no step: the
+    # catch-up's 0 / (sqrt(0) + 0) was NaN (seen on SmolLM2's layer 12 with bf16 GEMMs)
+    from stemlm.insert.distill import _RowAdam
+
+    weight = torch.randn(6, 4)
+    rows_adam = _RowAdam(weight, True, [1e-2] * 10)
+    grad = torch.randn(6, 4)
+    grad[:, 0] = 0
+    for t in range(1, 8):
+        rows = torch.tensor([0, 1, 2]) if t % 2 else torch.tensor([1, 3])
+        w, m, v = rows_adam.gather(rows, t)
+        rows_adam.update(rows, w, m, v, grad[rows], 1e-2)
+    rows_adam.finish()
+    assert torch.isfinite(weight).all()
+
+
 def test_lazy_rows_move_only_the_rows_of_the_minibatch_and_lower_the_error():
     model, ids = dense_model(), calib_ids()
     x, _ = ffn_io(model, ids, 2)

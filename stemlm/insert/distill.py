@@ -275,7 +275,7 @@ class _RowAdam:
         # skipped step; between, eps enters through the steps' mean denominator
         eps_r = (self.eps * total / total_eps.clamp_min(1e-300))[:, None].float()  # (u, 1)
         b1, b2 = self.betas
-        w.sub_(total[:, None].float() * m / (v.sqrt() + eps_r))
+        w.sub_(total[:, None].float() * m / (v.sqrt() + eps_r).clamp_min(1e-30))  # m = 0 where v = 0 (a zero grad)
         m.mul_(torch.pow(b1, skipped.double())[:, None].float())
         v.mul_(torch.pow(b2, skipped.double())[:, None].float())
 
