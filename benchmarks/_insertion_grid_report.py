@@ -73,7 +73,8 @@ def _describe(r: dict) -> str:
         parts.append(f"distilled {c['distill_steps']} steps × {c.get('distill_batch', 2048)} tokens"
                      + (f" at lr {c['distill_lr']:g}" if "distill_lr" in c else "")
                      + f" ({' + '.join(_distilled_parts(c))})"
-                     + (", lazy row updates" if c.get("distill_rows") == "lazy" else "")
+                     + {"lazy": ", lazy row updates", "catchup": ", catch-up row updates"}.get(
+                         c.get("distill_rows", "dense"), "")
                      + (f", {c['distill_precision']} GEMMs" if c.get("distill_precision", "fp32") != "fp32" else "")
                      + (" towards the dense stream" if c.get("correct_drift") else ""))
     if r.get("calib_mixed_sources"):

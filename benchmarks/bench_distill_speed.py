@@ -56,6 +56,31 @@ IMPLEMENTATIONS = {"fused Adam": {}, "default Adam": {"fused_adam": False},
                    "lazy rows + bf16": {"rows": "lazy", "precision": "bf16"}}
 
 
+def default_implementation(result: dict) -> str:
+    """The implementation of a ``distill_speed.json`` that runs as ``DistillSettings``'s defaults ran on the
+    machine that measured it (``auto`` precision: bf16 where ``bf16_is_fast`` was true)."""
+    d = DistillSettings()
+    precision = d.precision if d.precision != "auto" else ("bf16" if result["bf16_is_fast"] else "fp32")
+    want = {"rows": d.rows, "precision": precision, "fused_adam": d.fused_adam}
+    for name, settings in result["implementations"].items():
+        if {**{"rows": "dense", "precision": "fp32", "fused_adam": True}, **settings} == want:
+            return name
+    raise KeyError(f"no implementation in the results runs as the defaults do ({want})")
+
+
+def gemm_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 30) -> float:
+    """Achieved GFLOP/s of ``(m, k) @ (k, n)`` products in ``dtype`` (the median of ``repeats`` timed calls)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    for _ in range(3):  # warm-up: oneDNN picks and caches its kernel
+        a @ b
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t0)
+    return 2 * m * k * n / statistics.median(times) / 1e9
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layer", type=int, default=14, help="the converted layer (default: %(default)s)")
@@ -87,6 +112,11 @@ def main() -> None:
     rows, fitted = fit_as_convert(dense, args.layer, io["stream"], windows, calib)
     print(f"captured and fitted layer {args.layer} in {time.perf_counter() - t0:.0f} s", flush=True)
     unique = int(torch.unique(io["ids"]).numel())
+    d, d_ff = dense.cfg.d_model, dense.cfg.d_ff
+    gflops = {name: gemm_gflops(args.batch, d, d_ff, dtype) for name, dtype in (("fp32", torch.float32),
+                                                                                ("bf16", torch.bfloat16))}
+    print(f"a step's GEMM ({args.batch} × {d} × {d_ff}): fp32 {gflops['fp32']:.0f}, bf16 {gflops['bf16']:.0f} GFLOP/s",
+          flush=True)
 
     def run(name: str) -> dict:
         settings = DistillSettings(args.steps, args.lr, args.batch, train_down=True, train_gate=True,
@@ -121,7 +151,8 @@ def main() -> None:
               "seconds_per_step": seconds, "ratio_to": base, "step_ratio": ratios,
               "step_ratio_median": {n: statistics.median(v) for n, v in ratios.items()},
               "fixed_seconds_per_run": fixed, "projected_minutes_10_layers_2000_steps": projected,
-              "error_after": error, "bf16_is_fast": bf16_is_fast(torch.device("cpu")), "threads": args.threads,
+              "error_after": error, "bf16_is_fast": bf16_is_fast(torch.device("cpu")), "gemm_gflops": gflops,
+              "threads": args.threads,
               "git_commit": git_commit()}
     for name, v in ratios.items():
         print(f"{name} ÷ {base}, seconds a step: {statistics.median(v):.3f} (rounds {min(v):.3f} – {max(v):.3f})")

@@ -130,6 +130,14 @@ def _offload(r: dict) -> dict[str, float]:
     return {f"{k}_disk_over_ram": v["speed_ratio_vs_ram"] for k, v in r["summary"].items()}
 
 
+def _distill_speed(r: dict) -> dict[str, float]:
+    from bench_distill_speed import default_implementation
+
+    name = default_implementation(r)
+    return {"projected_minutes": r["projected_minutes_10_layers_2000_steps"][name],
+            "step_ratio": r["step_ratio_median"][name]}
+
+
 CHECKS = [
     Check("train_step", "P1", "bench_train_step.py", "train_step.json", lambda r: {"gap": r["gap"]},
           {"gap": ("|STEM-full ÷ dense − FLOP ratio| ≤ 0.03", lambda v: abs(v) <= 0.03)}),
@@ -190,6 +198,9 @@ CHECKS = [
     Check("insertion", "insert", "bench_insertion_grid.py", "insertion_grid.json", _insertion,
           {"delta_ood_mean": ("≤ +1.0 nats", lambda v: v <= 1.0)},
           args=["--python-doc", "auto", "--grid", INSERTION_DEFAULT, "--threads", "2"], slow=True),
+    Check("distill_speed", "distill", "bench_distill_speed.py", "distill_speed.json", _distill_speed,
+          {"projected_minutes": ("≤ 10 min", lambda v: v <= 10)},
+          args=["--compare", "fused Adam,catch-up rows + bf16"], slow=True),
     Check("edit_real", "realedit", "bench_edit_real.py", "edit_real.json", _edit_real,
           {"flips_1/3": ("≥ 80 %", lambda v: v >= 0.8), "locality_1/3": ("≥ 99 %", lambda v: v >= 0.99)},
           args=EDIT_REAL_ARGS, slow=True),

@@ -34,6 +34,7 @@ links to.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -273,6 +274,29 @@ def insertion(r: dict) -> tuple[str, str]:
      "bench_insertion_grid.py", RES + "insertion_grid.json")
 def insertion_grid(g: dict) -> tuple[str, str]:
     return grid_readme_cell(g)
+
+
+DISTILL_MINUTES_GOAL = 10  # issue 37: local distillation of SmolLM2-135M in <= 10 min on 2 CPU cores
+
+
+@row(f"local distillation of SmolLM2-135M → STEM-1/3 (the best recipe measured: 10 layers × 2,000 steps × 1,024 tokens, "
+     f"rows + W_d + W_g) ≤ {DISTILL_MINUTES_GOAL} min on 2 CPU cores", "bench_distill_speed.py",
+     RES + "distill_speed.json")
+def distill_speed(r: dict) -> tuple[str, str]:
+    from bench_distill_speed import default_implementation
+
+    default, base = default_implementation(r), r["ratio_to"]
+    ms = {name: statistics.median(v) * 1e3 for name, v in r["seconds_per_step"].items()}
+    minutes = r["projected_minutes_10_layers_2000_steps"]
+    others = ", ".join(f"{name} {ms[name]:.0f} ms ({minutes[name]:.0f} min)" for name in ms if name not in (default, base))
+    measured = (f"layer {r['layer']} fitted as convert fits it ({r['unique_rows']:,} rows × {r['d_ff']} train), "
+                f"{r['steps']} steps × {r['batch']} tokens, {r['rounds']} interleaved rounds, median a step (projected "
+                f"10 layers × 2,000 steps with each run's fixed cost): **{default}** (the default) **{ms[default]:.0f} ms, "
+                f"{minutes[default]:.1f} min**, {r['step_ratio_median'][default]:.2f}× the step of {base} "
+                f"({ms[base]:.0f} ms, {minutes[base]:.0f} min); {others}; output error after the steps "
+                f"{statistics.median(r['error_after'][default]):.4f} vs {statistics.median(r['error_after'][base]):.4f} "
+                f"([docs](docs/insertion.md#local-distillation-speed))")
+    return measured, yes(minutes[default] <= DISTILL_MINUTES_GOAL) + " (projected from one layer)"
 
 
 @row("mid-training insertion on one GPU (SmolLM2-135M, ≤ 10 min, ≥ 50M tokens): STEM-1/3 below dense continued",

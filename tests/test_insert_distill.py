@@ -118,36 +118,39 @@ def test_layer_functions_report_the_error_they_reach():
     assert wd2 == {} and info2["error_after"] < info2["error_before"] and not info2["kept_start"]
 
 
-def test_fused_adam_distils_as_the_default_adam_does_to_rounding():
+def layer2_distillations(*settings: DistillSettings) -> list[tuple]:
+    """``distill_layer`` of the toy model's layer 2, from zero rows, with each of ``settings``."""
     model, ids = dense_model(), calib_ids()
     x, _ = ffn_io(model, ids, 2)
     ffn, flat = model.layers[2].ffn, ids.reshape(-1)
     rows = torch.zeros(V, model.cfg.d_ff)
-    runs = [distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=30, lr=1e-2, batch=32,
-                                                                          train_down=True, train_gate=True,
-                                                                          fused_adam=fused))
-            for fused in (True, False)]
-    (r1, w1, i1), (r2, w2, i2) = runs
-    torch.testing.assert_close(r1, r2, rtol=1e-4, atol=1e-6)
-    for name in ("w_down", "w_gate"):
-        torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=1e-6)
+    return [distill_layer(ffn, "stem", x, flat, rows, {}, s) for s in settings]
+
+
+def assert_same_distillation(got: tuple, want: tuple, atol: float = 1e-6) -> None:
+    """Two ``distill_layer`` results agree: rows, trained projections and the error reached."""
+    (r1, w1, i1), (r2, w2, i2) = got, want
+    torch.testing.assert_close(r1, r2, rtol=1e-4, atol=atol)
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        torch.testing.assert_close(w1[name], w2[name], rtol=1e-4, atol=atol)
     assert i1["error_after"] == pytest.approx(i2["error_after"], rel=1e-4)
+
+
+def test_fused_adam_distils_as_the_default_adam_does_to_rounding():
+    fused, default = layer2_distillations(*(DistillSettings(steps=30, lr=1e-2, batch=32, train_down=True,
+                                                            train_gate=True, fused_adam=f, rows="dense",
+                                                            precision="fp32") for f in (True, False)))
+    assert_same_distillation(fused, default)
 
 
 def test_lazy_rows_distil_as_dense_adam_when_every_step_touches_every_row():
     # a minibatch of every token: each step touches every row, so per-row bias corrections are the global ones and
     # the lazy update is torch's Adam to rounding
-    model, ids = dense_model(), calib_ids()
-    x, _ = ffn_io(model, ids, 2)
-    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
-    rows = torch.zeros(V, model.cfg.d_ff)
-    runs = [distill_layer(ffn, "stem", x, flat, rows, {}, DistillSettings(steps=20, lr=1e-2, batch=len(flat),
-                                                                          train_down=True, rows=kind))
-            for kind in ("dense", "lazy")]
-    (r1, w1, i1), (r2, w2, i2) = runs
-    torch.testing.assert_close(r1, r2, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(w1["w_down"], w2["w_down"], rtol=1e-4, atol=1e-6)
-    assert i1["error_after"] == pytest.approx(i2["error_after"], rel=1e-4)
+    n_tokens = calib_ids().numel()
+    dense, lazy = layer2_distillations(*(DistillSettings(steps=20, lr=1e-2, batch=n_tokens, train_down=True, rows=k,
+                                                         precision="fp32") for k in ("dense", "lazy")))
+    assert_same_distillation(lazy, dense)
 
 
 def test_catchup_rows_distil_as_dense_adam_with_small_minibatches():
@@ -157,25 +160,19 @@ def test_catchup_rows_distil_as_dense_adam_with_small_minibatches():
 
     from stemlm.insert import distill
 
-    model, ids = dense_model(), calib_ids()
-    x, _ = ffn_io(model, ids, 2)
-    ffn, flat = model.layers[2].ffn, ids.reshape(-1)
-    rows = torch.zeros(V, model.cfg.d_ff)
-
     def run(kind, eps=None):
-        settings = DistillSettings(steps=60, lr=1e-2, batch=16, train_down=True, rows=kind, fused_adam=False)
+        settings = DistillSettings(steps=60, lr=1e-2, batch=16, train_down=True, rows=kind, fused_adam=False,
+                                   precision="fp32")
         if eps is None:
-            return distill_layer(ffn, "stem", x, flat, rows, {}, settings)
+            return layer2_distillations(settings)[0]
         adam, row_eps = torch.optim.Adam, distill._RowAdam.eps
         torch.optim.Adam, distill._RowAdam.eps = functools.partial(adam, eps=eps), eps
         try:
-            return distill_layer(ffn, "stem", x, flat, rows, {}, settings)
+            return layer2_distillations(settings)[0]
         finally:
             torch.optim.Adam, distill._RowAdam.eps = adam, row_eps
 
-    (r1, w1, i1), (r2, w2, i2) = run("dense", 1e-30), run("catchup", 1e-30)
-    torch.testing.assert_close(r2, r1, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(w2["w_down"], w1["w_down"], rtol=1e-4, atol=1e-5)
+    assert_same_distillation(run("catchup", 1e-30), run("dense", 1e-30), atol=1e-5)
     (r1, _, i1), (r2, _, i2), (r3, _, i3) = run("dense"), run("catchup"), run("lazy")
     assert (r2 - r1).abs().max() < 0.01 * r1.abs().max() < (r3 - r1).abs().max()  # lazy is another update
     assert i2["error_after"] == pytest.approx(i1["error_after"], rel=1e-4)
@@ -234,12 +231,18 @@ def test_bf16_gemms_distil_to_the_fp32_result_within_bf16_rounding():
 
 
 def test_distillation_s_row_update_and_precision_key_the_work_dir_only_when_they_change_it():
+    from stemlm.config import ModelConfig
+
     target = dense_model().cfg
     base = {"distill_steps": 5, "distill_lr": 1e-2}
-    key = CalibrationConfig(**base).key("m", "i", target)
-    assert CalibrationConfig(**base, distill_rows="dense", distill_precision="fp32").key("m", "i", target) == key
-    assert CalibrationConfig(**base, distill_rows="lazy").key("m", "i", target) != key
-    assert CalibrationConfig(**base, distill_precision="bf16").key("m", "i", target) != key
+    key = CalibrationConfig(**base, distill_rows="dense", distill_precision="fp32").key("m", "i", target)
+    assert CalibrationConfig(**base, distill_rows="lazy", distill_precision="fp32").key("m", "i", target) != key
+    assert CalibrationConfig(**base, distill_rows="dense", distill_precision="bf16").key("m", "i", target) != key
+    assert CalibrationConfig(**base).key("m", "i", target) != key  # the defaults: catch-up rows, auto precision
+    # a work dir keyed before these settings existed (dense rows, fp32: the key of this conversion then) stays valid
+    recipe = {"distill_steps": 2000, "distill_lr": 2e-3, "distill_batch": 1024, "distill_down": True,
+              "distill_gate": True, "distill_rows": "dense", "distill_precision": "fp32"}
+    assert CalibrationConfig(**recipe).key("m", "i", ModelConfig()) == "9a2bd3716e8738ad"
     assert CalibrationConfig(distill_rows="lazy", distill_precision="bf16").key("m", "i", target) == \
         CalibrationConfig().key("m", "i", target)  # no distillation: they change nothing
     with pytest.raises(ValueError, match="distillation rows must be one of dense, catchup, lazy, got 'sparse'"):
@@ -254,7 +257,8 @@ def test_distillation_that_ends_worse_than_its_start_keeps_the_start():
     ffn, flat = model.layers[2].ffn, ids.reshape(-1)
     rows, wd, _ = alternate_layer(ffn, "stem", x, flat, torch.zeros(V, model.cfg.d_ff), rounds=2)  # a good start
     r, wd2, info = distill_layer(ffn, "stem", x, flat, rows, {"w_down": wd},
-                                 DistillSettings(steps=20, lr=30.0, batch=8, train_down=True, train_gate=True))
+                                 DistillSettings(steps=20, lr=30.0, batch=8, train_down=True, train_gate=True,
+                                                 precision="fp32"))
     assert info["kept_start"] and info["error_after"] > info["error_before"]
     assert torch.equal(r, rows) and wd2 == {"w_down": wd}  # the start, unchanged (no trained W_g either)
     wd2 = wd2["w_down"]

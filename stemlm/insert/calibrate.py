@@ -73,8 +73,9 @@ class CalibrationConfig:
     distill_batch: int = 2048  # its minibatch, in tokens
     distill_down: bool = False  # also train W_d of the converted layers while distilling
     distill_gate: bool = False  # also train W_g of the converted layers while distilling
-    distill_rows: str = "dense"  # how rows take distillation's Adam steps: dense (all each step) | lazy (those touched)
-    distill_precision: str = "fp32"  # distillation's GEMMs: fp32 | bf16 | auto (bf16 where it is fast: bf16_is_fast)
+    distill_rows: str = "catchup"  # distillation's row update: dense (Adam on all rows) | catchup (the same, on
+    #                                the touched rows only) | lazy (per-row Adam on the touched rows); DistillSettings
+    distill_precision: str = "auto"  # distillation's GEMMs: fp32 | bf16 | auto (bf16 where it is fast: bf16_is_fast)
     correct_drift: bool = False  # sequential: the W_d refit and local distillation aim at the dense model's own
     #                              residual stream, so each converted layer also undoes the drift of those before it
     layer_choice: str = "cheapest"  # ratio placements: cheapest (the layers of least measured cost,

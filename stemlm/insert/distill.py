@@ -44,13 +44,13 @@ from .fit import DownRefit, refine_through_down
 
 @dataclass(frozen=True)
 class DistillSettings:
-    """Steps, learning rate, batch (tokens), whether ``W_d`` and ``W_g`` train too, the minibatch seed, and whether
-    Adam runs as one fused pass over each parameter (``fused_adam``, torch's ``Adam(fused=True)``: the same update as
-    torch's default one to float rounding, ~0.7 of its time a step on 2 CPU cores with ~21k rows training
-    (``benchmarks/bench_distill_speed.py``); False: the default implementation, as before 2026-11-29), how the rows
-    take their steps (``rows``: ``dense`` or ``lazy``, see the module docstring; ``fused_adam`` applies to what
-    torch's Adam updates) and the GEMMs' ``precision`` (``fp32``, ``bf16``, or ``auto``: bf16 where
-    ``bf16_is_fast``)."""
+    """Steps, learning rate, batch (tokens), whether ``W_d`` and ``W_g`` train too, the minibatch seed, whether
+    torch's Adam (the projections; the rows with ``rows="dense"``) runs as one fused pass over each parameter
+    (``fused_adam``: the same update to float rounding), how the rows take their steps (``rows``: ``dense``,
+    ``catchup`` or ``lazy``, see the module docstring) and the GEMMs' ``precision`` (``fp32``, ``bf16``, or ``auto``:
+    bf16 where ``bf16_is_fast``). The defaults (catch-up rows, ``auto``) are the fastest settings measured that give
+    the dense fp32 update's result (``benchmarks/bench_distill_speed.py``, docs/insertion.md); before 2026-11-29 the
+    rows took dense, unfused fp32 steps."""
 
     steps: int = 0
     lr: float = 1e-3
@@ -59,9 +59,9 @@ class DistillSettings:
     seed: int = 0
     train_gate: bool = False
     fused_adam: bool = True
-    rows: str = "dense"  # dense: torch's Adam on every row | catchup: the same update on the touched rows only |
+    rows: str = "catchup"  # dense: torch's Adam on every row | catchup: the same update on the touched rows only |
     #                      lazy: Adam on the touched rows with per-row counts (a skipped row does not move)
-    precision: str = "fp32"  # fp32 | bf16 (the GEMMs in bfloat16 autocast) | auto (bf16 where it is fast)
+    precision: str = "auto"  # fp32 | bf16 (the GEMMs in bfloat16 autocast) | auto (bf16 where it is fast)
 
     def __post_init__(self):
         if self.rows not in ROW_UPDATES:
@@ -146,7 +146,8 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     empty: the dense ones). ``target (N, d)`` replaces the dense layer's output as what the layer should produce
     (the calibration pass's drift correction). Returns ``(rows, weights, {"error_before", "error_after",
     "kept_start", "seconds_steps"})``: ``rows`` a new tensor, ``weights`` the refitted projections with the trained
-    ones added, ``seconds_steps`` the wall time of the step loop alone (not the error passes around it).
+    ones added, ``seconds_steps`` the wall time of the step loop alone (not the error passes around it). The errors
+    are computed at the run's precision (bf16 GEMMs: about 1e-5 of relative error of their own).
     Distillation that ends with a larger error than it started from (seen at 262k calibration tokens with lr 1e-2;
     likely Adam's moments moving rows the minibatches no longer hold) returns the start unchanged, ``kept_start``
     True and ``error_after`` the error it reached.

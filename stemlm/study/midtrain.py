@@ -121,7 +121,9 @@ def distill_overrides(run: RunSpec, root: Path, log: Callable[[str], None] = pri
 # `stemlm convert` (shrink 1024 since issue 37, 4096 since 2026-11-28) must not change what an unchanged spec computes. A spec
 # that wants the new setting names it (calibration: {shrink: 1024}), which changes its hash. The same holds for
 # the layers converted (layer_choice cheapest since issue 37: calibration: {layer_choice: cheapest}).
-STUDY_CALIBRATION = {"shrink": 0.0, "layer_choice": "uniform"}
+# the calibration the study's arms were measured with, under what each arm's spec sets (distillation as it ran
+# before its row update and precision became settings: every row each step, fp32)
+STUDY_CALIBRATION = {"shrink": 0.0, "layer_choice": "uniform", "distill_rows": "dense", "distill_precision": "fp32"}
 
 
 def converted_model(convert: dict, root: Path, log: Callable[[str], None] = print) -> Path:
