@@ -50,10 +50,15 @@ from stemlm.insert.distill import DistillSettings, bf16_is_fast, distill_layer  
 from stemlm.runtime.files import atomic_write_text  # noqa: E402
 from stemlm.version import git_commit  # noqa: E402
 
-IMPLEMENTATIONS = {"fused Adam": {}, "default Adam": {"fused_adam": False},
-                   "bf16": {"precision": "bf16"}, "catch-up rows": {"rows": "catchup"},
-                   "catch-up rows + bf16": {"rows": "catchup", "precision": "bf16"},
-                   "lazy rows + bf16": {"rows": "lazy", "precision": "bf16"}}
+def _implementation(rows: str, precision: str, fused_adam: bool = True) -> dict:
+    return {"rows": rows, "precision": precision, "fused_adam": fused_adam}  # every setting, whatever the defaults
+
+
+IMPLEMENTATIONS = {"fused Adam": _implementation("dense", "fp32"),
+                   "default Adam": _implementation("dense", "fp32", fused_adam=False),
+                   "bf16": _implementation("dense", "bf16"), "catch-up rows": _implementation("catchup", "fp32"),
+                   "catch-up rows + bf16": _implementation("catchup", "bf16"),
+                   "lazy rows + bf16": _implementation("lazy", "bf16")}
 
 
 def default_implementation(result: dict) -> str:
@@ -63,7 +68,7 @@ def default_implementation(result: dict) -> str:
     precision = d.precision if d.precision != "auto" else ("bf16" if result["bf16_is_fast"] else "fp32")
     want = {"rows": d.rows, "precision": precision, "fused_adam": d.fused_adam}
     for name, settings in result["implementations"].items():
-        if {**{"rows": "dense", "precision": "fp32", "fused_adam": True}, **settings} == want:
+        if settings == want:
             return name
     raise KeyError(f"no implementation in the results runs as the defaults do ({want})")
 
