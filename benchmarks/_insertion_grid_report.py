@@ -13,6 +13,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 GRID = ROOT / "benchmarks" / "results" / "insertion_grid.json"
+DISTILL_SPEED = ROOT / "benchmarks" / "results" / "distill_speed.json"
+DISTILL_MINUTES_GOAL = 10  # issue 37: local distillation of SmolLM2-135M in <= 10 min on 2 CPU cores
 OOD_GOAL, DISTILLED_GOAL = 1.0, 0.5  # nats above dense at step 0, out of the calibration domain
 NOT_COMPARED = {"tokens", "device", "seq_len", "chunk", "down_iters"}  # fixed by the grid, or not part of the fit
 # What an entry's settings left out meant when the grid's first entries were written (the CalibrationConfig defaults
@@ -251,3 +253,43 @@ def readme_cell(g: dict) -> tuple[str, str]:
     return (at + f"dense {d['in_domain']:.2f} / {d['technical']:.2f} / {d['legal']:.2f} (in domain / technical / legal); "
             + "; ".join(cells) + " ([docs](docs/insertion.md#step-0-in-and-out-of-the-calibration-domain-the-grid-behind-the-default))",
             "; ".join(verdicts))
+
+
+def distill_speed_section(path: Path = DISTILL_SPEED) -> list[str]:
+    """The docs table of ``bench_distill_speed.py``: each implementation's step time, fixed cost, error and
+    projection to the recipe's ten layers × 2,000 steps, or ``[]`` before it has run."""
+    import statistics
+
+    if not path.exists():
+        return []
+    from bench_distill_speed import default_implementation
+
+    r = json.loads(path.read_text())
+    default, base = default_implementation(r), r["ratio_to"]
+    med = statistics.median
+    g = r.get("gemm_gflops", {})
+    out = ["", "### Local distillation speed", "",
+           f"`python benchmarks/bench_distill_speed.py` (at `{r['git_commit']}`, {r['threads']} threads): layer "
+           f"{r['layer']} of SmolLM2-135M fitted as `convert` fits it on {r['calib_tokens']:,} calibration tokens "
+           f"({r['unique_rows']:,} rows × {r['d_ff']} train, with `W_d` and `W_g`), then distilled for {r['steps']} "
+           f"steps × {r['batch']:,} tokens at lr {r['lr']:g} by each implementation, {r['rounds']} interleaved rounds. A "
+           "step's time is the step loop's own (`distill_layer`'s `seconds_steps`); the rest of a run (the dense "
+           "layer's output and the output error over every calibration token before and after) is its fixed cost. "
+           "The projection is ten layers × (2,000 steps + the fixed cost), the recipe's distillation; the calibration "
+           "pass around it (the capture, the fit, the `W_d` refit) is not in it."
+           + (f" This CPU's GEMM at a step's shape ({r['batch']:,} tokens × d × d_ff): fp32 {g['fp32']:.0f}, bf16 "
+              f"{g['bf16']:.0f} GFLOP/s." if g else ""), "",
+           "| implementation | ms a step (median; rounds) | ÷ " + base + " | fixed s a run | output error after the steps "
+           "| projected minutes |", "|---|---:|---:|---:|---:|---:|"]
+    for name, sec in r["seconds_per_step"].items():
+        ms = [x * 1e3 for x in sec]
+        ratio = f"{r['step_ratio_median'][name]:.2f}" if name in r["step_ratio_median"] else "1"
+        mark = " **(default)**" if name == default else ""
+        out.append(f"| {name}{mark} | {med(ms):.1f} ({min(ms):.1f}–{max(ms):.1f}) | {ratio} | "
+                   f"{med(r['fixed_seconds_per_run'][name]):.1f} | {med(r['error_after'][name]):.5f} | "
+                   f"{r['projected_minutes_10_layers_2000_steps'][name]:.1f} |")
+    minutes = r["projected_minutes_10_layers_2000_steps"][default]
+    out += ["", f"The default ({default}) projects to **{minutes:.1f} min** of distillation for the recipe on "
+            f"{r['threads']} cores: the goal (≤ {DISTILL_MINUTES_GOAL} min on 2 CPU cores) is "
+            f"**{'met' if minutes <= DISTILL_MINUTES_GOAL else 'not met'}** by this projection from one layer."]
+    return out

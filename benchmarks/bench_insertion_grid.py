@@ -115,8 +115,9 @@ GRID_SETTINGS = {
                                             "shrink": 4096.0, "layer_choice": "cheapest", "distill_steps": 2000,
                                             "distill_batch": 1024, "distill_lr": 2e-3, "distill_down": True,
                                             "distill_gate": True},
-    # the same recipe with distillation's fast settings: Adam steps on the rows each minibatch touched only (per-row
-    # moments), the layer's GEMMs in bf16 autocast (benchmarks/bench_distill_speed.py times both)
+    # the same recipe with Adam steps on the rows each minibatch touched only (per-row moments and counts: another
+    # update than the dense one), the layer's GEMMs in bf16 autocast. Started 2026-11-29 and stopped after three
+    # layers, each fitted worse than by the dense update (bench_distill_speed.json compares them at one layer)
     "default-262k-wide-distill-gate-2000-lazy-bf16": {"method": "gated", "tokens": 262_144, "refit_down": True,
                                                       "shrink": 4096.0, "layer_choice": "cheapest",
                                                       "distill_steps": 2000, "distill_batch": 1024, "distill_lr": 2e-3,

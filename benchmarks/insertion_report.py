@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from _gpu_midtrain_report import gpu_midtrain_section
-from _insertion_grid_report import grid_section
+from _insertion_grid_report import distill_speed_section, grid_section
 from _edit_report import edit_sections, num as _f, pct as _pct, pyplot_or_none as _pyplot
 from stemlm.runtime.files import atomic_write_text
 from stemlm.runtime.plotting import save
@@ -256,6 +256,7 @@ def render() -> str:
     if STEP0.exists():
         lines += step0_section(json.loads(STEP0.read_text()))
     lines += grid_section()
+    lines += distill_speed_section()
     for name in STUDIES:
         if (ROOT / "results" / "study" / name / "runs").is_dir():
             lines += midtrain_section(ROOT / "results" / "study" / name)

@@ -39,7 +39,7 @@ import sys
 from pathlib import Path
 
 from _edit_report import edit_settings
-from _insertion_grid_report import DISTILLED_GOAL, OOD_GOAL, readme_cell as grid_readme_cell
+from _insertion_grid_report import DISTILL_MINUTES_GOAL, DISTILLED_GOAL, OOD_GOAL, readme_cell as grid_readme_cell
 from _results_table import (CLAIMS_BEGIN, CLAIMS_END, RES, ROOT, ms, pct, render, render_claims, replace_table, row,
                             sci, span, yes)
 
@@ -274,9 +274,6 @@ def insertion(r: dict) -> tuple[str, str]:
      "bench_insertion_grid.py", RES + "insertion_grid.json")
 def insertion_grid(g: dict) -> tuple[str, str]:
     return grid_readme_cell(g)
-
-
-DISTILL_MINUTES_GOAL = 10  # issue 37: local distillation of SmolLM2-135M in <= 10 min on 2 CPU cores
 
 
 @row(f"local distillation of SmolLM2-135M → STEM-1/3 (the best recipe measured: 10 layers × 2,000 steps × 1,024 tokens, "

@@ -96,8 +96,14 @@ def autocast_of(precision: str, device: torch.device):
 
 
 def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
-    """``Σ‖out − target‖² / Σ‖target‖²`` (0 = the dense layer exactly)."""
-    return float((out - target).double().square().sum() / target.double().square().sum().clamp_min(1e-30))
+    """``Σ‖out − target‖² / Σ‖target‖²`` (0 = the dense layer exactly; squares in fp32, sums in fp64)."""
+    return float(_squared(out - target) / _squared(target).clamp_min(1e-30))
+
+
+def _squared(x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+    """``Σ x²`` as an fp64 scalar: fp32 sums of ``chunk`` rows (torch's pairwise summation), added up in fp64."""
+    parts = [x[a:a + chunk].float().square().sum() for a in range(0, len(x), chunk)]
+    return torch.stack(parts).double().sum() if parts else torch.zeros((), dtype=torch.float64)
 
 
 def layer_output(ffn, kind: str, x: torch.Tensor, rows: torch.Tensor,
@@ -129,9 +135,11 @@ def _chunked(fn, n: int, size: int = 8192) -> torch.Tensor:
 @torch.no_grad()
 def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
                 weights: dict[str, torch.Tensor], target: torch.Tensor) -> float:
-    """The relative output error of the converted layer (projections ``weights``) over every calibration token."""
-    out = _chunked(lambda c: layer_output(ffn, kind, xs[c], rows[ids[c]], weights), len(xs))
-    return relative_error(out, target)
+    """The relative output error of the converted layer (projections ``weights``) over every calibration token
+    (``relative_error``, summed chunk by chunk)."""
+    err = sum(_squared(layer_output(ffn, kind, xs[c], rows[ids[c]], weights).float() - target[c]).item()
+              for c in (slice(a, a + 8192) for a in range(0, len(xs), 8192)))
+    return float(err / _squared(target).clamp_min(1e-30))
 
 
 def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor,
@@ -158,10 +166,10 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
         raise ValueError(f"distillation needs steps >= 0, batch >= 1 and lr > 0, got {settings}")
     if settings.train_gate and "w_gate" not in ffn_kind(kind).holds:
         raise ValueError(f"train_gate needs a layer that keeps W_g; a {kind!r} layer does not")
-    if target is None:
-        with torch.no_grad():
-            target = _chunked(lambda c: ffn(xs[c]), len(xs))  # (N, d): the dense layer's output
     autocast = lambda: autocast_of(settings.precision, xs.device)  # noqa: E731  (the GEMMs' precision)
+    if target is None:
+        with torch.no_grad(), autocast():  # (N, d): the dense layer's output, its GEMMs at the run's precision
+            target = _chunked(lambda c: ffn(xs[c]).float(), len(xs))
     with autocast():
         before = layer_error(ffn, kind, xs, ids, rows, weights, target)
     uniq, inv = torch.unique(ids, return_inverse=True)
