@@ -27,7 +27,13 @@ def _settings(calibration: dict) -> dict:
     from stemlm.insert.calibrate import CalibrationConfig
 
     full = asdict(CalibrationConfig(**{**MEASURED_BASE, **calibration, "device": "cpu"}))
-    return {k: v for k, v in full.items() if k not in NOT_COMPARED}
+    return _compared(full)
+
+
+def _compared(settings: dict) -> dict:
+    """The settings that tell conversions apart (distillation's row update and precision only where it ran)."""
+    unused = {"distill_rows", "distill_precision"} if not settings.get("distill_steps") else set()
+    return {k: v for k, v in settings.items() if k not in NOT_COMPARED | unused}
 
 
 def default_entry(runs: dict) -> dict | None:
@@ -35,7 +41,7 @@ def default_entry(runs: dict) -> dict | None:
     calibration text (None if absent)."""
     from stemlm.insert.calibrate import CalibrationConfig
 
-    want = {k: v for k, v in asdict(CalibrationConfig()).items() if k not in NOT_COMPARED}
+    want = _compared(asdict(CalibrationConfig()))
     matches = [r for r in runs.values() if "calibration" in r and not _other_text(r)  # the default text
                and _settings(r["calibration"]) == want]
     full = [r for r in matches if r["calibration"].get("tokens") == CalibrationConfig.tokens]  # the token count too
@@ -292,4 +298,22 @@ def distill_speed_section(path: Path = DISTILL_SPEED) -> list[str]:
     out += ["", f"The default ({default}) projects to **{minutes:.1f} min** of distillation for the recipe on "
             f"{r['threads']} cores: the goal (≤ {DISTILL_MINUTES_GOAL} min on 2 CPU cores) is "
             f"**{'met' if minutes <= DISTILL_MINUTES_GOAL else 'not met'}** by this projection from one layer."]
+    runs = json.loads(GRID.read_text())["runs"] if GRID.exists() else {}
+    before, now = (runs.get(f"{RECIPE}{tail}@1/3") for tail in ("", "-catchup-bf16"))
+    if before and now:
+        pairs = [(int(a.split("layer ")[1].split(":")[0]), float(a.rsplit("-> ", 1)[1].split()[0]),
+                  float(b.rsplit("-> ", 1)[1].split()[0]))
+                 for a, b in zip(*([x for x in e["log"] if "local distillation" in x] for e in (before, now)))]
+        out += ["", "Whole conversions with the recipe, the grid's entries above (`bench_insertion_grid.py --grid "
+                f"{RECIPE},{RECIPE}-catchup-bf16`): dense fp32 row steps **{before['delta_ood_mean']:+.4f}** out of "
+                f"domain, {before['delta']['in_domain']:+.4f} in domain, in {before['calib_seconds'] / 60:.0f} min "
+                f"({before['threads']} threads, part of it beside a test run); catch-up rows and bf16 GEMMs "
+                f"**{now['delta_ood_mean']:+.4f}** / {now['delta']['in_domain']:+.4f} in "
+                f"{now['calib_seconds'] / 60:.0f} min ({now['threads']} thread{'s' if now['threads'] > 1 else ''}), "
+                "the calibration pass included. Each converted layer's output error after distillation, dense / "
+                f"catch-up (their logs): {'; '.join(f'layer {i} {a:.4f} / {b:.4f}' for i, a, b in pairs)}; the "
+                f"largest difference {max(abs(a - b) for _, a, b in pairs):.4f}."]
     return out
+
+
+RECIPE = "default-262k-wide-distill-gate-2000"  # the best distilled conversion measured (2026-11-29)
