@@ -60,7 +60,8 @@ def test_a_failing_run_is_reported_and_unknown_names_refused(tmp_path):
 def test_slow_checks_run_only_when_asked_and_read_their_committed_results():
     default, everything = check.select(None), check.select(None, everything=True)
     slow = [c.name for c in everything if c not in default]
-    assert slow == ["cache_hit", "wide_corpus", "eval_vs_harness", "soak", "edit", "quant", "insertion", "edit_real"]
+    assert slow == ["cache_hit", "wide_corpus", "eval_vs_harness", "soak", "edit", "quant", "insertion", "distill_speed",
+                    "edit_real"]
     assert not any(c.slow for c in default)
     assert [c.name for c in check.select("P5,soak")] == ["cache_hit", "soak"]  # --only reaches them
     for c in everything:  # every figure extractor reads the committed JSON it re-measures

@@ -179,7 +179,7 @@ def distill_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: tor
     copies = {name: torch.nn.Parameter(weights.get(name, getattr(ffn, name).weight).detach().clone())
               for name in trains}  # the projections that train, as copies of where they start
     lrs = [settings.lr * (1.0 - 0.9 * step / max(1, settings.steps)) for step in range(settings.steps)]
-    sparse = _RowAdam(compact.data, settings.rows == "catchup", lrs) if settings.rows != "dense" else None
+    sparse = _RowAdam(compact.data, settings.rows == "catchup", lrs) if settings.rows in ("catchup", "lazy") else None
     params = [*([] if sparse else [compact]), *copies.values()]
     opt = (torch.optim.Adam(params, lr=settings.lr, **({"fused": True} if settings.fused_adam else {}))
            if params else None)
