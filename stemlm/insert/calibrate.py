@@ -352,11 +352,13 @@ def fit_layer(block, kind: str, stream: torch.Tensor, ids: torch.Tensor, chunks:
         settings = calib.distill_settings()
         xs = torch.cat([ffn_input(c) for c in chunks])
         target = torch.cat([target_of(c) for c in chunks]) if dense_stream is not None else None
+        started = time.perf_counter()
         with torch.enable_grad():
             rows, weights, info = distill_layer(ffn, kind, xs, ids.reshape(-1), rows, weights, settings, progress,
                                                 target=target)
         log(f"local distillation, output error {info['error_before']:.4f} -> {info['error_after']:.4f}"
-            + (" (larger: the fit it started from is kept)" if info["kept_start"] else ""))
+            + (" (larger: the fit it started from is kept)" if info["kept_start"] else "")
+            + f" in {time.perf_counter() - started:.1f} s ({info['seconds_steps']:.1f} s of steps)")
     return rows, weights
 
 
