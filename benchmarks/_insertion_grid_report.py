@@ -313,7 +313,32 @@ def distill_speed_section(path: Path = DISTILL_SPEED) -> list[str]:
                 "the calibration pass included. Each converted layer's output error after distillation, dense / "
                 f"catch-up (their logs): {'; '.join(f'layer {i} {a:.4f} / {b:.4f}' for i, a, b in pairs)}; the "
                 f"largest difference {max(abs(a - b) for _, a, b in pairs):.4f}."]
+    timed = timed_distillation(runs)
+    if timed:
+        out += ["", f"Timed whole (`--grid {RECIPE}-catchup-bf16-timed --threads {timed['threads']}`): the ten layers' "
+                f"distillation took **{timed['minutes'] * 60:.0f} s = {timed['minutes']:.2f} min** in all "
+                f"({timed['step_minutes']:.1f} min of them "
+                f"steps; per layer {min(timed['seconds']):.0f}–{max(timed['seconds']):.0f} s), the whole calibration "
+                f"pass {timed['calib_minutes']:.1f} min; out of domain {timed['delta_ood_mean']:+.4f}. The goal "
+                f"(≤ {DISTILL_MINUTES_GOAL} min) is **{'met' if timed['minutes'] <= DISTILL_MINUTES_GOAL else 'not met'}"
+                "** by the conversion itself (one run; by "
+                f"{abs(DISTILL_MINUTES_GOAL - timed['minutes']) * 60:.0f} s: a busier machine could land on the "
+                "other side)."]
     return out
 
 
 RECIPE = "default-262k-wide-distill-gate-2000"  # the best distilled conversion measured (2026-11-29)
+
+
+def timed_distillation(runs: dict) -> dict | None:
+    """The recipe's conversion with the distillation defaults, run to time it (``…-catchup-bf16-timed``): its
+    layers' distillation seconds from its log (``layer N: local distillation, … in S s (T s of steps)``)."""
+    e = runs.get(f"{RECIPE}-catchup-bf16-timed@1/3")
+    if not e:
+        return None
+    lines = [x for x in e["log"] if "local distillation" in x and " s of steps)" in x]
+    seconds = [float(x.rsplit(" in ", 1)[1].split(" s ")[0]) for x in lines]
+    steps = [float(x.rsplit("(", 1)[1].split(" s of steps")[0]) for x in lines]
+    return {"seconds": seconds, "minutes": sum(seconds) / 60, "step_minutes": sum(steps) / 60,
+            "calib_minutes": e["calib_seconds"] / 60, "threads": e["threads"], "delta_ood_mean": e["delta_ood_mean"],
+            "git_commit": e["git_commit"]}
