@@ -34,6 +34,7 @@ links to.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -278,9 +279,11 @@ def insertion_grid(g: dict) -> tuple[str, str]:
 
 @row(f"local distillation of SmolLM2-135M → STEM-1/3 (the best recipe measured: 10 layers × 2,000 steps × 1,024 tokens, "
      f"rows + W_d + W_g) ≤ {DISTILL_MINUTES_GOAL} min on 2 CPU cores", "bench_distill_speed.py",
-     RES + "distill_speed.json", RES + "insertion_grid.json")
-def distill_speed(r: dict, grid: dict) -> tuple[str, str]:
-    from _insertion_grid_report import timed_distillation
+     RES + "distill_speed.json")
+def distill_speed(r: dict) -> tuple[str, str]:
+    # the timed whole conversion is read here, not registered as this row's result: the row's re-measurements
+    # (bench-check) are distill_speed's, not the grid's step-0 figures
+    from _insertion_grid_report import GRID, timed_distillation
     from bench_distill_speed import default_implementation
 
     default, base = default_implementation(r), r["ratio_to"]
@@ -294,7 +297,7 @@ def distill_speed(r: dict, grid: dict) -> tuple[str, str]:
                 f"({ms[base]:.0f} ms, {minutes[base]:.0f} min); {others}; output error after the steps "
                 f"{statistics.median(r['error_after'][default]):.4f} vs {statistics.median(r['error_after'][base]):.4f} "
                 f"([docs](docs/insertion.md#local-distillation-speed))")
-    timed = timed_distillation(grid["runs"])
+    timed = timed_distillation(json.loads(GRID.read_text())["runs"]) if GRID.exists() else None
     if timed is None:
         return measured, yes(minutes[default] <= DISTILL_MINUTES_GOAL) + " (projected from one layer)"
     measured += (f"; a whole conversion with the defaults (`bench_insertion_grid.py`, {timed['threads']} threads, at "
