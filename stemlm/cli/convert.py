@@ -111,10 +111,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="also train W_g of the converted layers while distilling: the whole layer then fits "
                          "ids the calibration showed rarely, not only their rows (default: %(default)s)")
     distill.add_argument("--distill-rows", choices=ROW_UPDATES, default=CalibrationConfig.distill_rows,
-                         help="how the rows take local distillation's Adam steps: dense (every row each step, its "
-                         "moments moving rows the minibatch does not hold) or lazy (only the rows the minibatch "
-                         "touched, each with its own moments: a step's cost grows with its tokens, not with the "
-                         "rows) (default: %(default)s)")
+                         help="how the rows take local distillation's Adam steps: dense (torch's Adam on every row "
+                         "each step), catchup (the same update computed for the rows the minibatch touched only, the "
+                         "steps a row skipped applied when it is next read: a step's cost grows with its tokens, not "
+                         "with the rows) or lazy (per-row Adam on the touched rows: a row the minibatches skip does "
+                         "not move; another update) (default: %(default)s)")
     distill.add_argument("--distill-precision", choices=PRECISIONS, default=CalibrationConfig.distill_precision,
                          help="local distillation's GEMMs: fp32, bf16 (autocast; weights, moments and target stay "
                          "fp32) or auto (bf16 on CUDA or a CPU with native bf16 instructions, else fp32) "
