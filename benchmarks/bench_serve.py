@@ -2,10 +2,11 @@
 
 The model is the tiny preset with STEM in every third layer and random weights, tables on the
 host tier (``_store_bench.bench_checkpoint``; a small BPE tokenizer is trained for the server's
-text side, the prompts are token ids). The server runs in this process as ``stemlm serve`` runs it:
-the engine on the main thread, which loaded the model, uvicorn on a thread of its own (``--max-batch``
-16); direct generation runs on the engine's thread too (``Engine.call``), so that one OpenMP team does
-all the model's work, as in the server (``stemlm.runtime.threads``). The load comes from a separate process, as a server's clients would (in this
+text side, the prompts are token ids). The server runs in this process as ``stemlm serve`` runs it
+(``run_served``): uvicorn and the engine share the main thread, which loaded the model, the engine a task
+of the event loop that steps between HTTP's work (``--max-batch`` 16); direct generation runs on that
+thread too (``Engine.call``), so that one OpenMP team does all the model's work, as in the server
+(``stemlm.runtime.threads``). The load comes from a separate process, as a server's clients would (in this
 process the clients' Python would compete with the engine for the interpreter lock): for each
 concurrency C (1, 2, 4, 8, 16), C client threads there each send ``--requests`` non-streaming
 completions, one after another, as plain JSON POSTs on a kept-alive connection (``--client raw``,
@@ -31,9 +32,9 @@ To say where an overhead comes from, each round also runs the same closed-loop w
 server's engine without HTTP (C threads of this process submitting engine requests one after another):
 direct ÷ engine is the cost of continuous batching itself (requests joining and leaving a running
 batch), engine ÷ served the cost of the HTTP layer, including the CPU the load-generating clients take
-from the same machine (reported as ``client_cpu_share``: their CPU seconds ÷ wall time × cores), and the HTTP
-thread's own CPU a request (``http_thread_ms_per_request``, median over rounds, read per thread from ``/proc`` in
-clock ticks of 10 ms: ~0.1 ms a request at 128 requests a phase).
+from the same machine (reported as ``client_cpu_share``: their CPU seconds ÷ wall time × cores). (Until
+2026-11-29 HTTP ran on a thread of its own and the JSON also had its CPU a request, read per thread; on one
+thread with the engine it is no longer told apart.)
 
     python benchmarks/bench_serve.py              # the real run (lead)
     python benchmarks/bench_serve.py --quick      # concurrency 1 and 2, a few tokens
@@ -60,7 +61,7 @@ from _train_bench import paired_ratio, rotated, round_ratios, write_result
 from stemlm.inference.batch_generate import SamplingParams, generate_batch
 from stemlm.data.tokenizer import train_bpe
 from stemlm.serve.engine import Finished, Request
-from stemlm.serve.server import ServerThread, load_served
+from stemlm.serve.server import free_port, load_served, run_served, uvicorn_server
 from stemlm.store import Placement
 
 TEXTS = ["The capital of France is Paris. Once upon a time there was a cat that sat on the mat."] * 40
@@ -189,16 +190,6 @@ def engine_phase(engine, work: list[list[tuple]], max_tokens: int) -> dict:
             "per_request_tokens": per_request}
 
 
-def thread_cpu_s(native_id: int) -> float:
-    """CPU seconds (user + system) a thread of this process has used so far, from ``/proc`` (Linux; 0.0 elsewhere)."""
-    try:
-        with open(f"/proc/self/task/{native_id}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime in clock ticks
-
-
 def cpu_timed(phase) -> dict:
     """``phase()``'s result with ``cpu_s``: the CPU seconds this process (all its threads) spent in it."""
     t0 = time.process_time()
@@ -259,20 +250,19 @@ def main() -> None:
     stack = {} if args.stack == "auto" else {"loop": "asyncio", "http": "h11"}
     engine, metrics = served.engine, {}
 
-    def drive():  # the rounds, on a thread of their own: the engine runs on the main thread, as `stemlm serve` does
-        server = ServerThread(served, **stack)
-        with server as url, load:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = uvicorn_server(served, "127.0.0.1", port, "warning", **stack)
+
+    def drive():  # the rounds, on a thread of their own: engine and HTTP share the main thread, as in `stemlm serve`
+        with load:
             load.submit(served_phase, url, "bench", workload(2, 1, lens, cfg.vocab_size, args.seed), 4,
                         args.client).result()
             for r in range(args.repeats):
                 for c in rotated(levels, r):
                     work = workload(c, args.requests, lens, cfg.vocab_size, args.seed, args.aligned_lengths)
-                    http0 = thread_cpu_s(server.thread.native_id)
                     s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens,
                                                       args.client).result())
-                    # the HTTP thread's own CPU a request (uvicorn, FastAPI, the answer), counted per thread
-                    http_s = thread_cpu_s(server.thread.native_id) - http0
-                    s["http_thread_ms_per_request"] = 1e3 * http_s / len(s["per_request_tokens"])
                     s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
                     e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
                     # direct generation on the engine's thread, between requests (one OpenMP team, as served)
@@ -284,7 +274,7 @@ def main() -> None:
             with urllib.request.urlopen(url + "/metrics") as resp:
                 metrics.update(json.load(resp))
 
-    engine.run_here(alongside=drive, name="bench-driver")  # returns once drive() has ended and the engine drained
+    run_served(served, server, alongside=drive, name="bench-driver")  # returns once drive() has ended, engine drained
     served.store.close()
     results = {}
     for c, rs in rounds.items():
@@ -300,15 +290,13 @@ def main() -> None:
                            "overhead": ratio - 1, "overhead_rounds": [x - 1 for x in round_ratios(speeds["direct"],
                                                                                                speeds["served"])],
                            "overhead_of_continuous_batching": batching - 1, "overhead_of_http": http - 1,
-                           "http_thread_ms_per_request": statistics.median(x[0]["http_thread_ms_per_request"] for x in rs),
                            "requests_lost": max(lost), "requests_with_other_token_counts_than_direct": max(differ),
                            "goal_overhead_10pct": ratio - 1 <= 0.10,
                            "cpu_overhead": paired_ratio(*[[x[i]["cpu_s"] / x[i]["tokens"] for x in rs] for i in (0, 1)]) - 1,
                            "cpu_overhead_of_http": paired_ratio(*[[x[i]["cpu_s"] / x[i]["tokens"] for x in rs]
                                                                    for i in (0, 2)]) - 1}
         print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %; continuous batching "
-              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %: its thread "
-              f"{results[str(c)]['http_thread_ms_per_request']:.2f} ms of CPU a request), requests lost {max(lost)}; CPU per "
+              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %), requests lost {max(lost)}; CPU per "
               f"token {100 * results[str(c)]['cpu_overhead']:+.1f} % (HTTP {100 * results[str(c)]['cpu_overhead_of_http']:+.1f} %)")
     name = "bench_serve" + ("_aligned" if args.aligned_lengths else "") + ("_openai" if args.client == "openai" else "")
     path = write_result(name, args.quick, {
@@ -316,7 +304,8 @@ def main() -> None:
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": args.prompt_lens,
                    "max_batch": args.max_batch, "repeats": args.repeats, "aligned_lengths": args.aligned_lengths,
                    "sampling": "temperature 1.0, seed per request",
-                   "clients": f"{args.client} client threads in a separate process", "uvicorn": _stack(args.stack)},
+                   "clients": f"{args.client} client threads in a separate process", "uvicorn": _stack(args.stack),
+                   "server": "run_served: uvicorn and the engine (Engine.run_async) on the main thread's event loop"},
         "concurrency": results, "server_metrics": metrics})
     print(f"wrote {path}")
 

@@ -1,8 +1,10 @@
 """Soak test of `stemlm serve`: many concurrent clients, a share of them bad, oversized or abandoned.
 
 A debug-sized STEM model (tables on the host tier, random weights, a small BPE tokenizer) is served
-in this process on 127.0.0.1 with an API key and small limits (4 KiB bodies, 64 prompt tokens, 24 new
-tokens, a batch of 8 and a queue of ``--clients // 4`` prompts, so that bursts meet 429s, a 30 s deadline). ``--clients`` threads then send requests one
+in this process as ``stemlm serve`` serves it (``run_served``: uvicorn and the engine on the main
+thread) on 127.0.0.1 with an API key and small limits (4 KiB bodies, 64 prompt tokens, 24 new tokens,
+a batch of 8 and a queue of ``--clients // 4`` prompts, so that bursts meet 429s, a 30 s deadline).
+``--clients`` threads then send requests one
 after another until ``--seconds`` have passed or ``--max-requests`` were sent; each request is drawn
 (seeded) from these kinds:
 
@@ -194,17 +196,27 @@ def parse_args():
     return args
 
 
+def served_soak(served, clients: int, seconds: float, max_requests: int, seed: int = 0) -> dict:
+    """A warm-up, then ``soak``, against ``served`` run as ``stemlm serve`` runs it (``run_served``: uvicorn and
+    the engine on this thread's event loop, the clients on threads beside it); the soak's figures."""
+    from stemlm.serve.server import free_port, run_served, uvicorn_server
+
+    port, out = free_port(), {}
+
+    def load():
+        soak(served, port, 2, 30.0, 20, seed=seed + 1)  # warm-up (20 requests): allocator and caches settle
+        out.update(soak(served, port, clients, seconds, max_requests, seed))
+
+    run_served(served, uvicorn_server(served, "127.0.0.1", port, "warning"), alongside=load, name="soak-clients")
+    return out
+
+
 def main() -> None:
     from _train_bench import write_result
 
-    from stemlm.serve.server import ServerThread
-
     args = parse_args()
     served = build_server(Path(tempfile.mkdtemp()), args.clients, args.seed)
-    with ServerThread(served) as url:
-        port = int(url.rsplit(":", 1)[1])
-        soak(served, port, 2, 1.0, 20, seed=args.seed + 1)  # warm-up: allocator and caches settle
-        result = soak(served, port, args.clients, args.seconds, args.max_requests, args.seed)
+    result = served_soak(served, args.clients, args.seconds, args.max_requests, args.seed)
     served.store.close()
     print(json.dumps({k: v for k, v in result.items() if k != "server_metrics"}, indent=1))
     path = write_result("soak_serve", args.quick, {"config": vars(args), **result})

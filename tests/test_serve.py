@@ -271,7 +271,7 @@ def test_shutdown_lets_in_flight_requests_finish(ckpt, reference):
 
 
 def test_serve_forever_raises_when_http_cannot_start_and_the_engine_stops(ckpt):
-    """``serve_forever`` runs the engine on this (main) thread and HTTP on another: a port that is taken ends
+    """``serve_forever`` runs the engine and HTTP on this (main) thread's event loop: a port that is taken ends
     both — the engine is shut down and uvicorn's exit is raised here — and the signal handlers are restored."""
     import signal
     import socket
@@ -287,3 +287,39 @@ def test_serve_forever_raises_when_http_cannot_start_and_the_engine_stops(ckpt):
             serve_forever(served, "127.0.0.1", taken.getsockname()[1], log_level="critical")
     assert served.engine._stopped.is_set()
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_run_served_answers_on_one_thread_with_the_engine_and_reraises_what_runs_alongside(ckpt, reference):
+    """``run_served`` (what ``stemlm serve`` runs): uvicorn and the engine share the calling thread's event loop;
+    concurrent plain and streamed completions come back as each prompt decodes alone, the engine drains when
+    the work alongside ends, and that work's exception is raised on the calling thread."""
+    from stemlm.serve.server import free_port, run_served, uvicorn_server
+
+    served = load_served(ckpt, max_batch=2, model_name="tiny")
+    port = free_port()
+    url, got = f"http://127.0.0.1:{port}", {}
+    texts = ["The cat", "Once upon a time", "A dog and"]
+
+    def complete(prompt, stream=False):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": stream}
+        with requests.post(url + "/v1/completions", json=body, stream=stream) as resp:
+            if not stream:
+                return resp.json()["choices"][0]["text"]
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines(decode_unicode=True)
+                      if line and line != "data: [DONE]"]
+            return "".join(c["choices"][0]["text"] for c in chunks)
+
+    def clients():
+        with ThreadPoolExecutor(4) as pool:
+            got["plain"] = list(pool.map(complete, texts))
+            got["streamed"] = complete(texts[0], stream=True)
+        raise KeyError("from alongside")
+
+    with pytest.raises(KeyError, match="from alongside"):
+        run_served(served, uvicorn_server(served, "127.0.0.1", port, "critical"), alongside=clients)
+    want = [served.codec.decode(alone(reference, served.codec.encode(t, special=True), SamplingParams(12),
+                                      served.codec.eos_id)) for t in texts]
+    assert got["plain"] == want and got["streamed"] == want[0]
+    assert served.engine._thread is threading.current_thread() and served.engine._stopped.is_set()
+    with pytest.raises(requests.ConnectionError):
+        requests.get(url + "/health")

@@ -231,3 +231,41 @@ def test_run_here_serves_on_the_calling_thread_and_call_runs_between_requests(mo
     assert engine.start() is engine and engine._thread is here  # a later start spawns nothing
     with pytest.raises(RuntimeError, match="another thread"):
         engine.run_here()
+
+
+def test_run_async_runs_on_the_event_loop_thread_between_its_other_work(model):
+    """``run_async`` (``stemlm serve``: the engine a task of uvicorn's loop) claims the loop's thread at once:
+    requests from other threads decode as alone, the loop's own callbacks keep running while requests decode,
+    ``call`` runs on that thread, and ``shutdown`` ends the coroutine."""
+    import asyncio
+
+    engine = Engine(model, max_batch=4)
+    ps = prompts((4, 7, 3))
+    params = [SamplingParams(6, temperature=0.0), SamplingParams(9, temperature=0.8, seed=3), SamplingParams(5)]
+    ticks = []
+
+    async def main():
+        here = threading.current_thread()
+        task = asyncio.ensure_future(engine.run_async())
+        assert engine._thread is here  # claimed before the task first runs: a lifespan's start() spawns nothing
+        assert engine.start() is engine and engine._thread is here
+
+        async def tick():  # other work of the loop, interleaved with the decode steps
+            while not task.done():
+                ticks.append(len(ticks))
+                await asyncio.sleep(0)
+        ticker = asyncio.ensure_future(tick())
+        out = (await asyncio.to_thread(run, engine, ps, params))[0]
+        on = await asyncio.to_thread(engine.call, threading.current_thread)
+        with pytest.raises(RuntimeError, match="another thread"):
+            engine.run_async()
+        engine.shutdown()
+        await asyncio.wait_for(task, 30)
+        await ticker
+        return out, on, here
+
+    out, on, here = asyncio.run(main())
+    assert [out.tokens[i] for i in range(3)] == [alone(model, p, sp, None) for p, sp in zip(ps, params)]
+    assert on is here and engine._stopped.is_set() and len(ticks) > 10
+    with pytest.raises(Exception, match="shutting down"):
+        engine.submit(Request(ps[0], params[0], lambda ev: None))

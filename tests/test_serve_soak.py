@@ -11,15 +11,10 @@ pytest.importorskip("fastapi")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import soak_serve  # noqa: E402
 
-from stemlm.serve.server import ServerThread  # noqa: E402
-
 
 def test_soak_leaves_no_slot_and_loses_no_request(tmp_path):
     served = soak_serve.build_server(tmp_path, clients=8)
-    with ServerThread(served) as url:
-        port = int(url.rsplit(":", 1)[1])
-        soak_serve.soak(served, port, 2, 30.0, 20, seed=1)  # warm-up
-        r = soak_serve.soak(served, port, clients=8, seconds=6.0, max_requests=400)
+    r = soak_serve.served_soak(served, clients=8, seconds=6.0, max_requests=400)  # as `stemlm serve` runs
     served.store.close()
     assert r["lost"] == 0, r["lost_examples"]
     assert r["engine_idle"] and r["slots_left"] == 0 and r["admitted_not_finished"] == 0

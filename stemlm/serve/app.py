@@ -2,11 +2,11 @@
 
 Handlers check a request (4xx in OpenAI's error shape) and submit one engine ``Request`` per prompt.
 A streaming handler reads its events from an ``asyncio.Queue`` that the engine thread fills through
-``loop.call_soon_threadsafe``; a non-streaming one is woken once, when its request ends (the engine
-thread appends the events to a deque and sets an ``asyncio.Event`` at the end), so a token costs
-the event loop nothing. A client that disconnects cancels its requests (a non-streaming handler
-waits for its requests' end and for the client's disconnect message at once), and the engine drops
-them at its next step. ``guard.Guard`` checks the API key and the body size before a handler runs;
+``loop.call_soon_threadsafe`` (``call_soon`` when the engine runs on the event loop's own thread,
+``Engine.run_async``); a non-streaming one is woken once, when its request ends (the engine appends the
+events to a deque and sets an ``asyncio.Event`` at the end), so a token costs the event loop nothing. A
+client that disconnects cancels its requests (a non-streaming handler waits for its requests' end and for
+the client's disconnect message at once), and the engine drops them at its next step. ``guard.Guard`` checks the API key and the body size before a handler runs;
 the handlers check the prompt and ``max_tokens`` limits, a full queue is a ``429`` and a request past
 its deadline a ``504``. The lifespan starts the engine and, at shutdown (after uvicorn has let
 in-flight requests finish), drains it.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import deque
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -64,6 +65,7 @@ class _Job:
                  stream: bool = False):
         codec = served.codec
         self.loop, self.stream = asyncio.get_running_loop(), stream
+        self.thread = threading.get_ident()  # the event loop's: an engine running on it hands events over directly
         self.queue, self.events, self.ended = asyncio.Queue(), deque(), asyncio.Event()
         self.outcome = Outcome(prompt, TextStream(codec, stops))
         stop = (lambda toks: any(s in codec.decode(toks) for s in stops)) if stops else None
@@ -72,12 +74,13 @@ class _Job:
     def _deliver(self, event) -> None:
         """Called on the engine thread: hand ``event`` to the handler's event loop (at the end, unless streaming)."""
         try:
+            call = self.loop.call_soon if threading.get_ident() == self.thread else self.loop.call_soon_threadsafe
             if self.stream:
-                self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+                call(self.queue.put_nowait, event)
                 return
             self.events.append(event)
             if isinstance(event, Finished):
-                self.loop.call_soon_threadsafe(self.ended.set)
+                call(self.ended.set)
         except RuntimeError:  # the event loop is closed (forced exit): nobody listens any more
             self.req.cancel()
 

@@ -1,8 +1,9 @@
 """The continuous-batching engine: one thread owns the model and schedules requests onto the decode core.
 
-That thread is the engine's own (``start``) or the caller's (``run_here``: ``stemlm serve`` runs the loop on
-the main thread, which loaded the model, so that one OpenMP team does the model's work,
-``stemlm.runtime.threads``); ``call`` runs other work on it between requests.
+That thread is the engine's own (``start``), the caller's (``run_here``), or an event loop's (``run_async``:
+``stemlm serve`` runs the engine as a task of uvicorn's loop on the main thread, which loaded the model, so
+that one OpenMP team does the model's work, ``stemlm.runtime.threads``, and HTTP's work runs between decode
+steps); ``call`` runs other work on it between requests.
 
 Requests wait in a queue (at most ``max_queue``). Before each decode step the engine drops the
 requests that were cancelled or ran past their deadline, admits waiting ones (up to ``max_batch``
@@ -18,11 +19,12 @@ its event loop): ``PromptLogprobs`` (if asked), one ``Token`` per new token, the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -130,6 +132,7 @@ class Engine:
         self._closing = False
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()  # the loop has returned
+        self._waker: Callable[[], object] | None = None  # run_async's wake-up
 
     # -- the public face ------------------------------------------------------------------------
     def start(self) -> Engine:
@@ -184,6 +187,7 @@ class Engine:
                 raise EngineClosed("the server is shutting down")
             self._calls.append((fn, done))
             self._cond.notify_all()
+            self._wake()
         return done.result()
 
     def submit(self, *reqs: Request) -> None:
@@ -200,6 +204,7 @@ class Engine:
             self._waiting.extend(reqs)
             self.metrics.queued(len(reqs))
             self._cond.notify_all()
+            self._wake()
 
     def counts(self) -> dict:
         """Requests running and waiting right now."""
@@ -222,6 +227,7 @@ class Engine:
                 for req in [*self._waiting, *self.running]:
                     req.cancel()
             self._cond.notify_all()
+            self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._stopped.wait(timeout)  # not join(): a loop run_here runs ends before its thread does
 
@@ -235,31 +241,81 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not self._waiting and not self.running and not self._closing and not self._calls:
+                while not self._has_work():
                     self._cond.wait()
-                call = self._calls.popleft() if self._calls and not self._waiting and not self.running else None
-                if call is None and self._closing and not self._waiting and not self.running:
+            if not self._turn():
+                return
+
+    def run_async(self) -> Awaitable[None]:
+        """The engine loop as a coroutine of the running event loop, for the loop's thread, which it claims now
+        (await it, or schedule it as a task; ``run_served`` does so beside uvicorn): HTTP's work then happens
+        between decode steps on the one thread, with no second thread taking the interpreter lock or a core from
+        a step and no wake-ups handed across threads. After each step the loop's ready work runs to
+        quiescence (requests parsed and submitted, answers written) before the next step; an idle engine awaits
+        its next request. It returns after ``shutdown`` once the work is done; ``submit``, ``call`` and
+        ``shutdown`` work from any thread."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        here = threading.get_ident()
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("the engine runs on another thread already")
+            self._thread = threading.current_thread()
+            self._waker = lambda: wake.set() if threading.get_ident() == here else loop.call_soon_threadsafe(wake.set)
+        return self._run_async(loop, wake)
+
+    async def _run_async(self, loop: asyncio.AbstractEventLoop, wake: asyncio.Event) -> None:
+        try:
+            while True:
+                with self._cond:
+                    idle = not self._has_work()
+                    if idle:
+                        wake.clear()
+                if idle:
+                    await wake.wait()
+                    continue
+                if not self._turn():
                     return
-                room = self.max_batch - len(self.running)
-                newcomers = [] if call else [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-                self._admitting = len(newcomers)
-                self.metrics.queued(-len(newcomers))
-            if call is not None:
-                _run_call(*call)
-                continue
-            try:
-                self._drop_ended()
-                if newcomers:
-                    self._deliver(self.core.add(self._admissible(newcomers)))
-                    self._publish()
-                if self.core.running:
-                    self._deliver(self.core.step())
-            except Exception as e:  # a failed forward must not kill the server: fail the requests involved
-                log.exception("engine step failed")
-                self.core = DecodeCore(*self._core_args)  # a fresh batch before anyone hears of the failure
-                for req in list(self._owner.values()):  # every request the engine still owns
-                    self._finish(req, "error", f"{type(e).__name__}: {e}")
-            self._publish()
+                await _let_io_run(loop)
+        finally:
+            self._stopped.set()
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self.running or self._closing or self._calls)
+
+    def _wake(self) -> None:
+        """Wake a loop waiting in ``run_async`` (under ``_cond``, after a change ``_has_work`` reads)."""
+        if self._waker is not None:
+            self._waker()
+
+    def _turn(self) -> bool:
+        """One turn of the loop: a waiting ``call``, or drop the ended, admit newcomers and step; False once
+        the engine is closing and has nothing left to run."""
+        with self._cond:
+            call = self._calls.popleft() if self._calls and not self._waiting and not self.running else None
+            if call is None and self._closing and not self._waiting and not self.running:
+                return False
+            room = self.max_batch - len(self.running)
+            newcomers = [] if call else [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
+            self._admitting = len(newcomers)
+            self.metrics.queued(-len(newcomers))
+        if call is not None:
+            _run_call(*call)
+            return True
+        try:
+            self._drop_ended()
+            if newcomers:
+                self._deliver(self.core.add(self._admissible(newcomers)))
+                self._publish()
+            if self.core.running:
+                self._deliver(self.core.step())
+        except Exception as e:  # a failed forward must not kill the server: fail the requests involved
+            log.exception("engine step failed")
+            self.core = DecodeCore(*self._core_args)  # a fresh batch before anyone hears of the failure
+            for req in list(self._owner.values()):  # every request the engine still owns
+                self._finish(req, "error", f"{type(e).__name__}: {e}")
+        self._publish()
+        return True
 
     def _publish(self) -> None:
         """Show the batch's requests to other threads (``counts``, ``wait_idle``, ``shutdown``)."""
@@ -339,3 +395,14 @@ def _send(req: Request, event) -> None:
     except Exception:
         log.exception("a request's event sink failed; the request is dropped")
         req.cancel()
+
+
+async def _let_io_run(loop: asyncio.AbstractEventLoop, most: int = 256) -> None:
+    """Yield to ``loop`` until its ready callbacks are done (at most ``most`` rounds): each round polls the
+    sockets and runs what is ready, so a request that arrived during a step is parsed, routed and submitted
+    before the next one. A loop without asyncio's ``_ready`` queue (e.g. uvloop) gets a few rounds."""
+    ready = getattr(loop, "_ready", None)
+    for _ in range(most if ready is not None else 8):
+        await asyncio.sleep(0)
+        if ready is not None and not ready:
+            return

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -69,24 +71,67 @@ def serve_forever(served: Served, host: str = "127.0.0.1", port: int = 8000, log
     """Serve until SIGINT/SIGTERM (main thread): in-flight requests finish, the engine drains, the table
     store closes, and the call returns. A second signal stops at once (uvicorn's forced exit).
 
-    The engine runs on this thread, the one that loaded the model, and HTTP on a thread of its own: one
-    OpenMP team in the process (``stemlm.runtime.threads``), which is what keeps decode steps at their speed."""
+    The engine and HTTP share this thread, the one that loaded the model (``run_served``): one OpenMP team
+    in the process (``stemlm.runtime.threads``), which keeps decode steps at their speed, and HTTP's work
+    done between steps."""
     server = uvicorn_server(served, host, port, log_level)
     signals = []
 
-    def stop(sig, frame):  # the main thread's handler; uvicorn, on its own thread, installs none
+    def stop(sig, frame):
         signals.append(sig)
         server.should_exit = True
         server.force_exit = len(signals) > 1
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:  # returns once HTTP has stopped and the engine is drained; uvicorn's exit (e.g. a taken port) is raised
-        served.engine.run_here(alongside=server.run, name="stemlm-http")
+        run_served(served, server)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         if served.store is not None:
             served.store.close()
+
+
+def run_served(served: Served, server, alongside=None, name: str = "stemlm-alongside") -> None:
+    """Run ``server`` (``uvicorn_server``) and the engine on the calling thread, in one event loop: the engine is
+    a task of the loop (``Engine.run_async``), and the HTTP layer's work runs between its decode steps.
+    Signals are left to the caller (uvicorn installs none). ``alongside`` (e.g. a benchmark's clients) runs on
+    a thread of its own once the server accepts connections; when it returns or raises, the server stops
+    (in-flight requests finish, the engine drains), and its exception is raised here."""
+    server.capture_signals = contextlib.nullcontext  # the caller owns the signals (uvicorn would re-raise them)
+    failed: list[BaseException] = []
+
+    def side():
+        try:
+            while not server.started and not server.should_exit:
+                threading.Event().wait(0.01)
+            if server.started:
+                alongside()
+        except BaseException as e:  # re-raised on the calling thread
+            failed.append(e)
+        finally:
+            server.should_exit = True
+
+    async def main():
+        engine = asyncio.ensure_future(served.engine.run_async())  # claims the engine for this thread now
+        try:
+            if alongside is not None:
+                threading.Thread(target=side, name=name, daemon=True).start()
+            await server.serve()
+        finally:
+            server.should_exit = True  # (a failed startup) the thread alongside stops waiting for it
+            served.engine.shutdown(drain=True)  # the lifespan drained it already, unless startup failed
+            await engine
+
+    factory = server.config.get_loop_factory() or asyncio.new_event_loop  # uvicorn's choice of loop
+    loop = factory()
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+    if failed:
+        raise failed[0]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
