@@ -9,7 +9,7 @@ the CPU: with native bf16 GEMMs (AVX512-BF16 or AMX, ``stemlm.insert.distill.bf1
 autocast only adds casts.
 
     python benchmarks/bench_train_dtype.py                                        # tiny, 16 x 256 tokens
-    python benchmarks/bench_train_dtype.py --preset smollm2-135m --batch-size 4   # SmolLM2-135M's shape
+    python benchmarks/bench_train_dtype.py --preset smollm2-135m --batch-size 4   # SmolLM2-135M's shape: train_dtype_smollm2-135m.json
     python benchmarks/bench_train_dtype.py --quick                                # smoke run
 """
 
@@ -27,6 +27,8 @@ DTYPES = ("float32", "bfloat16")
 
 def main() -> None:
     args, common = preset_run_args(__doc__, "train_dtype", steps=6)
+    if args.preset != "tiny" and not args.quick:  # one result file a shape: train_dtype_<preset>[_<overrides>].json
+        args.result_name = args.result_name.replace("train_dtype", f"train_dtype_{args.preset}", 1)
     trainers = {d: make_trainer([*common, f"run.dtype={d}", f"run.steps={args.steps + 2}"], args.preset)
                 for d in DTYPES}
     losses: dict[str, list[float]] = {d: [] for d in DTYPES}
