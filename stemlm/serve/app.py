@@ -1,12 +1,13 @@
 """The FastAPI layer: OpenAI endpoints over the engine, streamed by server-sent events.
 
 Handlers check a request (4xx in OpenAI's error shape) and submit one engine ``Request`` per prompt.
-A streaming handler reads its events from an ``asyncio.Queue`` that the engine thread fills through
-``loop.call_soon_threadsafe`` (``call_soon`` when the engine runs on the event loop's own thread,
-``Engine.run_async``); a non-streaming one is woken once, when its request ends (the engine appends the
-events to a deque and sets an ``asyncio.Event`` at the end), so a token costs the event loop nothing. A
-client that disconnects cancels its requests (a non-streaming handler waits for its requests' end and for
-the client's disconnect message at once), and the engine drops them at its next step. ``guard.Guard`` checks the API key and the body size before a handler runs;
+A streaming handler reads its events from an ``asyncio.Queue`` that the engine fills through
+``loop.call_soon`` when it runs on the event loop's own thread (``Engine.run_async``, as ``stemlm serve``
+runs it), else through ``loop.call_soon_threadsafe``; a non-streaming one is woken once, when its request
+ends (the engine appends the events to a deque and sets an ``asyncio.Event`` at the end), so a token
+costs the event loop nothing. A client that disconnects cancels its requests (a non-streaming handler
+waits for its requests' end and for the client's disconnect message at once), and the engine drops
+them at its next step. ``guard.Guard`` checks the API key and the body size before a handler runs;
 the handlers check the prompt and ``max_tokens`` limits, a full queue is a ``429`` and a request past
 its deadline a ``504``. The lifespan starts the engine and, at shutdown (after uvicorn has let
 in-flight requests finish), drains it.
@@ -72,7 +73,7 @@ class _Job:
         self.req = Request(prompt, params, self._deliver, stop, logprobs, prompt_logprobs)
 
     def _deliver(self, event) -> None:
-        """Called on the engine thread: hand ``event`` to the handler's event loop (at the end, unless streaming)."""
+        """Called by the engine: hand ``event`` to the handler's event loop (at the end, unless streaming)."""
         try:
             call = self.loop.call_soon if threading.get_ident() == self.thread else self.loop.call_soon_threadsafe
             if self.stream:

@@ -178,7 +178,8 @@ class Engine:
     def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn()`` on the engine's thread while no request is running or waiting, and return its result
         (its exception is raised here): work on the engine's model without a second OpenMP team (benchmarks
-        compare generation outside the engine this way)."""
+        compare generation outside the engine this way). Under ``run_async`` the event loop, and so HTTP, waits
+        for it too."""
         if self._thread is None or self._thread is threading.current_thread():
             return fn()
         done = Future()
