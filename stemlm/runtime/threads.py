@@ -9,8 +9,8 @@ because the table prefetcher's worker had run one ``index_select`` with a team o
 thread decoding after the main thread had loaded the model was as slow (batch 4: 6.5 against 2.9 ms).
 
 So: the thread that loads a model runs its forwards too (``stemlm serve`` runs its engine on the main
-thread, ``Engine.run_here``), and helper threads that touch tensors (the prefetcher's worker) run their
-operators on themselves alone (``single_threaded_worker``).
+thread, as a task of uvicorn's event loop: ``Engine.run_async``), and helper threads that touch tensors
+(the prefetcher's worker) run their operators on themselves alone (``single_threaded_worker``).
 """
 
 from __future__ import annotations
