@@ -274,6 +274,7 @@ class Engine:
                         wake.clear()
                 if idle:
                     await wake.wait()
+                    await _let_io_run(loop)  # requests already in the sockets join the first one's group
                     continue
                 if not self._turn():
                     return
