@@ -177,3 +177,19 @@ def test_compile_runs_each_block_compiled_with_eager_losses_and_names(data_dir, 
     assert compiled.keys() == eager.keys()  # same checkpoint names: no "_orig_mod." prefixes
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-3, atol=1e-4)
+
+
+def test_bf16_training_on_the_cpu_reads_mfu_against_a_bf16_probe(tmp_path):
+    """Under bf16 autocast the GEMMs run in bf16, so the peak is a bf16 matmul probe on the CPU too (it was the
+    fp32 probe, and an autocast run on a CPU with native bf16 logged an MFU of ~0.96); fp32 keeps its probe, and
+    the run dir caches each dtype's peak apart."""
+    from stemlm.train.metrics import peak_flops_for_run, peak_for
+
+    peak, probe = peak_for(torch.device("cpu"), "bfloat16")
+    assert peak > 0 and probe == "bf16 matmul 1024^3 probe on cpu"
+    assert peak_for(torch.device("cpu"), "float32")[1] == "fp32 matmul 1024^3, best of ATen and oneDNN"
+    cpu = torch.device("cpu")
+    peak_flops_for_run(tmp_path, cpu, None, "bfloat16")
+    assert "bf16" in json.loads((tmp_path / "peak_flops.json").read_text())["probe"]
+    peak_flops_for_run(tmp_path, cpu, None, "float32")  # another dtype: probed again, not read from the cache
+    assert json.loads((tmp_path / "peak_flops.json").read_text())["dtype"] == "float32"

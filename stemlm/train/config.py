@@ -171,7 +171,8 @@ class RunSection:
     stage: str = _f("pretrain", f"{' | '.join(STAGES)}; midtrain and context_extend need init_from")
     init_from: Optional[str] = _f(None, "checkpoint (or run dir) whose weights start the run (midtrain, context_extend)")
     peak_flops: Optional[float] = _f(None, "peak FLOP/s for MFU; None = the compute dtype's peak: bf16 on a known GPU its "
-                                  "spec-sheet dense bf16 peak (else a bf16 matmul probe), otherwise a fp32 matmul probe")
+                                  "spec-sheet dense bf16 peak, else a bf16 matmul probe (GPU or CPU); fp32 a fp32 "
+                                  "matmul probe")
     spike_factor: float = _f(3.0, "a step is a loss spike when loss > spike_factor x running median")
     spike_window: int = _f(50, "steps in the running median of the spike detector")
     progress: bool = _f(True, "show a tqdm progress bar")
