@@ -100,9 +100,17 @@ def relative_error(out: torch.Tensor, target: torch.Tensor) -> float:
     return float(_squared(out - target) / _squared(target).clamp_min(1e-30))
 
 
-def _squared(x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
-    """``Σ x²`` as an fp64 scalar: fp32 sums of ``chunk`` rows (torch's pairwise summation), added up in fp64."""
-    parts = [x[a:a + chunk].float().square().sum() for a in range(0, len(x), chunk)]
+CHUNK = 8192  # rows a piece of the passes over every calibration token (the dense output, the output error)
+
+
+def _slices(n: int, size: int = CHUNK) -> list[slice]:
+    """``0..n`` in pieces of ``size`` rows."""
+    return [slice(a, min(n, a + size)) for a in range(0, n, size)]
+
+
+def _squared(x: torch.Tensor) -> torch.Tensor:
+    """``Σ x²`` as an fp64 scalar: fp32 sums of ``CHUNK`` rows (torch's pairwise summation), added up in fp64."""
+    parts = [x[c].float().square().sum() for c in _slices(len(x))]
     return torch.stack(parts).double().sum() if parts else torch.zeros((), dtype=torch.float64)
 
 
@@ -128,8 +136,8 @@ def projections(ffn, weights: dict[str, torch.Tensor]):
             getattr(ffn, name)._parameters["weight"] = w
 
 
-def _chunked(fn, n: int, size: int = 8192) -> torch.Tensor:
-    return torch.cat([fn(slice(a, min(n, a + size))) for a in range(0, n, size)])
+def _chunked(fn, n: int) -> torch.Tensor:
+    return torch.cat([fn(c) for c in _slices(n)])
 
 
 @torch.no_grad()
@@ -138,7 +146,7 @@ def layer_error(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: torch
     """The relative output error of the converted layer (projections ``weights``) over every calibration token
     (``relative_error``, summed chunk by chunk)."""
     err = sum(_squared(layer_output(ffn, kind, xs[c], rows[ids[c]], weights).float() - target[c]).item()
-              for c in (slice(a, a + 8192) for a in range(0, len(xs), 8192)))
+              for c in _slices(len(xs)))
     return float(err / _squared(target).clamp_min(1e-30))
 
 
@@ -343,8 +351,7 @@ def alternate_layer(ffn, kind: str, xs: torch.Tensor, ids: torch.Tensor, rows: t
         if gate is not None:
             rows = refine_through_down(rows, ids, gate, target, w_down, down_iters)
         refit = DownRefit(rows.shape[1], w_down.shape[0], xs.device)
-        for a in range(0, len(xs), 8192):
-            c = slice(a, a + 8192)
+        for c in _slices(len(xs)):
             refit.add(ffn_kind(kind).hidden(ffn, xs[c], rows[ids[c]]), target[c])
         w_down = refit.solve()
     after = layer_error(ffn, kind, xs, ids, rows, {"w_down": w_down}, target)
