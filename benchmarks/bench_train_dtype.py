@@ -5,7 +5,7 @@ batches, one with ``run.dtype=float32`` (the default) and one with ``run.dtype=b
 GEMMs, fp32 master weights and optimizer), take their steps interleaved, so machine noise hits both alike.
 Printed and written to JSON: the median step time of each, their ratio (median of per-round ratios, with the
 rounds' range), and each step's loss side by side, with the largest difference. Whether bf16 pays depends on
-the CPU: with native bf16 GEMMs (AVX512-BF16 or AMX, ``stemlm.insert.distill.bf16_is_fast``) it can; without,
+the CPU: with native bf16 GEMMs (AVX512-BF16 or AMX, ``stemlm.runtime.matmul.bf16_is_fast``) it can; without,
 autocast only adds casts.
 
     python benchmarks/bench_train_dtype.py                                        # tiny, 16 x 256 tokens
@@ -20,7 +20,7 @@ import statistics
 import torch
 from _train_bench import make_trainer, preset_run_args, time_interleaved, write_result
 
-from stemlm.insert.distill import bf16_is_fast
+from stemlm.runtime.matmul import bf16_is_fast
 
 DTYPES = ("float32", "bfloat16")
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from ..ffn import ffn_kind
 from ..row_adam import adamw_math_, row_factors
+from ..runtime.matmul import bf16_is_fast
 from .fit import DownRefit, refine_through_down
 
 
@@ -72,14 +73,6 @@ class DistillSettings:
 
 ROW_UPDATES = ("dense", "catchup", "lazy")
 PRECISIONS = ("fp32", "bf16", "auto")
-
-
-def bf16_is_fast(device: torch.device) -> bool:
-    """Whether bfloat16 GEMMs beat fp32 ones on ``device``: CUDA, or a CPU with native bf16 instructions
-    (AVX512-BF16 or AMX, which oneDNN reports); elsewhere bf16 is emulated and slower than fp32."""
-    if device.type == "cuda":
-        return True
-    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def resolved_precision(precision: str, device: torch.device) -> str:

@@ -34,6 +34,14 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def bf16_is_fast(device: torch.device) -> bool:
+    """Whether bfloat16 GEMMs beat fp32 ones on ``device``: CUDA, or a CPU with native bf16 instructions
+    (AVX512-BF16 or AMX, which oneDNN reports); elsewhere bf16 is emulated and slower than fp32."""
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def resolve_matmul_backend(name: str, device: torch.device | str, dtype: str = "float32") -> str:
     """``aten`` or ``onednn`` for ``run.matmul=name`` on ``device`` with compute ``dtype``.
 
