@@ -204,39 +204,11 @@ def test_a_failing_sink_drops_only_its_own_request(model):
     assert engine.counts()["requests_running"] == 0 and engine.metrics.snapshot()["requests_failed"] == 0
 
 
-def test_run_here_serves_on_the_calling_thread_and_call_runs_between_requests(model):
-    """``run_here`` owns the engine on the calling thread (``stemlm serve``: the main thread): requests from
-    other threads decode as alone, ``call`` runs on that thread while nothing decodes, and the loop drains and
-    ends when the work run ``alongside`` it does."""
-    engine = Engine(model, max_batch=4)
-    here = threading.current_thread()
-    outcome = {}
-
-    def clients():  # on a thread of its own; an assertion failing here is raised by run_here
-        ps = prompts((4, 7))
-        params = [SamplingParams(5, temperature=0.0), SamplingParams(6, temperature=0.8, seed=3)]
-        outcome["run"] = run(engine, ps, params)[0]
-        outcome["alone"] = [alone(model, p, sp, None) for p, sp in zip(ps, params)]
-        outcome["call"] = engine.call(lambda: (threading.current_thread(), engine.counts()))
-        try:
-            engine.call(lambda: 1 / 0)
-        except ZeroDivisionError as e:
-            outcome["raised"] = e
-
-    engine.run_here(alongside=clients)  # returns once clients() has ended and the engine is drained
-    assert isinstance(outcome.get("raised"), ZeroDivisionError)
-    out = outcome["run"]
-    assert [out.tokens[0], out.tokens[1]] == outcome["alone"]
-    assert outcome["call"] == (here, {"requests_running": 0, "requests_queued": 0})
-    assert engine.start() is engine and engine._thread is here  # a later start spawns nothing
-    with pytest.raises(RuntimeError, match="another thread"):
-        engine.run_here()
-
-
 def test_run_async_runs_on_the_event_loop_thread_between_its_other_work(model):
     """``run_async`` (``stemlm serve``: the engine a task of uvicorn's loop) claims the loop's thread at once:
     requests from other threads decode as alone, the loop's own callbacks keep running while requests decode,
-    ``call`` runs on that thread, and ``shutdown`` ends the coroutine."""
+    ``call`` runs on that thread between requests (its exception raised in its caller), and ``shutdown`` ends
+    the coroutine."""
     import asyncio
 
     engine = Engine(model, max_batch=4)
@@ -256,7 +228,9 @@ def test_run_async_runs_on_the_event_loop_thread_between_its_other_work(model):
                 await asyncio.sleep(0)
         ticker = asyncio.ensure_future(tick())
         out = (await asyncio.to_thread(run, engine, ps, params))[0]
-        on = await asyncio.to_thread(engine.call, threading.current_thread)
+        on = await asyncio.to_thread(engine.call, lambda: (threading.current_thread(), engine.counts()))
+        with pytest.raises(ZeroDivisionError):  # a call's exception is raised in its caller
+            await asyncio.to_thread(engine.call, lambda: 1 / 0)
         with pytest.raises(RuntimeError, match="another thread"):
             engine.run_async()
         engine.shutdown()
@@ -266,6 +240,7 @@ def test_run_async_runs_on_the_event_loop_thread_between_its_other_work(model):
 
     out, on, here = asyncio.run(main())
     assert [out.tokens[i] for i in range(3)] == [alone(model, p, sp, None) for p, sp in zip(ps, params)]
-    assert on is here and engine._stopped.is_set() and len(ticks) > 10
+    assert on == (here, {"requests_running": 0, "requests_queued": 0})
+    assert engine._stopped.is_set() and len(ticks) > 10
     with pytest.raises(Exception, match="shutting down"):
         engine.submit(Request(ps[0], params[0], lambda ev: None))

@@ -1,6 +1,6 @@
 """The continuous-batching engine: one thread owns the model and schedules requests onto the decode core.
 
-That thread is the engine's own (``start``), the caller's (``run_here``), or an event loop's (``run_async``:
+That thread is the engine's own (``start``) or an event loop's (``run_async``:
 ``stemlm serve`` runs the engine as a task of uvicorn's loop on the main thread, which loaded the model, so
 that one OpenMP team does the model's work, ``stemlm.runtime.threads``, and HTTP's work runs between decode
 steps); ``call`` runs other work on it between requests.
@@ -136,44 +136,15 @@ class Engine:
 
     # -- the public face ------------------------------------------------------------------------
     def start(self) -> Engine:
-        """Start the engine thread (once; nothing if ``run_here`` owns the engine already).
+        """Start the engine thread (once; nothing if ``run_async`` owns the engine already).
 
-        The loop is faster on the thread that loaded the model (``run_here``: one OpenMP team in the
+        The loop is faster on the thread that loaded the model (``run_async`` there: one OpenMP team in the
         process, ``stemlm.runtime.threads``); a thread of its own is what tests and embedding callers get."""
         with self._cond:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="stemlm-engine", daemon=True)
                 self._thread.start()
         return self
-
-    def run_here(self, alongside: Callable[[], object] | None = None, name: str = "stemlm-alongside") -> None:
-        """Run the engine loop on the calling thread until ``shutdown`` (``stemlm serve`` runs it on the main
-        thread, which loaded the model). ``alongside`` (e.g. the HTTP server) runs meanwhile on a thread of its
-        own, started once the engine belongs to this thread (a ``start`` from elsewhere then does nothing);
-        when it returns or raises, the engine drains and stops, and its exception is raised here. ``call``
-        runs other work on the loop."""
-        with self._cond:
-            if self._thread is not None:
-                raise RuntimeError("the engine runs on another thread already")
-            self._thread = threading.current_thread()
-        if alongside is None:
-            return self._run()
-        failed: list[BaseException] = []
-
-        def side():
-            try:
-                alongside()
-            except BaseException as e:  # re-raised on the engine's thread
-                failed.append(e)
-            finally:
-                self.shutdown(drain=True)  # ends the loop below
-
-        thread = threading.Thread(target=side, name=name, daemon=True)
-        thread.start()
-        self._run()
-        thread.join()
-        if failed:
-            raise failed[0]
 
     def call(self, fn: Callable[[], object]) -> object:
         """Run ``fn()`` on the engine's thread while no request is running or waiting, and return its result
@@ -230,7 +201,7 @@ class Engine:
             self._cond.notify_all()
             self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
-            self._stopped.wait(timeout)  # not join(): a loop run_here runs ends before its thread does
+            self._stopped.wait(timeout)  # not join(): a loop run_async runs ends before its thread does
 
     # -- the engine thread ----------------------------------------------------------------------
     def _run(self) -> None:
