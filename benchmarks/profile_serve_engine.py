@@ -6,8 +6,10 @@ host tables, C closed-loop clients × 8 requests × 32 tokens, prompt lengths mi
 ``stemlm serve`` does (a task of an event loop on the main thread, ``Engine.run_async``) with C client threads
 submitting requests one after another, then the same requests through ``generate_batch`` in lockstep batches of
 C on the same thread, and times every ``DecodeCore.add`` (a prefill group) and ``DecodeCore.step``: how many
-groups, their sizes, the rows a step decodes, the seconds of each. It then times adding one prompt of 8, 32 and
-64 tokens to a running batch of 15 rows against a decode step of that batch.
+groups, their sizes, the rows a step decodes, the seconds of each; a step that takes newcomers into its forward
+(``DecodeCore.step(join=...)``, the engine's merged prefill) counts as a step and as a merged group. It then times
+adding one prompt of 8, 32 and 64 tokens to a running batch of 15 rows (``add``) against the next decode step,
+and the same prompt merged into the step (one forward for both).
 
     python benchmarks/profile_serve_engine.py              # C = 16, 3 rounds (~1 min)
     python benchmarks/profile_serve_engine.py --quick      # C = 2, 1 round, 2 requests of 4 tokens
@@ -34,7 +36,8 @@ from stemlm.store import Placement, open_model
 
 class Recorder:
     """Wraps ``DecodeCore.add`` and ``step`` (the class's, so every core the engine makes is timed):
-    ``(kind, rows, seconds)`` per call, ``rows`` = the group's prompts for ``add``, the batch for ``step``."""
+    ``(kind, rows, seconds, joined)`` per call, ``rows`` = the group's prompts for ``add``, the batch for ``step``,
+    ``joined`` the newcomers a step prefilled in its forward."""
 
     def __init__(self):
         self.calls: list[tuple[str, int, float]] = []
@@ -44,13 +47,13 @@ class Recorder:
         def add(core, seqs):
             t = time.perf_counter()
             out = rec._add(core, seqs)
-            rec.calls.append(("add", len(seqs), time.perf_counter() - t))
+            rec.calls.append(("add", len(seqs), time.perf_counter() - t, 0))
             return out
 
-        def step(core):
+        def step(core, join=()):
             n, t = len(core.running), time.perf_counter()
-            out = rec._step(core)
-            rec.calls.append(("step", n, time.perf_counter() - t))
+            out = rec._step(core, join)
+            rec.calls.append(("step", n, time.perf_counter() - t, len(join)))
             return out
         core_mod.DecodeCore.add, core_mod.DecodeCore.step = add, step
 
@@ -59,7 +62,9 @@ class Recorder:
         calls, self.calls = self.calls, []
         adds = [c for c in calls if c[0] == "add"]
         steps = [c for c in calls if c[0] == "step"]
+        merged = [c for c in steps if c[3]]
         return {"wall_s": wall, "prefill_groups": len(adds), "group_sizes": [c[1] for c in adds],
+                "merged_groups": len(merged), "merged_sizes": [c[3] for c in merged],
                 "prefill_s": sum(c[2] for c in adds), "steps": len(steps), "steps_s": sum(c[2] for c in steps),
                 "step_median_ms": 1e3 * statistics.median(c[2] for c in steps) if steps else None,
                 "rows_per_step": statistics.mean(c[1] for c in steps) if steps else None,
@@ -83,7 +88,8 @@ def phases(engine: Engine, rec: Recorder, work, max_tokens: int, rounds: int) ->
             engine.call(lambda: direct_phase(engine.model, work, max_tokens, engine.eos_ids))
             d = rec.take(time.perf_counter() - t)
             out.append({"engine": e, "direct": d})
-            print(f"engine: {e['prefill_groups']} groups {e['prefill_s']:.3f} s, {e['steps']} steps {e['steps_s']:.3f} s "
+            print(f"engine: {e['prefill_groups']} groups {e['prefill_s']:.3f} s + {e['merged_groups']} merged, "
+                  f"{e['steps']} steps {e['steps_s']:.3f} s "
                   f"({e['rows_per_step']:.2f} rows); direct: {d['prefill_groups']} groups {d['prefill_s']:.3f} s, "
                   f"{d['steps']} steps {d['steps_s']:.3f} s ({d['rows_per_step']:.2f} rows)", flush=True)
         engine.shutdown(drain=True)
@@ -98,7 +104,8 @@ def phases(engine: Engine, rec: Recorder, work, max_tokens: int, rounds: int) ->
 
 
 def add_cost(model, vocab: int, lengths: list[int], repeats: int) -> dict:
-    """Median ms of adding one prompt of each length to a running batch of 15 rows, and of the next step."""
+    """Median ms of adding one prompt of each length to a running batch of 15 rows, of the next step, and of the
+    step with the prompt merged into it."""
     g = torch.Generator().manual_seed(0)
 
     def gen(n: int, seed: int) -> Generation:
@@ -109,7 +116,7 @@ def add_cost(model, vocab: int, lengths: list[int], repeats: int) -> dict:
     core.add([gen(n, i) for i, n in enumerate([8, 32, 16, 64, 24, 48, 12, 40, 8, 32, 16, 64, 24, 48, 12])])
     for _ in range(5):
         core.step()
-    times: dict[int, list[tuple[float, float]]] = {n: [] for n in lengths}
+    times: dict[int, list[tuple[float, float, float]]] = {n: [] for n in lengths}
     for r in range(repeats):
         for n in lengths:
             s = gen(n, 100 + r)
@@ -118,10 +125,16 @@ def add_cost(model, vocab: int, lengths: list[int], repeats: int) -> dict:
             t_add = time.perf_counter() - t
             t = time.perf_counter()
             core.step()
-            times[n].append((t_add, time.perf_counter() - t))
+            t_step = time.perf_counter() - t
             core.drop([s])  # back to 15 rows
-    return {str(n): {"add_ms": 1e3 * statistics.median(a for a, _ in v), "step_ms": 1e3 * statistics.median(b for _, b in v)}
-            for n, v in times.items()}
+            s = gen(n, 200 + r)
+            t = time.perf_counter()
+            core.step(join=[s])
+            times[n].append((t_add, t_step, time.perf_counter() - t))
+            core.drop([s])
+    return {str(n): {"add_ms": 1e3 * statistics.median(a for a, _, _ in v),
+                     "step_ms": 1e3 * statistics.median(b for _, b, _ in v),
+                     "merged_step_ms": 1e3 * statistics.median(c for _, _, c in v)} for n, v in times.items()}
 
 
 def main() -> None:
@@ -149,7 +162,8 @@ def main() -> None:
         rec.restore()
     cost = add_cost(model, cfg.vocab_size, [8, 32, 64], 2 if args.quick else 6)
     for n, v in cost.items():
-        print(f"add one prompt of {n} tokens to 15 rows: {v['add_ms']:.2f} ms; the next step {v['step_ms']:.2f} ms")
+        print(f"add one prompt of {n} tokens to 15 rows: {v['add_ms']:.2f} ms; the next step {v['step_ms']:.2f} ms; "
+              f"merged into the step: {v['merged_step_ms']:.2f} ms")
     path = write_result("engine_profile", args.quick, {
         "config": {"preset": "tiny", "stem_layers": "1/3", "tier": "host", "clients": args.clients,
                    "requests_per_client": args.requests, "max_tokens": args.max_tokens, "prompt_lens": lens,

@@ -11,8 +11,10 @@ class KVCache:
     """Keys and values of every layer; ``update`` writes new positions and returns the prefix.
 
     Any object with the same ``update(layer_idx, k, v, start_pos)`` method can be passed to
-    ``StemLM.forward`` (the Hugging Face wrapper adapts ``DynamicCache`` this way).
+    ``StemLM.forward`` (the Hugging Face wrapper adapts ``DynamicCache`` this way), with ``splits_attention``.
     """
+
+    splits_attention = False
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None, device=None,
                  dtype: torch.dtype = torch.float32):

@@ -178,3 +178,55 @@ def test_packed_prefill_equals_each_prompt_prefilled_alone(stem, tier, tmp_path)
                                                atol=1e-5, rtol=1e-5)
             step = alone._eager_step([seq.tokens[-1]], [seq.next_slot])
             torch.testing.assert_close(logits[j:j + 1], step, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("tier", ["device", "host"])
+def test_a_prefill_merged_into_the_step_gives_the_tokens_of_add_then_step(stem, tier, tmp_path):
+    """``step(join=...)``: newcomers (unequal lengths, packed) prefilled in the running rows' step forward get the
+    first tokens, prompt logprobs and cache rows ``add`` gives them, the running rows the tokens of a plain step;
+    afterwards every sequence decodes as with ``add`` then ``step``."""
+    model, store = on_tier(stem, tier, tmp_path)
+    ps = prompts((3, 9, 1, 6, 12))
+    params = [SamplingParams(6, temperature=0.0 if i % 2 else 0.8, seed=i) for i in range(5)]
+    runs = []
+    with store:
+        for merged in (False, True):
+            core = DecodeCore(model, max_rows=5, max_len=40)
+            seqs = [Generation(p, params[i], prompt_logprobs=2 if i == 3 else None) for i, p in enumerate(ps)]
+            core.add(seqs[:2])
+            core.step()
+            assert core.merges()
+            if merged:
+                progress = core.step(join=seqs[2:])
+                assert progress.emitted == seqs and progress.fed.shape == (2, 12)  # 12 | 6 + 1: two rows
+                assert [len(s.tokens) for s in seqs] == [3, 3, 1, 1, 1]
+                filled = [s.next_slot for s in seqs]  # slots written: prompts, and the running rows' tokens fed
+            else:
+                core.add(seqs[2:])
+                core.step()  # the running rows feed the token the merged step fed them
+            cache = [(k.clone(), v.clone()) for k, v in zip(core.cache.k, core.cache.v)]
+            while core.running:
+                core.step()
+            runs.append((seqs, cache))
+    (plain, plain_cache), (merged, merged_cache) = runs
+    assert [s.tokens for s in merged] == [s.tokens for s in plain]
+    for (lp, top), (lp_plain, top_plain) in zip(merged[3].prompt_entries[1:], plain[3].prompt_entries[1:]):
+        assert lp == pytest.approx(lp_plain, abs=1e-5) and [t for t, _ in top] == [t for t, _ in top_plain]
+    for (k, v), (k_plain, v_plain) in zip(merged_cache, plain_cache):
+        for row, n in enumerate(filled):
+            torch.testing.assert_close(k[row, :, :n], k_plain[row, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(v[row, :, :n], v_plain[row, :, :n], atol=1e-5, rtol=1e-5)
+
+
+def test_a_merged_prefill_needs_running_rows_and_the_eager_step(stem):
+    core = DecodeCore(stem, max_rows=3)
+    assert not core.merges()
+    with pytest.raises(ValueError, match="cannot merge a prefill"):
+        core.step(join=[Generation([1, 2], SamplingParams(2))])
+    static = DecodeCore(stem, max_rows=3, graphs="static")
+    static.add([Generation([1, 2], SamplingParams(4))])
+    assert not static.merges()
+    ngram = StemLM(model_config("debug", ffn="ngram", stem_layers="1/2")).eval()
+    eager = DecodeCore(ngram, max_rows=3)
+    eager.add([Generation([1, 2], SamplingParams(4))])
+    assert not eager.merges()  # n-gram keys would hash across packed neighbours

@@ -176,10 +176,10 @@ def test_a_client_that_gives_up_waiting_frees_its_slot(server):
     entered, release = threading.Event(), threading.Event()
     step = engine.core.step
 
-    def held_step():  # the engine holds the request's first decode step until the client has gone
+    def held_step(join=()):  # the engine holds the request's first decode step until the client has gone
         entered.set()
         assert release.wait(60)
-        return step()
+        return step(join)
 
     engine.core.step = held_step
     conn = http.client.HTTPConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), timeout=60)

@@ -85,9 +85,9 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_slot(server):
     engine.clock = lambda: now[0]
     step = engine.core.step
 
-    def late_step():  # the request's deadline passes during its first decode step
+    def late_step(join=()):  # the request's deadline passes during its first decode step
         now[0] = 1e9
-        return step()
+        return step(join)
 
     engine.core.step = late_step
     try:

@@ -8,7 +8,8 @@ evaluation's ``generate_until``) and the server's engine all drive a ``DecodeCor
   when rows join; prompts of unequal length packed several to a row, ``pack_prompts``) and samples
   each one's first token;
 * ``step()`` runs one forward over every running row (each at its own position) and samples the
-  next token of each;
+  next token of each; ``step(join=seqs)`` prefills newcomers in that same forward (a prefill merged
+  into the step: one forward where ``add`` and ``step`` take two, for the server's engine);
 * a sequence ends at one of ``eos_ids`` (kept in its tokens), when its ``stop(tokens)`` test is
   true, after ``params.max_new_tokens`` or at the model's ``max_seq_len``; it then leaves the batch
   (the rows after it move up, keeping their order), as does one that is ``drop``ped;
@@ -32,7 +33,7 @@ import torch
 
 from ..ffn.ngram import context_reach
 from .kv_cache import SlotCache, ragged_mask
-from ..model.decoder import padding_mask
+from ..model.decoder import attention_mask, padding_mask
 from .sampling import SamplingParams, new_generator, sample_rows, token_logprobs
 from .static import StaticStep, resolve_graphs
 
@@ -140,6 +141,17 @@ class DecodeCore:
     def add(self, seqs: Seq[Generation]) -> Progress:
         """Prefill ``seqs`` as one group and sample each one's first token; a sequence with no room
         for a token finishes at once (``length``) unless it asked for prompt logprobs."""
+        fresh, done = self._prepare(seqs)
+        if not fresh:
+            return Progress([], done)
+        first = len(self.running)
+        self.running += fresh
+        ids, fed, lengths, logits = self._prefill(fresh, list(range(first, len(self.running))))
+        emitted = self._first_tokens(fresh, logits)
+        return Progress(emitted, done + self._retire(), ids, lengths, fed)
+
+    def _prepare(self, seqs: Seq[Generation]) -> tuple[list[Generation], list[Generation]]:
+        """``(to prefill, finished at once)``: each sequence's budget and generator set, room and length checked."""
         fresh, done = [], []
         for s in seqs:
             s.budget = min(s.params.max_new_tokens, self.model.cfg.max_seq_len - len(s.prompt) + 1)
@@ -150,23 +162,22 @@ class DecodeCore:
                 done.append(s)
             else:
                 fresh.append(s)
-        if not fresh:
-            return Progress([], done)
         if len(self.running) + len(fresh) > self.max_rows:
             raise ValueError(f"{len(fresh)} new sequences do not fit: {len(self.running)} of {self.max_rows} rows "
                              "are taken")
-        longest = max(len(s.prompt) for s in fresh)
+        longest = max((len(s.prompt) for s in fresh), default=0)
         if longest > self.max_len:
             raise ValueError(f"a prompt of {longest} tokens exceeds this core's max_len={self.max_len}")
-        first = len(self.running)
-        self.running += fresh
-        ids, fed, lengths, logits = self._prefill(fresh, list(range(first, len(self.running))))
+        return fresh, done
+
+    def _first_tokens(self, fresh: list[Generation], logits: torch.Tensor) -> list[Generation]:
+        """Sample the first token of every prefilled sequence with budget left (``logits (n, V)``, one row each);
+        those without budget (asked only for prompt logprobs) finish (``length``)."""
         going = [j for j, s in enumerate(fresh) if s.budget > 0]
         for s in fresh:
             if s.budget <= 0:
                 s.finish_reason = "length"
-        emitted = self._sample([fresh[j] for j in going], logits[going])
-        return Progress(emitted, done + self._retire(), ids, lengths, fed)
+        return self._sample([fresh[j] for j in going], logits[going])
 
     def _prefill(self, group: list[Generation], cache_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int],
                                                                                 torch.Tensor]:
@@ -180,9 +191,7 @@ class DecodeCore:
         lengths = [len(s.prompt) for s in group]
         width = max(lengths)
         self._reserve(cache_rows[-1] + 1, width + 1)
-        padded = torch.full((len(group), width), self.pad_id, dtype=torch.long)
-        for j, s in enumerate(group):
-            padded[j, :lengths[j]] = torch.tensor(s.prompt, dtype=torch.long)
+        padded = self._padded(group, width)
         bins = pack_prompts(lengths, width) if not self.reach else None
         if bins is not None and len(bins) < len(group):
             ids, hidden, ends = self._packed_forward(padded, cache_rows, lengths, bins)
@@ -198,21 +207,44 @@ class DecodeCore:
             ends = [(j, 0) for j in range(len(group))]  # where each prompt starts: (row of hidden, offset)
         at = torch.tensor([[b, off + n - 1] for (b, off), n in zip(ends, lengths)], device=self.device)  # (n, 2)
         last = hidden[at[:, 0], at[:, 1]]  # (n, d): each prompt's last token
+        self._prompt_logprobs(group, lambda j: hidden[ends[j][0], ends[j][1]:ends[j][1] + lengths[j] - 1])
+        return padded, ids, lengths, self.model.lm_head(last)  # (n, V)
+
+    def _padded(self, group: list[Generation], width: int) -> torch.Tensor:
+        """The group's prompts right-padded to ``width`` (host, ``(n, width)``)."""
+        padded = torch.full((len(group), width), self.pad_id, dtype=torch.long)
+        for j, s in enumerate(group):
+            padded[j, :len(s.prompt)] = torch.tensor(s.prompt, dtype=torch.long)
+        return padded
+
+    def _prompt_logprobs(self, group: list[Generation], states: Callable[[int], torch.Tensor]) -> None:
+        """Fill ``prompt_entries`` of the sequences that ask, from ``states(j)``: the hidden states ``(len - 1, d)``
+        of prompt ``j``'s tokens but the last."""
         for j, s in enumerate(group):
             if s.prompt_logprobs is not None:
-                b, off = ends[j]
-                scored = self.model.lm_head(hidden[b, off:off + lengths[j] - 1])  # (len - 1, V)
+                scored = self.model.lm_head(states(j))  # (len - 1, V)
                 s.prompt_entries = [(None, None)] + token_logprobs(scored, s.prompt[1:], s.prompt_logprobs)
-        return padded, ids, lengths, self.model.lm_head(last)  # (n, V)
 
     def _packed_forward(self, padded: torch.Tensor, cache_rows: list[int], lengths: list[int],
                         bins: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
         """The prefill forward of the right-padded prompts ``padded (n, W)`` packed into ``bins``: the ids fed
         ``(B, W)``, hidden states ``(B, W, d)`` and each prompt's ``(bin, offset)``."""
         width = padded.shape[1]
+        ids, pos, doc, places = self._pack(padded, lengths, bins)
+        ids, pos, doc = ids.to(self.device), pos.to(self.device), doc.to(self.device)
+        rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
+        cache = self.cache.packed(cache_rows, places, lengths, width)
+        return ids, self.model(ids, start_pos=0, cache=cache, positions=pos, doc_ids=doc, return_hidden=True,
+                               table_rows=rows), places
+
+    def _pack(self, padded: torch.Tensor, lengths: list[int], bins: list[list[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+        """The prompts ``padded (n, W)`` packed into ``bins`` (host): ids, positions and document ids ``(B, W)``
+        (padding a document of its own, ``-1``) and each prompt's ``(bin, offset)``."""
+        width = padded.shape[1]
         ids = torch.full((len(bins), width), self.pad_id, dtype=torch.long)
         pos = torch.zeros((len(bins), width), dtype=torch.long)
-        doc = torch.full((len(bins), width), -1, dtype=torch.long)  # padding: a document of its own
+        doc = torch.full((len(bins), width), -1, dtype=torch.long)
         places: list[tuple[int, int]] = [(0, 0)] * len(lengths)
         for b, members in enumerate(bins):
             off = 0
@@ -223,16 +255,28 @@ class DecodeCore:
                 doc[b, off:off + n] = j
                 places[j] = (b, off)
                 off += n
-        ids, pos, doc = ids.to(self.device), pos.to(self.device), doc.to(self.device)
-        rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
-        cache = self.cache.packed(cache_rows, places, lengths, width)
-        return ids, self.model(ids, start_pos=0, cache=cache, positions=pos, doc_ids=doc, return_hidden=True,
-                               table_rows=rows), places
+        return ids, pos, doc, places
 
     # -- decoding -----------------------------------------------------------------------------
+    def merges(self) -> bool:
+        """Whether ``step`` can take newcomers (``join``) into its forward now: an eager core (not the static or
+        graph step) with rows running, of a model without n-gram keys (their prompts are not packed)."""
+        return self.static is None and not self.reach and bool(self.running)
+
     @torch.no_grad()
-    def step(self) -> Progress:
-        """One forward over every running sequence, feeding each its last token; sample the next."""
+    def step(self, join: Seq[Generation] = ()) -> Progress:
+        """One forward over every running sequence, feeding each its last token; sample the next.
+
+        ``join``: newcomers prefilled in the same forward (a prefill merged into the step, where ``add`` and
+        ``step`` would run two forwards; only while ``merges()``): their prompts, packed as ``add`` packs them,
+        follow the running rows' tokens in one sequence, and each samples its first token. Each part attends
+        as it would alone (``SlotCache.mixed``), so the tokens are those of ``add`` then ``step``; the newcomers
+        decode their second token at the next step."""
+        if join:
+            if not self.merges():
+                raise ValueError("this core cannot merge a prefill into its step now (see DecodeCore.merges); "
+                                 "add the newcomers first")
+            return self._merged_step(join)
         seqs = self.running
         if not seqs:
             return Progress([], [])
@@ -249,6 +293,40 @@ class DecodeCore:
             logits = self._eager_step(tokens, slots, rows, None if context is None else context.to(self.device))
         emitted = self._sample(seqs, logits)
         return Progress(emitted, self._retire(), None, [1] * len(seqs))
+
+    def _merged_step(self, join: Seq[Generation]) -> Progress:
+        fresh, done = self._prepare(join)
+        if not fresh:
+            progress = self.step()
+            return Progress(progress.emitted, done + progress.finished)
+        seqs, n = self.running, len(self.running)
+        tokens, slots = [s.tokens[-1] for s in seqs], [s.next_slot for s in seqs]
+        lengths = [len(s.prompt) for s in fresh]
+        width, span = max(lengths), max(slots) + 1
+        self._ticket = None  # the forward gathers the rows of all its ids itself
+        self.running = seqs + fresh
+        cache_rows = list(range(n, len(self.running)))
+        self._reserve(len(self.running), max(span, width + 1))
+        padded = self._padded(fresh, width)
+        bins = pack_prompts(lengths, width)
+        packed, pos, doc, places = self._pack(padded, lengths, bins)
+        ids = torch.cat((torch.tensor(tokens), packed.reshape(-1)))[None].to(self.device)  # (1, n + B·W)
+        positions = torch.cat((torch.tensor(slots), pos.reshape(-1)))[None].to(self.device)  # (1, n + B·W)
+        step_pos = positions[0, :n]
+        cache = self.cache.mixed(step_pos, span, ragged_mask(torch.arange(span, device=self.device), step_pos,
+                                                             self.cache.dtype),
+                                 cache_rows, places, lengths, width, attention_mask(doc.to(self.device), 0, width,
+                                                                                    self.device))
+        rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
+        hidden = self.model(ids, start_pos=0, cache=cache, positions=positions, return_hidden=True,
+                            table_rows=rows)[0]  # (n + B·W, d)
+        self.cache.uniform(0, 0)  # the mixed view ends with its forward
+        starts = [n + b * width + off for b, off in places]  # each prompt's first token in the sequence
+        last = torch.tensor(list(range(n)) + [at + m - 1 for at, m in zip(starts, lengths)], device=self.device)
+        logits = self.model.lm_head(hidden[last])  # (n + len(fresh), V)
+        self._prompt_logprobs(fresh, lambda j: hidden[starts[j]:starts[j] + lengths[j] - 1])
+        emitted = self._sample(seqs, logits[:n]) + self._first_tokens(fresh, logits[n:])
+        return Progress(emitted, done + self._retire(), padded, lengths, packed)
 
     def _context(self, seqs: list[Generation]) -> torch.Tensor | None:
         """``(n, reach)`` on the host: each sequence's tokens before the one it feeds next (``-1`` before

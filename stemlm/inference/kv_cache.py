@@ -1,11 +1,14 @@
 """The decode core's key/value cache, ``SlotCache``: every row at its own position, rows join and leave.
 
-``StemLM.forward`` takes any object with an ``update(layer_idx, k, v, start_pos)`` method as its
-``cache`` (the Hugging Face wrapper adapts ``DynamicCache`` this way; the tests keep a plain one)."""
+``StemLM.forward`` takes as its ``cache`` any object with an ``update(layer_idx, k, v, start_pos)`` method and a
+``splits_attention`` flag (the Hugging Face wrapper adapts ``DynamicCache`` this way; the tests keep a plain
+one): while the flag is true, a layer's attention is the cache's ``attend(layer_idx, q, k, v)`` instead (a
+decode step with a prefill merged into it, ``SlotCache.mixed``)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..config import ModelConfig
 
@@ -30,7 +33,9 @@ class SlotCache:
       keys ``0..span-1`` are returned and a mask hides each row's slots past its own;
     * ``prefill(rows)``: a group's right-padded prompts go to cache rows ``rows`` at slots ``0..W-1``;
       the group attends only to itself, so its own keys are returned;
-    * ``packed(rows, places, lengths, width)``: the same for prompts packed several to a row.
+    * ``packed(rows, places, lengths, width)``: the same for prompts packed several to a row;
+    * ``mixed(...)``: a ragged decode step and a packed prefill in one forward, attention run per part
+      (``attend``).
 
     ``span`` and the number of rows are Python ints (no host sync); the static decode step passes the
     full ``max_len`` and a bucket of rows, so its shapes never change (``stemlm.inference.static``).
@@ -76,11 +81,14 @@ class SlotCache:
         The writes go through one flat index into a layer's ``(rows·heads·slots, head_dim)`` view, made
         here once for every layer and for keys and values alike (``index_copy_``: cheaper per call than
         the advanced-index assignment it replaces, which rebuilt its broadcast indices each time)."""
+        self._view = ("ragged", self._ragged_index(slots), span)
+        return self
+
+    def _ragged_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """``(n·heads,)``: where row ``j``'s head ``h`` writes its token, at ``slots[j]``, in a layer's flat view."""
         n, heads = slots.shape[0], self.cfg.n_kv_heads
         rows = torch.arange(n, device=slots.device)[:, None] * heads + torch.arange(heads, device=slots.device)
-        flat = (rows * self.max_len + slots[:, None]).reshape(-1)  # (n·heads,): row j, head h at slots[j]
-        self._view = ("ragged", flat, span)
-        return self
+        return (rows * self.max_len + slots[:, None]).reshape(-1)  # (n·heads,): row j, head h at slots[j]
 
     def prefill(self, rows: list[int]) -> "SlotCache":
         """The next forward (a right-padded group of prompts) fills cache rows ``rows`` from slot 0."""
@@ -98,14 +106,52 @@ class SlotCache:
         One gather and one ``index_copy_`` per layer and per keys / values: ``src`` picks the real tokens
         out of the ``(B·width)`` bin positions, ``dst`` is where each lands in a layer's
         ``(rows·heads·slots, head_dim)`` view, for every head."""
+        self._view = ("packed", self._packed_index(rows, places, lengths, width), 0)
+        return self
+
+    def _packed_index(self, rows: list[int], places: list[tuple[int, int]], lengths: list[int],
+                      width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(src, dst)`` of ``packed``: the prompts' tokens among the bins' positions, and where each lands."""
         src, base = [], []
         for row, (b, off), n in zip(rows, places, lengths):
             src.extend(range(b * width + off, b * width + off + n))
             base.extend(range(row * self.cfg.n_kv_heads * self.max_len, row * self.cfg.n_kv_heads * self.max_len + n))
         heads = torch.arange(self.cfg.n_kv_heads, device=self.device) * self.max_len
         dst = (torch.tensor(base, device=self.device)[:, None] + heads).reshape(-1)  # (N·heads,): token-major
-        self._view = ("packed", (torch.tensor(src, device=self.device), dst), 0)
+        return torch.tensor(src, device=self.device), dst
+
+    def mixed(self, slots: torch.Tensor, span: int, step_mask: torch.Tensor, rows: list[int],
+              places: list[tuple[int, int]], lengths: list[int], width: int, prefill_mask: torch.Tensor) -> "SlotCache":
+        """The next forward is a decode step with a prefill merged into it (``DecodeCore.step(join=...)``): one
+        sequence of ``n + B·width`` tokens, the ``n = len(slots)`` running rows' newest tokens (as ``ragged``:
+        row ``j`` writes at ``slots[j]`` and sees slots ``0..span-1`` under the additive ``step_mask (n, 1, 1,
+        span)``) and then ``B`` bins of ``width`` packed prompts (as ``packed``, each bin under ``prefill_mask
+        (B, 1, width, width)``). Each part attends to its own keys, in its own ``attend`` call."""
+        bins = prefill_mask.shape[0]
+        self._view = ("mixed", (self._ragged_index(slots), step_mask, self._packed_index(rows, places, lengths, width),
+                                bins, width, prefill_mask), span)
         return self
+
+    @property
+    def splits_attention(self) -> bool:
+        """Whether the next forward's attention is ``attend`` (a ``mixed`` view)."""
+        return self._view[0] == "mixed"
+
+    def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """A ``mixed`` forward's attention in layer ``layer_idx``: ``q (1, nh, N, hd)``, ``k, v (1, nkv, N, hd)``
+        (rotated) are stored as the view says and attended to per part; the output ``(1, nh, N, hd)``."""
+        (flat, step_mask, (src, dst), bins, width, prefill_mask), span = self._view[1], self._view[2]
+        K, V = self.k[layer_idx], self.v[layer_idx]
+        n = flat.shape[0] // self.cfg.n_kv_heads
+        gqa = q.shape[1] != k.shape[1]
+        step_q, step_k, step_v = (t[0, :, :n].transpose(0, 1)[:, :, None] for t in (q, k, v))  # (n, h, 1, hd)
+        self._write_tokens(K, V, flat, step_k, step_v)
+        step_y = F.scaled_dot_product_attention(step_q, K[:n, :, :span], V[:n, :, :span], attn_mask=step_mask,
+                                                enable_gqa=gqa)  # (n, nh, 1, hd)
+        pre_q, pre_k, pre_v = (t[0, :, n:].unflatten(1, (bins, width)).transpose(0, 1) for t in (q, k, v))  # (B, h, W, hd)
+        self._write_packed(K, V, src, dst, pre_k, pre_v)
+        pre_y = F.scaled_dot_product_attention(pre_q, pre_k, pre_v, attn_mask=prefill_mask, enable_gqa=gqa)
+        return torch.cat((step_y[:, :, 0].transpose(0, 1), pre_y.transpose(0, 1).flatten(1, 2)), dim=1)[None]
 
     def update(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor, start_pos: int):
         """Store ``k, v (n, nkv, T, hd)`` as the current view says; the keys and values to attend to."""
@@ -117,17 +163,13 @@ class SlotCache:
             V[:n, :, start_pos:start_pos + T] = v
             return K[:n, :, :span], V[:n, :, :span]
         if kind == "ragged":
-            hd = k.shape[-1]
-            K.view(-1, hd).index_copy_(0, where, k[:, :, 0].reshape(-1, hd))  # (n·nkv, hd) at each row's own slot
-            V.view(-1, hd).index_copy_(0, where, v[:, :, 0].reshape(-1, hd))
+            self._write_tokens(K, V, where, k, v)
             return K[:n, :, :span], V[:n, :, :span]
         if kind == "packed":
-            src, dst = where
-            hd = k.shape[-1]
-            for buf, new in ((K, k), (V, v)):  # (B, nkv, W, hd) -> the real tokens (N, nkv, hd) -> (N·nkv, hd)
-                tokens = new.transpose(1, 2).reshape(-1, new.shape[1], hd).index_select(0, src)
-                buf.view(-1, hd).index_copy_(0, dst, tokens.reshape(-1, hd))
+            self._write_packed(K, V, *where, k, v)
             return k, v
+        if kind == "mixed":
+            raise RuntimeError("a mixed forward's attention is SlotCache.attend, not update")
         if isinstance(where, slice):
             K[where, :, :T] = k
             V[where, :, :T] = v
@@ -135,6 +177,22 @@ class SlotCache:
             K[:, :, :T].index_copy_(0, where, k)
             V[:, :, :T].index_copy_(0, where, v)
         return k, v
+
+    @staticmethod
+    def _write_tokens(K: torch.Tensor, V: torch.Tensor, flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Row ``j``'s one new token ``k, v (n, nkv, 1, hd)`` to its own slot (``flat``, ``_ragged_index``)."""
+        hd = k.shape[-1]
+        K.view(-1, hd).index_copy_(0, flat, k[:, :, 0].reshape(-1, hd))  # (n·nkv, hd) at each row's own slot
+        V.view(-1, hd).index_copy_(0, flat, v[:, :, 0].reshape(-1, hd))
+
+    @staticmethod
+    def _write_packed(K: torch.Tensor, V: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor) -> None:
+        """The real tokens of packed bins ``k, v (B, nkv, W, hd)`` to their rows' slots (``_packed_index``)."""
+        hd = k.shape[-1]
+        for buf, new in ((K, k), (V, v)):  # (B, nkv, W, hd) -> the real tokens (N, nkv, hd) -> (N·nkv, hd)
+            tokens = new.transpose(1, 2).reshape(-1, new.shape[1], hd).index_select(0, src)
+            buf.view(-1, hd).index_copy_(0, dst, tokens.reshape(-1, hd))
 
     def keep(self, rows: list[int], length: int) -> None:
         """Move rows ``rows`` (in that order) to ``0..len(rows)-1``, copying their first ``length`` slots."""

@@ -116,6 +116,8 @@ class StemConfig(_ModelFields):
 class HFCacheAdapter:
     """Presents a growing transformers ``Cache`` as stemlm's ``update(layer, k, v, start_pos)``."""
 
+    splits_attention = False  # attention over the keys update returns (stemlm.inference.kv_cache)
+
     def __init__(self, cache: Cache):
         self.cache = cache
 

@@ -62,7 +62,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Grouped-query attention with an optional KV cache (``cache.update(layer, k, v, start)``)."""
+    """Grouped-query attention with an optional KV cache (``cache.update(layer, k, v, start)``, or the cache's own
+    ``attend`` while its ``splits_attention``: ``stemlm.inference.kv_cache``)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -79,13 +80,16 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         v = self.wv(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(self.layer_idx, k, v, start_pos)  # (B, nkv, S, hd), S = start_pos + T
-        gqa = self.n_heads != self.n_kv_heads
-        if mask is None and start_pos == 0 and T > 1:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:  # decode (T == 1 sees everything cached) or an explicit mask
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if cache is not None and cache.splits_attention:  # a decode step and a prefill in one forward
+            y = cache.attend(self.layer_idx, q, k, v)  # (B, nh, T, hd)
+        else:
+            if cache is not None:
+                k, v = cache.update(self.layer_idx, k, v, start_pos)  # (B, nkv, S, hd), S = start_pos + T
+            gqa = self.n_heads != self.n_kv_heads
+            if mask is None and start_pos == 0 and T > 1:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+            else:  # decode (T == 1 sees everything cached) or an explicit mask
+                y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # (B, T, d)
         return self.wo(y)
 
@@ -197,7 +201,7 @@ class StemLM(nn.Module):
         """Logits ``(B, T, V)`` for token ids ``(B, T)`` at positions ``start_pos ...``.
 
         ``cache`` (optional) keeps keys/values across calls: any object with ``update(layer, k, v, start)``
-        (``stemlm.inference.kv_cache.SlotCache``, the HF wrapper's adapter);
+        and ``splits_attention`` (``stemlm.inference.kv_cache.SlotCache``, the HF wrapper's adapter);
         ``doc_ids (B, T)`` masks attention across documents; ``return_hidden`` returns the
         final normed hidden states ``(B, T, d)`` instead of logits; with ``targets (B, T)``
         (``-100`` = ignore) the mean cross-entropy is returned instead, computed by

@@ -6,9 +6,10 @@ that one OpenMP team does the model's work, ``stemlm.runtime.threads``, and HTTP
 steps); ``call`` runs other work on it between requests.
 
 Requests wait in a queue (at most ``max_queue``). Before each decode step the engine drops the
-requests that were cancelled or ran past their deadline, admits waiting ones (up to ``max_batch``
-rows) as one group (``DecodeCore.add``: a prefill into free rows of the KV cache and the first
-token), then runs one step of the running batch (``DecodeCore.step``). A newcomer therefore waits at
+requests that were cancelled or ran past their deadline and admits waiting ones (up to ``max_batch``
+rows) as one group: while rows are running, the group's prefill (into free rows of the KV cache, and
+the first token) is merged into the step's forward (``DecodeCore.step(join=...)``); into an idle
+batch it is a forward of its own (``DecodeCore.add``) before the step. A newcomer therefore waits at
 most one step plus its own prefill, never for the batch to finish. Decoding itself (sampling, stops,
 retirement, prefetch of the next step's rows) is the core's (``stemlm.inference.core``); the engine
 adds scheduling, cancellation, deadlines and events.
@@ -277,11 +278,13 @@ class Engine:
             return True
         try:
             self._drop_ended()
-            if newcomers:
-                self._deliver(self.core.add(self._admissible(newcomers)))
+            joining = self._admissible(newcomers) if newcomers else []
+            if joining and not self.core.merges():  # nothing running (or a static step): prefill on its own
+                self._deliver(self.core.add(joining))
                 self._publish()
-            if self.core.running:
-                self._deliver(self.core.step())
+                joining = []
+            if self.core.running or joining:
+                self._deliver(self.core.step(joining))  # newcomers prefilled in the step's own forward
         except Exception as e:  # a failed forward must not kill the server: fail the requests involved
             log.exception("engine step failed")
             self.core = DecodeCore(*self._core_args)  # a fresh batch before anyone hears of the failure
