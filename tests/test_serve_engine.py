@@ -73,6 +73,42 @@ def test_requests_arriving_mid_flight_decode_as_alone(model, max_batch):
     assert engine.metrics.snapshot()["generated_tokens"] == sum(sp.max_new_tokens for sp in params)
 
 
+def test_newcomers_to_a_running_batch_are_prefilled_in_its_step(model):
+    """Turn by turn (the engine's loop body, on this thread): a group joining running rows is prefilled in the
+    step's forward (``DecodeCore.step(join=...)``), one joining an idle batch in a forward of its own; the events
+    and tokens are those each request gets alone, prompt logprobs first."""
+    ps = prompts((5, 3, 11, 2, 7))
+    params = [SamplingParams(4 + i, temperature=0.0 if i % 2 else 0.9, seed=i) for i in range(len(ps))]
+    engine = Engine(model, max_batch=4)
+    out = Collector(len(ps))
+    reqs = [Request(p, sp, out.sink(i), prompt_logprobs=1 if i == 2 else None)
+            for i, (p, sp) in enumerate(zip(ps, params))]
+    engine.submit(*reqs[:2])
+    assert engine._turn()  # an idle batch: a prefill of its own, then the step
+    assert [len(out.tokens[i]) for i in range(2)] == [2, 2]
+    engine.submit(*reqs[2:4])
+    assert engine._turn()  # merged: the newcomers get their first token in the running rows' step
+    assert [len(out.tokens[i]) for i in range(4)] == [3, 3, 1, 1]
+    assert isinstance(out.events[2][0], PromptLogprobs) and isinstance(out.events[2][1], Token)
+    engine.submit(reqs[4])  # waits for a free row
+    while not out.all_done.is_set():
+        assert engine._turn()
+    m = engine.metrics.snapshot()
+    assert m["prefill_groups_merged"] >= 2 and m["prefill_groups"] == m["prefill_groups_merged"] + 1
+    for i, (p, sp) in enumerate(zip(ps, params)):
+        assert out.tokens[i] == alone(model, p, sp, None), f"request {i}"
+    assert [lp for lp, _ in out.events[2][0].entries[1:]] == pytest.approx(
+        [lp for lp, _ in alone_prompt_logprobs(model, ps[2])], abs=1e-5)
+
+
+def alone_prompt_logprobs(model, prompt):
+    from stemlm.inference.core import DecodeCore, Generation
+
+    seq = Generation(prompt, SamplingParams(1), prompt_logprobs=1)
+    DecodeCore(model, max_rows=1).add([seq])
+    return seq.prompt_entries[1:]
+
+
 def test_eos_stop_and_context_end_finish_requests(model):
     p = prompts((4,))[0]
     free = alone(model, p, SamplingParams(8), None)

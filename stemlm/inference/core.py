@@ -270,8 +270,9 @@ class DecodeCore:
         ``join``: newcomers prefilled in the same forward (a prefill merged into the step, where ``add`` and
         ``step`` would run two forwards; only while ``merges()``): their prompts, packed as ``add`` packs them,
         follow the running rows' tokens in one sequence, and each samples its first token. Each part attends
-        as it would alone (``SlotCache.mixed``), so the tokens are those of ``add`` then ``step``; the newcomers
-        decode their second token at the next step."""
+        as it would alone (``SlotCache.mixed``), so the tokens are those of ``add`` then ``step`` (for sequences with
+        generators of their own, as the engine's: shared ones are drawn in another order); the newcomers decode
+        their second token at the next step."""
         if join:
             if not self.merges():
                 raise ValueError("this core cannot merge a prefill into its step now (see DecodeCore.merges); "

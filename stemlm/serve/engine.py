@@ -279,10 +279,13 @@ class Engine:
         try:
             self._drop_ended()
             joining = self._admissible(newcomers) if newcomers else []
-            if joining and not self.core.merges():  # nothing running (or a static step): prefill on its own
-                self._deliver(self.core.add(joining))
-                self._publish()
-                joining = []
+            if joining:
+                merged = self.core.merges()
+                self.metrics.prefilled(merged)
+                if not merged:  # nothing running (or a static step): a prefill forward of its own
+                    self._deliver(self.core.add(joining))
+                    self._publish()
+                    joining = []
             if self.core.running or joining:
                 self._deliver(self.core.step(joining))  # newcomers prefilled in the step's own forward
         except Exception as e:  # a failed forward must not kill the server: fail the requests involved

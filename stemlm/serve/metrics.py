@@ -19,6 +19,7 @@ class Metrics:
         self._lock = threading.Lock()
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.received = self.admitted_requests = self.prompt_tokens = self.generated_tokens = 0
+        self.prefill_groups = self.merged_groups = 0
         self.outcomes: Counter[str] = Counter()
 
     def queued(self, n: int) -> None:
@@ -31,6 +32,12 @@ class Metrics:
         with self._lock:
             self.admitted_requests += n
             self.prompt_tokens += prompt_tokens
+
+    def prefilled(self, merged: bool) -> None:
+        """A group of admitted requests was prefilled: in a decode step's forward (``merged``) or a forward of its own."""
+        with self._lock:
+            self.prefill_groups += 1
+            self.merged_groups += merged
 
     def generated(self, n: int) -> None:
         """A step produced ``n`` tokens."""
@@ -60,4 +67,5 @@ class Metrics:
                     "requests_finished": sum(self.outcomes.values()),
                     "requests_cancelled": self.outcomes["cancelled"], "requests_failed": self.outcomes["error"],
                     "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                    "prefill_groups": self.prefill_groups, "prefill_groups_merged": self.merged_groups,
                     "tokens_per_s": round(recent / span, 3) if span > 0 else 0.0}
