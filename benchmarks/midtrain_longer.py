@@ -138,9 +138,14 @@ def main() -> None:
     gap = [(s, kd - d) for (s, d), (_, kd) in zip(curves["dense"], curves["distilled-kd-linear"])]
     acc = {a: {t: r["acc"] for t, r in d["tasks"].items()} for a, d in docs.items()}
     before = json.loads((STUDY_307K / "zero_shot_paired.json").read_text())
+    at_307k = {"dense": before["result"], "distilled-kd-linear": study_eval("stem-distilled-kd-linear")["result"]}
+    longer_minus_307k = {a: paired([at_307k[a], docs[a]]) for a in arms}  # each arm against itself at 307k tokens
     for row in pairs:
         print(f"{row['task']}: distilled - dense {100 * row['diff']:+.1f} points "
               f"[{100 * row['low']:+.1f}, {100 * row['high']:+.1f}]")
+    for a, rows in longer_minus_307k.items():
+        print(f"{a}, {args.steps} steps - 150 steps: " + ", ".join(
+            f"{r['task']} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]" for r in rows))
     print(f"final validation gap {gap[-1][1]:+.4f} nats at step {gap[-1][0]}")
     path = write_result(f"midtrain_longer_{args.steps * 8 * 256 // 1000}k", False, {
         "what": (f"dense continued vs the locally distilled STEM-1/3 KD-linear arm of studies/midtrain-300k.yaml, "
@@ -152,11 +157,13 @@ def main() -> None:
         "threads_per_job": int(threads), "train_wall_s": train_wall, "eval_wall_s": eval_wall,
         "summaries": summaries, "val_curves": curves, "val_gap": gap, "zero_shot_acc": acc,
         "paired_distilled_minus_dense": pairs,
+        "paired_against_itself_at_307k": longer_minus_307k,
         "at_307k": {"val_gap": final_val("stem-distilled-kd-linear") - final_val("dense"),
                     "zero_shot_acc": {a: {t: r["acc"] for t, r in study_eval(a)["result"]["tasks"].items()}
                                       for a in ("dense", "stem-distilled-kd-linear")},
                     "paired_distilled_minus_dense": before["paired_with_stem_distilled_kd_linear"],
-                    "source": "results/study/midtrain-300k (fp32, 150 steps)"},
+                    "source": "results/study/midtrain-300k (fp32, 150 steps; dense continued's per-item eval is "
+                              "zero_shot_paired.json's re-trained run)"},
         "evals": docs})
     print(f"wrote {path}")
 
