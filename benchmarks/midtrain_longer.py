@@ -103,6 +103,7 @@ def main() -> None:
                     help="2: the arms (and the evals) side by side, one thread each (default); 1: one after the other")
     ap.add_argument("--limit", type=int, default=500, help="items per task (default 500, the study's)")
     ap.add_argument("--tasks", default="arc_easy,piqa,hellaswag", help="zero-shot tasks (default the study's)")
+    ap.add_argument("--note", default="", help="how the runs were made, if not by this script (kept in the JSON)")
     args = ap.parse_args()
     for need in (args.study / "data" / "smollm2" / "corpus", args.study / "convert" / DENSE_MODEL,
                  args.study / "convert" / STEM_MODEL):
@@ -154,7 +155,7 @@ def main() -> None:
         "command": " ".join(["python benchmarks/midtrain_longer.py", f"--steps {args.steps}", f"--jobs {args.jobs}",
                              f"--dtype {args.dtype}"]),
         "train_commands": {a: "stemlm train " + " ".join(o) for a, o in arms.items()},
-        "threads_per_job": int(threads), "train_wall_s": train_wall, "eval_wall_s": eval_wall,
+        "note": args.note, "threads_per_job": int(threads), "train_wall_s": train_wall, "eval_wall_s": eval_wall,
         "summaries": summaries, "val_curves": curves, "val_gap": gap, "zero_shot_acc": acc,
         "paired_distilled_minus_dense": pairs,
         "paired_against_itself_at_307k": longer_minus_307k,
