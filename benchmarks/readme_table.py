@@ -317,6 +317,32 @@ def gpu_midtrain(files: dict) -> tuple[str, str]:
     return measured, yes(met)
 
 
+CPU_MIDTRAIN_GAP_GOAL, ZERO_SHOT_POINTS_GOAL = 0.25, 1.0  # issue 37: after 300k tokens on the CPU; within 1 point
+
+
+@row(f"mid-training with distillation on the CPU (SmolLM2-135M → STEM-1/3, locally distilled conversion, KL to the "
+     f"dense model): ≤ dense continued + {CPU_MIDTRAIN_GAP_GOAL:g} nats after 300k tokens; zero-shot within "
+     f"{ZERO_SHOT_POINTS_GOAL:g} point of dense continued on each task", "midtrain_longer.py",
+     RES + "midtrain_longer_*.json")
+def cpu_midtrain(files: dict) -> tuple[str, str]:
+    def pairs(rows: list[dict]) -> str:
+        return " / ".join(f"{100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]" for r in rows)
+
+    runs = sorted(files.values(), key=lambda r: r["summaries"]["dense"]["tokens_seen"])
+    first = runs[0]["at_307k"]
+    parts = [f"validation gap to dense continued and zero-shot distilled − dense, paired, points (95 % interval) on "
+             f"{' / '.join(r['task'] for r in first['paired_distilled_minus_dense'])} (500 items): 307,200 tokens "
+             f"(fp32, the study): **{first['val_gap']:+.3f}**, {pairs(first['paired_distilled_minus_dense'])}"]
+    for r in runs:
+        tokens, dtype = r["summaries"]["dense"]["tokens_seen"], "bf16" if "bfloat16" in r["what"] else "fp32"
+        parts.append(f"{tokens:,} tokens ({dtype}): **{r['val_gap'][-1][1]:+.3f}**, {pairs(r['paired_distilled_minus_dense'])}")
+    below = sorted({p["task"] for r in runs for p in r["paired_distilled_minus_dense"] + r["at_307k"]["paired_distilled_minus_dense"]
+                    if p["high"] < -ZERO_SHOT_POINTS_GOAL / 100})
+    measured = "; ".join(parts) + " ([docs](docs/insertion.md#distillation-during-mid-training-rundistill))"
+    return measured, (f"300k tokens: {yes(first['val_gap'] <= CPU_MIDTRAIN_GAP_GOAL)} (one seed); zero-shot: "
+                      f"{'**no** (' + ', '.join(below) + ' below by more than a point)' if below else 'inconclusive'}")
+
+
 GPU_STEP_GOALS = {"350m": {"stem-full": 0.93, "stem-1/3": 0.97}, "1b": {"stem-full": 0.88, "stem-1/3": 0.95}}  # issue 33
 GPU_LEASE = RES + "gpu_h200_2026-11-27/"  # first lease: eager, compiled, grad-accum 8, decode
 GPU_LEASE3 = RES + "gpu_h200_2026-11-28/"  # third lease: captured step at 350M and 1B, GEMM epilogues, grad-accum 8
