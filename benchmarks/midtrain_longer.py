@@ -13,7 +13,8 @@ eval command (``stemlm eval --tasks arc_easy,piqa,hellaswag --limit 500``, fp32)
 It needs the study's prepared data and converted models (``stemlm study run --spec midtrain-300k --stages
 midtrain``, which makes them under ``runs/study/midtrain-300k``). A finished arm (its ``summary.json`` at
 ``--steps``) and an existing eval are reused, so an interrupted run continues. The two arms train side by side,
-one thread each (``--jobs 1`` one after the other on every thread); so do the two evals.
+one thread each (``--jobs 1`` one after the other on every thread); so do the two evals (a run left alone gets
+every core).
 
     python benchmarks/midtrain_longer.py                       # 300 steps, ~70 min of training + ~50 of evals
     python benchmarks/midtrain_longer.py --steps 450 --runs runs/midtrain-921k
@@ -57,13 +58,17 @@ def finished(run: Path, steps: int) -> dict | None:
     return summary if summary.get("steps") == steps else None
 
 
-def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], threads: str) -> dict[str, float]:
-    """Start every command at once (``OMP_NUM_THREADS=threads``), wait for all; wall seconds of each."""
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "PYTHONPATH": str(ROOT)}
+def run_side_by_side(commands: dict[str, list[str]], logs: dict[str, Path], threads: dict[str, int]) -> dict[str, float]:
+    """Start every command at once, each with the cores left to it (``OMP_NUM_THREADS``, recorded in ``threads``),
+    and wait for all; wall seconds of each."""
+    share = str(max(1, (os.cpu_count() or 1) // max(1, len(commands))))
     procs, t0, wall = {}, time.perf_counter(), {}
     for name, cmd in commands.items():
-        print(f"{name}: {' '.join(cmd)}", flush=True)
-        procs[name] = subprocess.Popen(cmd, stdout=logs[name].open("w"), stderr=subprocess.STDOUT, env=env)
+        print(f"{name}: {' '.join(cmd)} ({share} threads)", flush=True)
+        env = {**os.environ, "OMP_NUM_THREADS": share, "PYTHONPATH": str(ROOT)}
+        threads[name] = int(share)
+        with logs[name].open("w") as log:
+            procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     for name, proc in procs.items():
         if proc.wait() != 0:
             raise SystemExit(f"{name} failed (exit {proc.returncode}); see {logs[name]}")
@@ -112,7 +117,7 @@ def main() -> None:
     args.runs.mkdir(parents=True, exist_ok=True)
     stemlm = [sys.executable, "-m", "stemlm"]
     arms = train_args(args.study, args.steps, args.dtype)
-    threads = "1" if args.jobs == 2 else str(os.cpu_count() or 1)
+    threads: dict[str, int] = {}  # each run's OMP_NUM_THREADS
 
     todo = {a: [*stemlm, "train", *o, f"run.out={args.runs / a}"] for a, o in arms.items()
             if finished(args.runs / a, args.steps) is None}
@@ -127,9 +132,9 @@ def main() -> None:
                 args.tasks, "--limit", str(args.limit), "--output", str(evals[a]), "--no-progress"]
             for a in arms if not evals[a].is_file()}
     groups = [todo] if args.jobs == 2 else [{a: c} for a, c in todo.items()]
-    eval_wall = {}
+    eval_wall, eval_threads = {}, {}
     for group in groups:
-        eval_wall.update(run_side_by_side(group, {a: args.runs / f"{a}.eval.log" for a in group}, threads))
+        eval_wall.update(run_side_by_side(group, {a: args.runs / f"{a}.eval.log" for a in group}, eval_threads))
 
     from stemlm.eval.run import paired
 
@@ -155,7 +160,8 @@ def main() -> None:
         "command": " ".join(["python benchmarks/midtrain_longer.py", f"--steps {args.steps}", f"--jobs {args.jobs}",
                              f"--dtype {args.dtype}"]),
         "train_commands": {a: "stemlm train " + " ".join(o) for a, o in arms.items()},
-        "note": args.note, "threads_per_job": int(threads), "train_wall_s": train_wall, "eval_wall_s": eval_wall,
+        "note": args.note, "train_threads": threads, "eval_threads": eval_threads, "train_wall_s": train_wall,
+        "eval_wall_s": eval_wall,
         "summaries": summaries, "val_curves": curves, "val_gap": gap, "zero_shot_acc": acc,
         "paired_distilled_minus_dense": pairs,
         "paired_against_itself_at_307k": longer_minus_307k,
