@@ -230,3 +230,36 @@ def test_a_merged_prefill_needs_running_rows_and_the_eager_step(stem):
     eager = DecodeCore(ngram, max_rows=3)
     eager.add([Generation([1, 2], SamplingParams(4))])
     assert not eager.merges()  # n-gram keys would hash across packed neighbours
+
+
+def test_a_merged_newcomer_with_no_budget_gives_prompt_logprobs_and_leaves(stem):
+    """A newcomer asking only for prompt logprobs (no new tokens) merged into a step: its entries are those of
+    ``add``, it finishes (``length``) without a token and leaves the batch; the running row goes on."""
+    ps = prompts((4, 7))
+    core = DecodeCore(stem, max_rows=3)
+    running = Generation(ps[0], SamplingParams(5))
+    core.add([running])
+    scored = Generation(ps[1], SamplingParams(0), prompt_logprobs=1)
+    progress = core.step(join=[scored])
+    assert scored.finish_reason == "length" and not scored.tokens and scored in progress.finished
+    assert core.running == [running] and len(running.tokens) == 2
+    alone = Generation(ps[1], SamplingParams(0), prompt_logprobs=1)
+    DecodeCore(stem, max_rows=1).add([alone])
+    assert [lp for lp, _ in scored.prompt_entries[1:]] == pytest.approx([lp for lp, _ in alone.prompt_entries[1:]],
+                                                                       abs=1e-5)
+    while core.running:
+        core.step()
+    assert running.tokens == generate_batch(stem, [ps[0]], SamplingParams(5), graphs="off")[0]
+
+
+def test_a_merged_step_refuses_what_add_refuses_and_leaves_the_batch_as_it_was(stem):
+    core = DecodeCore(stem, max_rows=2, max_len=12)
+    running = Generation(prompts((4,))[0], SamplingParams(4))
+    core.add([running])
+    with pytest.raises(ValueError, match="exceeds this core's max_len=12"):
+        core.step(join=[Generation(list(range(1, 14)), SamplingParams(2))])
+    with pytest.raises(ValueError, match="do not fit"):
+        core.step(join=[Generation([1, 2], SamplingParams(2)) for _ in range(2)])
+    assert core.running == [running] and len(running.tokens) == 1
+    core.step()
+    assert len(running.tokens) == 2
