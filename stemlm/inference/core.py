@@ -197,7 +197,7 @@ class DecodeCore:
             ids, hidden, ends = self._packed_forward(padded, cache_rows, lengths, bins)
         else:
             ids = padded.to(self.device)
-            rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
+            rows = self._fetch(ids)
             mask = None
             if min(lengths) != width:  # causal, the padding keys hidden
                 real = torch.arange(width, device=self.device)[None, :] < torch.tensor(lengths, device=self.device)[:, None]
@@ -209,6 +209,11 @@ class DecodeCore:
         last = hidden[at[:, 0], at[:, 1]]  # (n, d): each prompt's last token
         self._prompt_logprobs(group, lambda j: hidden[ends[j][0], ends[j][1]:ends[j][1] + lengths[j] - 1])
         return padded, ids, lengths, self.model.lm_head(last)  # (n, V)
+
+    def _fetch(self, ids: torch.Tensor):
+        """The ticket of the rows of ``ids`` a prefill forward looks up (``model.prefetch_rows``), or None when
+        the tables are in the model's memory."""
+        return self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
 
     def _padded(self, group: list[Generation], width: int) -> torch.Tensor:
         """The group's prompts right-padded to ``width`` (host, ``(n, width)``)."""
@@ -232,7 +237,7 @@ class DecodeCore:
         width = padded.shape[1]
         ids, pos, doc, places = self._pack(padded, lengths, bins)
         ids, pos, doc = ids.to(self.device), pos.to(self.device), doc.to(self.device)
-        rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
+        rows = self._fetch(ids)
         cache = self.cache.packed(cache_rows, places, lengths, width)
         return ids, self.model(ids, start_pos=0, cache=cache, positions=pos, doc_ids=doc, return_hidden=True,
                                table_rows=rows), places
@@ -318,10 +323,9 @@ class DecodeCore:
                                                              self.cache.dtype),
                                  cache_rows, places, lengths, width, attention_mask(doc.to(self.device), 0, width,
                                                                                     self.device))
-        rows = self.model.prefetch_rows(ids, tables=self.store) if self._prefetch else None
+        rows = self._fetch(ids)
         hidden = self.model(ids, start_pos=0, cache=cache, positions=positions, return_hidden=True,
                             table_rows=rows)[0]  # (n + B·W, d)
-        self.cache.uniform(0, 0)  # the mixed view ends with its forward
         starts = [n + b * width + off for b, off in places]  # each prompt's first token in the sequence
         last = torch.tensor(list(range(n)) + [at + m - 1 for at, m in zip(starts, lengths)], device=self.device)
         logits = self.model.lm_head(hidden[last])  # (n + len(fresh), V)

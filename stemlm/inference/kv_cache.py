@@ -127,9 +127,8 @@ class SlotCache:
         row ``j`` writes at ``slots[j]`` and sees slots ``0..span-1`` under the additive ``step_mask (n, 1, 1,
         span)``) and then ``B`` bins of ``width`` packed prompts (as ``packed``, each bin under ``prefill_mask
         (B, 1, width, width)``). Each part attends to its own keys, in its own ``attend`` call."""
-        bins = prefill_mask.shape[0]
         self._view = ("mixed", (self._ragged_index(slots), step_mask, self._packed_index(rows, places, lengths, width),
-                                bins, width, prefill_mask), span)
+                                prefill_mask), span)
         return self
 
     @property
@@ -140,9 +139,9 @@ class SlotCache:
     def attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """A ``mixed`` forward's attention in layer ``layer_idx``: ``q (1, nh, N, hd)``, ``k, v (1, nkv, N, hd)``
         (rotated) are stored as the view says and attended to per part; the output ``(1, nh, N, hd)``."""
-        (flat, step_mask, (src, dst), bins, width, prefill_mask), span = self._view[1], self._view[2]
+        (flat, step_mask, (src, dst), prefill_mask), span = self._view[1], self._view[2]
         K, V = self.k[layer_idx], self.v[layer_idx]
-        n = flat.shape[0] // self.cfg.n_kv_heads
+        n, bins, width = step_mask.shape[0], prefill_mask.shape[0], prefill_mask.shape[-1]
         gqa = q.shape[1] != k.shape[1]
         step_q, step_k, step_v = (t[0, :, :n].transpose(0, 1)[:, :, None] for t in (q, k, v))  # (n, h, 1, hd)
         self._write_tokens(K, V, flat, step_k, step_v)
