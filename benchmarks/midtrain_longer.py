@@ -86,6 +86,14 @@ def study_eval(arm: str) -> dict:
     return json.loads((STUDY_307K / "eval" / f"midtrain-smollm2-{arm}.final.json").read_text())
 
 
+def run_jobs(commands: dict[str, list[str]], jobs: int, logs: dict[str, Path], threads: dict[str, int]) -> dict[str, float]:
+    """``commands`` side by side (``jobs`` 2) or one after the other (1); wall seconds of each."""
+    wall = {}
+    for group in [commands] if jobs == 2 else [{a: c} for a, c in commands.items()]:
+        wall.update(run_side_by_side(group, logs, threads))
+    return wall
+
+
 def val_curve(run: Path) -> list[tuple[int, float]]:
     """``(step, val_loss)`` at every evaluation point of the run."""
     out = []
@@ -121,20 +129,15 @@ def main() -> None:
 
     todo = {a: [*stemlm, "train", *o, f"run.out={args.runs / a}"] for a, o in arms.items()
             if finished(args.runs / a, args.steps) is None}
-    groups = [todo] if args.jobs == 2 else [{a: c} for a, c in todo.items()]
-    train_wall = {}
-    for group in groups:
-        train_wall.update(run_side_by_side(group, {a: args.runs / f"{a}.log" for a in group}, threads))
+    train_wall = run_jobs(todo, args.jobs, {a: args.runs / f"{a}.log" for a in todo}, threads)
     summaries = {a: finished(args.runs / a, args.steps) for a in arms}
 
     evals = {a: args.runs / f"{a}.eval.json" for a in arms}
-    todo = {a: [*stemlm, "eval", "--ckpt", str(args.runs / a / "checkpoints" / f"step_{args.steps:08d}"), "--tasks",
-                args.tasks, "--limit", str(args.limit), "--output", str(evals[a]), "--no-progress"]
+    todo = {a: [*stemlm, "eval", "--ckpt", summaries[a]["checkpoint"], "--tasks", args.tasks, "--limit",
+                str(args.limit), "--output", str(evals[a]), "--no-progress"]
             for a in arms if not evals[a].is_file()}
-    groups = [todo] if args.jobs == 2 else [{a: c} for a, c in todo.items()]
-    eval_wall, eval_threads = {}, {}
-    for group in groups:
-        eval_wall.update(run_side_by_side(group, {a: args.runs / f"{a}.eval.log" for a in group}, eval_threads))
+    eval_threads: dict[str, int] = {}
+    eval_wall = run_jobs(todo, args.jobs, {a: args.runs / f"{a}.eval.log" for a in todo}, eval_threads)
 
     from stemlm.eval.run import paired
 
