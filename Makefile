@@ -28,8 +28,11 @@ demo: $(STAMP)
 demo-real: $(STAMP)
 	$(VENV)/bin/stemlm demo --model smollm2
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist): on the 2-core CI machine 2 workers take ~4 min
+# where one process takes ~7 (most tests are short and single-threaded). TEST_WORKERS=0 runs in this process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m slow
@@ -44,7 +47,7 @@ test-latest:
 	echo "torch==2.13.0" > $(LATEST)/torch-only.txt
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -c $(LATEST)/torch-only.txt -e ".[dev]"
 	$(LATEST)/bin/python -m pip list | grep -i -E "^(transformers|tokenizers|safetensors|numpy) "
-	$(LATEST)/bin/python -m pytest
+	$(LATEST)/bin/python -m pytest -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(PY) $$b || exit 1; done
