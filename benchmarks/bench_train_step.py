@@ -35,12 +35,12 @@ import torch
 from _train_bench import RESULTS, make_trainer, paired_ratio, preset_run_args, time_interleaved, write_result
 
 from stemlm.accounting import train_flops_per_token
-from stemlm.runtime.matmul import mm_nn, mm_nt
+from stemlm.runtime.matmul import mm_nn, mm_nt, weight_grad
 
 
 def up_projection_matmuls(cfg, tokens: int, n_layers: int, backend: str):
     """A function running the up-projection matmuls (forward + 2 backward) of ``n_layers`` dense layers,
-    on the GEMM ``backend`` the training step uses (``stemlm.runtime.matmul``: forward and input gradient)."""
+    on the GEMM ``backend`` the training step uses (``stemlm.runtime.matmul``: all three as training computes them)."""
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, cfg.d_model, generator=gen)  # (N, d)
     w = torch.randn(cfg.d_ff, cfg.d_model, generator=gen)  # (d_ff, d)
@@ -48,7 +48,7 @@ def up_projection_matmuls(cfg, tokens: int, n_layers: int, backend: str):
 
     def run():
         for _ in range(n_layers):
-            mm_nt(x, w, backend), mm_nn(g, w, backend), g.t() @ x  # forward, grad of x, grad of w
+            mm_nt(x, w, backend), mm_nn(g, w, backend), weight_grad(g, x, backend)  # forward, grad of x, grad of w
     return run
 
 

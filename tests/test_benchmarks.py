@@ -76,14 +76,15 @@ def test_bad_shape_override_is_a_clear_error(tmp_path):
     assert not list(tmp_path.iterdir())
 
 
-def test_weight_grad_quick_times_both_arms_in_rounds(tmp_path):
+def test_weight_grad_quick_times_every_arm_in_rounds(tmp_path):
     out = run_quick("bench_weight_grad.py", tmp_path)
     r = json.loads((tmp_path / "weight_grad.quick.json").read_text())["shapes"]
     for shape in ("p7-dense", "p3-stem"):
         s = r[shape]["step_seconds"]
-        assert len(s["aten"]) == len(s["onednn"]) == 2
-        assert r[shape]["aten_over_onednn"] == [a / o for a, o in zip(s["aten"], s["onednn"])]
-    assert "ATen ÷ oneDNN" in out
+        assert len(s["aten"]) == len(s["onednn-grad-first"]) == len(s["onednn"]) == 2
+        for other in ("aten", "onednn-grad-first"):
+            assert r[shape][f"{other}_over_onednn"]["rounds"] == [a / o for a, o in zip(s[other], s["onednn"])]
+    assert "onednn-grad-first" in out and "p3-stem" in out
 
 
 def test_vs_hf_quick_reports_paired_ratio(tmp_path):

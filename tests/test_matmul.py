@@ -27,10 +27,11 @@ def _grads(fn, *tensors):
 
 
 @needs_onednn
+@pytest.mark.parametrize("out", [12, 40])  # narrower and wider than the input: both orders of the weight gradient
 @pytest.mark.parametrize("shape", [(7, 16), (2, 33, 16), (1, 1, 16)])
-def test_onednn_linear_matches_aten_values_and_gradients(shape):
+def test_onednn_linear_matches_aten_values_and_gradients(shape, out):
     gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(*shape, generator=gen), torch.randn(12, 16, generator=gen)
+    x, w = torch.randn(*shape, generator=gen), torch.randn(out, 16, generator=gen)
     for got, ref in zip(_grads(onednn_linear, x, w), _grads(F.linear, x, w)):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -41,6 +42,18 @@ def test_products_match_aten_and_accept_transposed_views():
     a, b = torch.randn(9, 20, generator=gen), torch.randn(20, 11, generator=gen)
     torch.testing.assert_close(mm_nn(a, b, "onednn"), a @ b, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mm_nt(a, b.t(), "onednn"), a @ b, rtol=1e-5, atol=1e-5)  # b.t() is a strided view
+
+
+@needs_onednn
+@pytest.mark.parametrize("mode", matmul.WEIGHT_GRADS)
+@pytest.mark.parametrize("out, inp", [(40, 16), (16, 40), (16, 16)])
+def test_weight_gradient_in_every_mode_equals_aten(monkeypatch, mode, out, inp):
+    gen = torch.Generator().manual_seed(4)
+    grad, x = torch.randn(50, out, generator=gen), torch.randn(50, inp, generator=gen)
+    monkeypatch.setattr(matmul, "WEIGHT_GRAD", mode)
+    got = matmul.weight_grad(grad, x, "onednn")
+    assert got.shape == (out, inp) and got.is_contiguous()
+    torch.testing.assert_close(got, grad.t() @ x, rtol=1e-5, atol=1e-5)
 
 
 def test_falls_back_to_aten_off_the_fp32_cpu_path():

@@ -4,8 +4,9 @@ ATen's fp32 ``mm``/``linear`` on CPU call the BLAS PyTorch was built with (MKL i
 wheels); on CPUs MKL does not tune for, oneDNN's JIT kernels, which PyTorch also ships
 (``torch.ops.mkldnn._linear_pointwise``), can be much faster. This module routes the forward and
 input-gradient GEMMs through oneDNN, and the weight gradient (``grad.T @ x``) too
-(``WEIGHT_GRAD_ONEDNN``; it was ATen's until 2026-11-28, when an in-process A/B on an AVX-512 CPU,
-``benchmarks/bench_weight_grad.py``, measured whole training steps ~8 % faster with it on oneDNN).
+(``WEIGHT_GRAD``; it was ATen's until 2026-11-28, when an in-process A/B on an AVX-512 CPU,
+``benchmarks/bench_weight_grad.py``, measured whole training steps ~8 % faster with it on oneDNN; since
+2026-11-29 oneDNN is handed the narrower operand first, see ``weight_grad``).
 Measurements: docs/training.md ("GEMMs on CPU") and docs/generation.md.
 
 Applied from outside, like compile and parallelism: ``use_matmul_backend(model, "onednn")`` turns
@@ -107,11 +108,30 @@ def _linear_nd(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return _onednn_nt(x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[0])
 
 
-WEIGHT_GRAD_ONEDNN = True  # the weight gradient on oneDNN too (False: ATen's), see _OneDNNLinearFn.backward
+WEIGHT_GRADS = ("onednn", "onednn-grad-first", "aten")
+WEIGHT_GRAD = "onednn"  # how a OneDNNLinear's weight gradient is computed (``weight_grad``); one of WEIGHT_GRADS
+
+
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, backend: str = "aten") -> torch.Tensor:
+    """The weight gradient ``grad (M, out).T @ x (M, in) -> (out, in)`` on ``backend``.
+
+    oneDNN's product copies its first operand, here a transposed (strided) view, into contiguous rows:
+    a pass over ``M × rows`` floats as slow as a third of the product itself. With ``WEIGHT_GRAD`` =
+    ``onednn`` (the default) it is given the narrower operand: when ``out > in`` (``W_gate`` and ``W_up``,
+    ``d_ff > d``) the product is taken as ``(x.T @ grad).T`` and only the small ``(in, out)`` result is
+    transposed back, which at the tiny preset's 4,096 × 688 × 256 takes 3.96 ms instead of 5.83 ms (one
+    process, 2 cores; ``benchmarks/bench_weight_grad.py`` times whole steps). ``onednn-grad-first`` is the
+    product as before 2026-11-29, ``aten`` ATen's ``grad.T @ x``; a backend where oneDNN does not apply is
+    ATen's too. The results agree up to float summation order."""
+    if backend == "onednn" and WEIGHT_GRAD != "aten" and onednn_applies(grad, x):
+        if WEIGHT_GRAD == "onednn" and grad.shape[1] > x.shape[1]:
+            return _onednn_nt(x.t(), grad.t()).t().contiguous()  # (in, M) @ (M, out) -> (in, out) -> (out, in)
+        return _onednn_nt(grad.t(), x.t())  # (out, M) @ (M, in), transposed views
+    return grad.t() @ x
 
 
 class _OneDNNLinearFn(torch.autograd.Function):
-    """``x @ weight.T`` with oneDNN forward, input gradient and weight gradient (``WEIGHT_GRAD_ONEDNN``)."""
+    """``x @ weight.T`` with oneDNN forward, input gradient and weight gradient (``weight_grad``)."""
 
     @staticmethod
     def forward(ctx, x, weight):
@@ -126,11 +146,7 @@ class _OneDNNLinearFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn_nt(flat_grad, weight.t()).view(x.shape)  # (M, out) @ (out, in)
         if ctx.needs_input_grad[1]:
-            flat_x = x.reshape(-1, x.shape[-1])
-            if WEIGHT_GRAD_ONEDNN:
-                grad_w = _onednn_nt(flat_grad.t(), flat_x.t())  # (out, M) @ (M, in), transposed views
-            else:
-                grad_w = flat_grad.t() @ flat_x
+            grad_w = weight_grad(flat_grad, x.reshape(-1, x.shape[-1]), "onednn")  # (out, in)
         return grad_x, grad_w
 
 

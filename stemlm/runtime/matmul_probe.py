@@ -31,13 +31,14 @@ import torch
 import torch.nn as nn
 
 from .cache import cached_json
-from .matmul import mm_nn, mm_nt, resolve_matmul_backend, use_matmul_backend
+from .matmul import mm_nn, mm_nt, resolve_matmul_backend, use_matmul_backend, weight_grad
 
 ONEDNN_MARGIN = 1.10  # oneDNN only when ATen's probe time is at least this multiple of oneDNN's
 MAX_ROWS = 2048  # rows of the probed products (time per row is flat above a few hundred rows)
 REPEATS = 3  # products per shape and round; the best one counts
 CACHE_KIND = "matmul-choices"  # $STEMLM_CACHE/<kind>/, one file per machine and shape
-PROBE_VERSION = 2  # part of the cache key: v1 timed the forward and input gradient only
+PROBE_VERSION = 3  # part of the cache key: v1 timed the forward and input gradient only, v2 the weight
+# gradient with its wide operand copied (before 2026-11-29, ``matmul.weight_grad``)
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def _time_backend(operands: list[tuple], backend: str) -> float:
             t0 = time.perf_counter()
             mm_nt(x, w, backend)  # forward: (rows, in) @ (out, in).T
             mm_nn(g, w, backend)  # input gradient: (rows, out) @ (out, in)
-            mm_nt(g.t(), x.t(), backend)  # weight gradient: (out, rows) @ (rows, in)
+            weight_grad(g, x, backend)  # weight gradient: (out, rows) @ (rows, in), as training computes it
             best = min(best, time.perf_counter() - t0)
         total += count * best
     return total
