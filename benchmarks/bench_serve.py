@@ -34,7 +34,10 @@ direct ÷ engine is the cost of continuous batching itself (requests joining and
 batch), engine ÷ served the cost of the HTTP layer, including the CPU the load-generating clients take
 from the same machine (reported as ``client_cpu_share``: their CPU seconds ÷ wall time × cores). (Until
 2026-11-29 HTTP ran on a thread of its own and the JSON also had its CPU a request, read per thread; on one
-thread with the engine it is no longer told apart.)
+thread with the engine it is no longer told apart.) Both closed-loop phases also record the engine's decode steps and
+their mean running rows (its ``/metrics`` counters ``decode_steps`` and ``decode_rows``): ``steps_served_over_engine``
+above 1 means the served phase needed more steps, of fewer rows, for the same tokens, i.e. rows stood empty while a
+finished request's answer and its client's next request crossed HTTP.
 
     python benchmarks/bench_serve.py              # the real run (lead)
     python benchmarks/bench_serve.py --quick      # concurrency 1 and 2, a few tokens
@@ -198,6 +201,19 @@ def cpu_timed(phase) -> dict:
     return out
 
 
+def with_occupancy(engine, phase) -> dict:
+    """``phase()``'s result with the engine's decode steps during it (``decode_steps``) and their mean running
+    rows (``rows_per_step``), read from its ``/metrics`` counters: the same tokens in more steps of fewer rows
+    is time lost to requests arriving late, not to work done per token."""
+    before = engine.metrics.snapshot()
+    out = phase()
+    after = engine.metrics.snapshot()
+    steps = after["decode_steps"] - before["decode_steps"]
+    out["decode_steps"] = steps
+    out["rows_per_step"] = (after["decode_rows"] - before["decode_rows"]) / steps if steps else None
+    return out
+
+
 def _stack(choice: str) -> str:
     """The event loop and HTTP parser uvicorn runs with."""
     if choice == "asyncio":
@@ -261,16 +277,18 @@ def main() -> None:
             for r in range(args.repeats):
                 for c in rotated(levels, r):
                     work = workload(c, args.requests, lens, cfg.vocab_size, args.seed, args.aligned_lengths)
-                    s = cpu_timed(lambda: load.submit(served_phase, url, "bench", work, args.max_tokens,
-                                                      args.client).result())
+                    s = with_occupancy(engine, lambda: cpu_timed(lambda: load.submit(
+                        served_phase, url, "bench", work, args.max_tokens, args.client).result()))
                     s["cpu_s"] += s["client_cpu_s"]  # the work a token costs: the server's and its clients'
-                    e = cpu_timed(lambda: engine_phase(engine, work, args.max_tokens))
+                    e = with_occupancy(engine, lambda: cpu_timed(lambda: engine_phase(engine, work, args.max_tokens)))
                     # direct generation on the engine's thread, between requests (one OpenMP team, as served)
                     d = cpu_timed(lambda: engine.call(lambda: direct_phase(model, work, args.max_tokens, eos_ids)))
                     rounds[c].append((s, d, e))
                     print(f"round {r + 1} C={c:>2}: served {s['tokens_per_s']:8.1f} tok/s (p50 "
-                          f"{s['latency_p50_s']:.3f} s, p95 {s['latency_p95_s']:.3f} s), engine without HTTP "
-                          f"{e['tokens_per_s']:8.1f} tok/s, direct {d['tokens_per_s']:8.1f} tok/s", flush=True)
+                          f"{s['latency_p50_s']:.3f} s, p95 {s['latency_p95_s']:.3f} s; {s['decode_steps']} steps of "
+                          f"{s['rows_per_step']:.2f} rows), engine without HTTP {e['tokens_per_s']:8.1f} tok/s "
+                          f"({e['decode_steps']} steps of {e['rows_per_step']:.2f} rows), direct "
+                          f"{d['tokens_per_s']:8.1f} tok/s", flush=True)
             with urllib.request.urlopen(url + "/metrics") as resp:
                 metrics.update(json.load(resp))
 
@@ -292,11 +310,14 @@ def main() -> None:
                            "overhead_of_continuous_batching": batching - 1, "overhead_of_http": http - 1,
                            "requests_lost": max(lost), "requests_with_other_token_counts_than_direct": max(differ),
                            "goal_overhead_10pct": ratio - 1 <= 0.10,
+                           "steps_served_over_engine": statistics.median(
+                               x[0]["decode_steps"] / x[2]["decode_steps"] for x in rs),
                            "cpu_overhead": paired_ratio(*[[x[i]["cpu_s"] / x[i]["tokens"] for x in rs] for i in (0, 1)]) - 1,
                            "cpu_overhead_of_http": paired_ratio(*[[x[i]["cpu_s"] / x[i]["tokens"] for x in rs]
                                                                    for i in (0, 2)]) - 1}
         print(f"C={c:>2}: overhead {100 * (ratio - 1):+.1f} % (goal <= 10 %; continuous batching "
-              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %), requests lost {max(lost)}; CPU per "
+              f"{100 * (batching - 1):+.1f} %, HTTP {100 * (http - 1):+.1f} %; decode steps served ÷ engine "
+              f"{results[str(c)]['steps_served_over_engine']:.3f}), requests lost {max(lost)}; CPU per "
               f"token {100 * results[str(c)]['cpu_overhead']:+.1f} % (HTTP {100 * results[str(c)]['cpu_overhead_of_http']:+.1f} %)")
     name = "bench_serve" + ("_aligned" if args.aligned_lengths else "") + ("_openai" if args.client == "openai" else "")
     path = write_result(name, args.quick, {

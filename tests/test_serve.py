@@ -65,7 +65,7 @@ def test_health_models_and_metrics(server, client):
     client.completions.create(model="tiny", prompt="The capital", max_tokens=3, temperature=0)
     m = metrics(url)
     for key in ("tokens_per_s", "requests_running", "requests_queued", "requests_finished", "queue_length",
-                "generated_tokens", "prompt_tokens", "prefill_groups", "prefill_groups_merged"):
+                "generated_tokens", "prompt_tokens", "prefill_groups", "prefill_groups_merged", "decode_steps", "decode_rows"):
         assert key in m
     assert m["generated_tokens"] >= 1 and m["requests_running"] == 0
     store = m["table_store"]

@@ -95,6 +95,8 @@ def test_newcomers_to_a_running_batch_are_prefilled_in_its_step(model):
         assert engine._turn()
     m = engine.metrics.snapshot()
     assert m["prefill_groups_merged"] >= 2 and m["prefill_groups"] == m["prefill_groups_merged"] + 1
+    # every step decodes one token of each running row; each request's first token came from its prefill
+    assert m["decode_rows"] == m["generated_tokens"] - len(ps) and 0 < m["decode_steps"] <= m["decode_rows"]
     for i, (p, sp) in enumerate(zip(ps, params)):
         assert out.tokens[i] == alone(model, p, sp, None), f"request {i}"
     assert [lp for lp, _ in out.events[2][0].entries[1:]] == pytest.approx(

@@ -287,6 +287,7 @@ class Engine:
                     self._publish()
                     joining = []
             if self.core.running or joining:
+                self.metrics.stepped(len(self.core.running))
                 self._deliver(self.core.step(joining))  # newcomers prefilled in the step's own forward
         except Exception as e:  # a failed forward must not kill the server: fail the requests involved
             log.exception("engine step failed")

@@ -20,6 +20,7 @@ class Metrics:
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of recent steps
         self.received = self.admitted_requests = self.prompt_tokens = self.generated_tokens = 0
         self.prefill_groups = self.merged_groups = 0
+        self.decode_steps = self.decode_rows = 0
         self.outcomes: Counter[str] = Counter()
 
     def queued(self, n: int) -> None:
@@ -38,6 +39,12 @@ class Metrics:
         with self._lock:
             self.prefill_groups += 1
             self.merged_groups += merged
+
+    def stepped(self, rows: int) -> None:
+        """A decode step ran with ``rows`` running rows (newcomers merged into it not counted)."""
+        with self._lock:
+            self.decode_steps += 1
+            self.decode_rows += rows
 
     def generated(self, n: int) -> None:
         """A step produced ``n`` tokens."""
@@ -68,4 +75,5 @@ class Metrics:
                     "requests_cancelled": self.outcomes["cancelled"], "requests_failed": self.outcomes["error"],
                     "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
                     "prefill_groups": self.prefill_groups, "prefill_groups_merged": self.merged_groups,
+                    "decode_steps": self.decode_steps, "decode_rows": self.decode_rows,
                     "tokens_per_s": round(recent / span, 3) if span > 0 else 0.0}
