@@ -16,7 +16,14 @@ midtrain``, which makes them under ``runs/study/midtrain-300k``). A finished arm
 one thread each (``--jobs 1`` one after the other on every thread); so do the two evals (a run left alone gets
 every core).
 
+``--kd-from-continued`` adds a third arm, ``distilled-kd-continued``: the same conversion and KL term, but the
+teacher is dense continued itself (this script's dense arm, at its last step) instead of the dense conversion, and
+the KL keeps its weight (``constant``, run.distill's default): the teacher now knows the corpus better than the
+student's start does, which was the reason to decay it. It trains once the dense arm has finished, and is paired
+with dense continued and with the KD-linear arm.
+
     python benchmarks/midtrain_longer.py                       # 300 steps, ~70 min of training + ~50 of evals
+    python benchmarks/midtrain_longer.py --kd-from-continued   # + the arm taught by dense continued (~45 + 15 min)
     python benchmarks/midtrain_longer.py --steps 450 --runs runs/midtrain-921k
 """
 
@@ -47,6 +54,14 @@ def train_args(study: Path, steps: int, dtype: str) -> dict[str, list[str]]:
             "distilled-kd-linear": common + ["run.distill_schedule=linear", "run.distill_temperature=1.0",
                                              "run.distill_weight=0.5", f"run.distill={convert / DENSE_MODEL}",
                                              f"run.init_from={convert / STEM_MODEL}"]}
+
+
+def kd_from_continued_args(study: Path, steps: int, dtype: str, teacher: str) -> list[str]:
+    """The ``distilled-kd-continued`` arm's overrides: the KD-linear arm's, taught by ``teacher`` (dense continued's
+    checkpoint) at a constant weight."""
+    common = [o for o in train_args(study, steps, dtype)["distilled-kd-linear"]
+              if not o.startswith(("run.distill=", "run.distill_schedule="))]
+    return common + ["run.distill_schedule=constant", f"run.distill={teacher}"]
 
 
 def finished(run: Path, steps: int) -> dict | None:
@@ -117,6 +132,8 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=500, help="items per task (default 500, the study's)")
     ap.add_argument("--tasks", default="arc_easy,piqa,hellaswag", help="zero-shot tasks (default the study's)")
     ap.add_argument("--note", default="", help="how the runs were made, if not by this script (kept in the JSON)")
+    ap.add_argument("--kd-from-continued", action="store_true",
+                    help="also train and score the arm taught by dense continued (see above)")
     args = ap.parse_args()
     for need in (args.study / "data" / "smollm2" / "corpus", args.study / "convert" / DENSE_MODEL,
                  args.study / "convert" / STEM_MODEL):
@@ -131,6 +148,13 @@ def main() -> None:
             if finished(args.runs / a, args.steps) is None}
     train_wall = run_jobs(todo, args.jobs, {a: args.runs / f"{a}.log" for a in todo}, threads)
     summaries = {a: finished(args.runs / a, args.steps) for a in arms}
+    if args.kd_from_continued:  # taught by the dense arm just finished: it trains after it, with every thread
+        arm = "distilled-kd-continued"
+        arms[arm] = kd_from_continued_args(args.study, args.steps, args.dtype, summaries["dense"]["checkpoint"])
+        if finished(args.runs / arm, args.steps) is None:
+            train_wall.update(run_jobs({arm: [*stemlm, "train", *arms[arm], f"run.out={args.runs / arm}"]}, 1,
+                                       {arm: args.runs / f"{arm}.log"}, threads))
+        summaries[arm] = finished(args.runs / arm, args.steps)
 
     evals = {a: args.runs / f"{a}.eval.json" for a in arms}
     todo = {a: [*stemlm, "eval", "--ckpt", summaries[a]["checkpoint"], "--tasks", args.tasks, "--limit",
@@ -148,7 +172,17 @@ def main() -> None:
     acc = {a: {t: r["acc"] for t, r in d["tasks"].items()} for a, d in docs.items()}
     before = json.loads((STUDY_307K / "zero_shot_paired.json").read_text())
     at_307k = {"dense": before["result"], "distilled-kd-linear": study_eval("stem-distilled-kd-linear")["result"]}
-    longer_minus_307k = {a: paired([at_307k[a], docs[a]]) for a in arms}  # each arm against itself at 307k tokens
+    longer_minus_307k = {a: paired([at_307k[a], docs[a]]) for a in at_307k}  # each arm against itself at 307k tokens
+    continued = {}
+    if "distilled-kd-continued" in arms:
+        kdc = "distilled-kd-continued"
+        continued = {"val_gap": [(s, c - d) for (s, d), (_, c) in zip(curves["dense"], curves[kdc])],
+                     "paired_minus_dense": paired([docs["dense"], docs[kdc]]),
+                     "paired_minus_kd_linear": paired([docs["distilled-kd-linear"], docs[kdc]])}
+        for name in ("paired_minus_dense", "paired_minus_kd_linear"):
+            print(f"{kdc} {name}: " + ", ".join(f"{r['task']} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, "
+                                                 f"{100 * r['high']:+.1f}]" for r in continued[name]))
+        print(f"{kdc}: final validation gap {continued['val_gap'][-1][1]:+.4f} nats")
     for row in pairs:
         print(f"{row['task']}: distilled - dense {100 * row['diff']:+.1f} points "
               f"[{100 * row['low']:+.1f}, {100 * row['high']:+.1f}]")
@@ -161,13 +195,14 @@ def main() -> None:
                  f"{args.steps} steps x 8 x 256 = {args.steps * 2048:,} tokens, {args.dtype}, then zero-shot "
                  f"({args.tasks}, {args.limit} items, fp32) paired item by item"),
         "command": " ".join(["python benchmarks/midtrain_longer.py", f"--steps {args.steps}", f"--jobs {args.jobs}",
-                             f"--dtype {args.dtype}"]),
+                             f"--dtype {args.dtype}"] + (["--kd-from-continued"] if args.kd_from_continued else [])),
         "train_commands": {a: "stemlm train " + " ".join(o) for a, o in arms.items()},
         "note": args.note, "train_threads": threads, "eval_threads": eval_threads, "train_wall_s": train_wall,
         "eval_wall_s": eval_wall,
         "summaries": summaries, "val_curves": curves, "val_gap": gap, "zero_shot_acc": acc,
         "paired_distilled_minus_dense": pairs,
         "paired_against_itself_at_307k": longer_minus_307k,
+        "kd_from_continued": continued,
         "at_307k": {"val_gap": final_val("stem-distilled-kd-linear") - final_val("dense"),
                     "zero_shot_acc": {a: {t: r["acc"] for t, r in study_eval(a)["result"]["tasks"].items()}
                                       for a in ("dense", "stem-distilled-kd-linear")},
