@@ -12,7 +12,7 @@ eval command (``stemlm eval --tasks arc_easy,piqa,hellaswag --limit 500``, fp32)
 
 It needs the study's prepared data and converted models (``stemlm study run --spec midtrain-300k --stages
 midtrain``, which makes them under ``runs/study/midtrain-300k``). A finished arm (its ``summary.json`` at
-``--steps``) and an existing eval are reused, so an interrupted run continues. The two arms train side by side,
+``--steps``) and an existing eval are reused, and an arm with checkpoints resumes, so an interrupted run continues. The two arms train side by side,
 one thread each (``--jobs 1`` one after the other on every thread); so do the two evals (a run left alone gets
 every core).
 
@@ -62,6 +62,12 @@ def kd_from_continued_args(study: Path, steps: int, dtype: str, teacher: str) ->
     common = [o for o in train_args(study, steps, dtype)["distilled-kd-linear"]
               if not o.startswith(("run.distill=", "run.distill_schedule="))]
     return common + ["run.distill_schedule=constant", f"run.distill={teacher}"]
+
+
+def train_command(stemlm: list[str], overrides: list[str], run: Path) -> list[str]:
+    """``stemlm train`` for one arm into ``run``, resuming it if an interrupted start left checkpoints there."""
+    resume = ["--resume"] if any((run / "checkpoints").glob("step_*")) else []
+    return [*stemlm, "train", *resume, *overrides, f"run.out={run}"]
 
 
 def finished(run: Path, steps: int) -> dict | None:
@@ -144,15 +150,14 @@ def main() -> None:
     arms = train_args(args.study, args.steps, args.dtype)
     threads: dict[str, int] = {}  # each run's OMP_NUM_THREADS
 
-    todo = {a: [*stemlm, "train", *o, f"run.out={args.runs / a}"] for a, o in arms.items()
-            if finished(args.runs / a, args.steps) is None}
+    todo = {a: train_command(stemlm, o, args.runs / a) for a, o in arms.items() if finished(args.runs / a, args.steps) is None}
     train_wall = run_jobs(todo, args.jobs, {a: args.runs / f"{a}.log" for a in todo}, threads)
     summaries = {a: finished(args.runs / a, args.steps) for a in arms}
     if args.kd_from_continued:  # taught by the dense arm just finished: it trains after it, with every thread
         arm = "distilled-kd-continued"
         arms[arm] = kd_from_continued_args(args.study, args.steps, args.dtype, summaries["dense"]["checkpoint"])
         if finished(args.runs / arm, args.steps) is None:
-            train_wall.update(run_jobs({arm: [*stemlm, "train", *arms[arm], f"run.out={args.runs / arm}"]}, 1,
+            train_wall.update(run_jobs({arm: train_command(stemlm, arms[arm], args.runs / arm)}, 1,
                                        {arm: args.runs / f"{arm}.log"}, threads))
         summaries[arm] = finished(args.runs / arm, args.steps)
 
