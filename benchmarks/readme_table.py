@@ -336,7 +336,12 @@ def cpu_midtrain(files: dict) -> tuple[str, str]:
     for r in runs:
         tokens, dtype = r["summaries"]["dense"]["tokens_seen"], "bf16" if "bfloat16" in r["what"] else "fp32"
         parts.append(f"{tokens:,} tokens ({dtype}): **{r['val_gap'][-1][1]:+.3f}**, {pairs(r['paired_distilled_minus_dense'])}")
+        if r.get("kd_from_continued"):  # the arm taught by dense continued itself (midtrain_longer --kd-from-continued)
+            kdc = r["kd_from_continued"]
+            parts.append(f"the same, taught by dense continued (constant KL): **{kdc['val_gap'][-1][1]:+.3f}**, "
+                         f"{pairs(kdc['paired_minus_dense'])}")
     below = sorted({p["task"] for r in runs for p in r["paired_distilled_minus_dense"] + r["at_307k"]["paired_distilled_minus_dense"]
+                    + (r.get("kd_from_continued") or {}).get("paired_minus_dense", [])
                     if p["high"] < -ZERO_SHOT_POINTS_GOAL / 100})
     measured = "; ".join(parts) + " ([docs](docs/insertion.md#distillation-during-mid-training-rundistill))"
     return measured, (f"300k tokens: {yes(first['val_gap'] <= CPU_MIDTRAIN_GAP_GOAL)} (one seed); zero-shot: "
