@@ -115,12 +115,12 @@ WEIGHT_GRAD = "onednn"  # how a OneDNNLinear's weight gradient is computed (``we
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, backend: str = "aten") -> torch.Tensor:
     """The weight gradient ``grad (M, out).T @ x (M, in) -> (out, in)`` on ``backend``.
 
-    oneDNN's product copies its first operand, here a transposed (strided) view, into contiguous rows:
-    a pass over ``M × rows`` floats as slow as a third of the product itself. With ``WEIGHT_GRAD`` =
-    ``onednn`` (the default) it is given the narrower operand: when ``out > in`` (``W_gate`` and ``W_up``,
-    ``d_ff > d``) the product is taken as ``(x.T @ grad).T`` and only the small ``(in, out)`` result is
-    transposed back, which at the tiny preset's 4,096 × 688 × 256 takes 3.96 ms instead of 5.83 ms (one
-    process, 2 cores; ``benchmarks/bench_weight_grad.py`` times whole steps). ``onednn-grad-first`` is the
+    oneDNN's product copies its first operand, here a transposed (strided) view, into contiguous rows: a
+    pass over ``M × rows`` floats, 3.4 ms of the 5.8 ms product at the tiny preset's 4,096 × 688 × 256
+    (``torch.profiler``, 2 cores). With ``WEIGHT_GRAD`` = ``onednn`` (the default) it is given the narrower
+    operand: when ``out > in`` (``W_gate`` and ``W_up``, ``d_ff > d``) the product is taken as
+    ``(x.T @ grad).T`` and only the small ``(in, out)`` result is transposed back, 3.96 ms instead of 5.83 ms
+    for that product (``benchmarks/bench_weight_grad.py`` times whole steps). ``onednn-grad-first`` is the
     product as before 2026-11-29, ``aten`` ATen's ``grad.T @ x``; a backend where oneDNN does not apply is
     ATen's too. The results agree up to float summation order."""
     if backend == "onednn" and WEIGHT_GRAD != "aten" and onednn_applies(grad, x):
