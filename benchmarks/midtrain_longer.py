@@ -125,6 +125,16 @@ def val_curve(run: Path) -> list[tuple[int, float]]:
     return out
 
 
+def gap_to(curves: dict[str, list[tuple[int, float]]], arm: str, base: str = "dense") -> list[tuple[int, float]]:
+    """``(step, arm's val_loss − base's)`` at every evaluation point both runs share."""
+    return [(s, a - b) for (s, b), (_, a) in zip(curves[base], curves[arm])]
+
+
+def paired_text(rows: list[dict]) -> str:
+    """Paired differences (``stemlm.eval.run.paired`` rows) as ``task +d [low, high]`` in points."""
+    return ", ".join(f"{r['task']} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]" for r in rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300, help="training steps of 8 x 256 tokens (default 300)")
@@ -173,7 +183,7 @@ def main() -> None:
     docs = {a: json.loads(p.read_text()) for a, p in evals.items()}
     pairs = paired([docs["dense"], docs["distilled-kd-linear"]])
     curves = {a: val_curve(args.runs / a) for a in arms}
-    gap = [(s, kd - d) for (s, d), (_, kd) in zip(curves["dense"], curves["distilled-kd-linear"])]
+    gap = gap_to(curves, "distilled-kd-linear")
     acc = {a: {t: r["acc"] for t, r in d["tasks"].items()} for a, d in docs.items()}
     before = json.loads((STUDY_307K / "zero_shot_paired.json").read_text())
     at_307k = {"dense": before["result"], "distilled-kd-linear": study_eval("stem-distilled-kd-linear")["result"]}
@@ -181,19 +191,17 @@ def main() -> None:
     continued = {}
     if "distilled-kd-continued" in arms:
         kdc = "distilled-kd-continued"
-        continued = {"val_gap": [(s, c - d) for (s, d), (_, c) in zip(curves["dense"], curves[kdc])],
+        continued = {"val_gap": gap_to(curves, kdc),
                      "paired_minus_dense": paired([docs["dense"], docs[kdc]]),
                      "paired_minus_kd_linear": paired([docs["distilled-kd-linear"], docs[kdc]])}
         for name in ("paired_minus_dense", "paired_minus_kd_linear"):
-            print(f"{kdc} {name}: " + ", ".join(f"{r['task']} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, "
-                                                 f"{100 * r['high']:+.1f}]" for r in continued[name]))
+            print(f"{kdc} {name}: {paired_text(continued[name])}")
         print(f"{kdc}: final validation gap {continued['val_gap'][-1][1]:+.4f} nats")
     for row in pairs:
         print(f"{row['task']}: distilled - dense {100 * row['diff']:+.1f} points "
               f"[{100 * row['low']:+.1f}, {100 * row['high']:+.1f}]")
     for a, rows in longer_minus_307k.items():
-        print(f"{a}, {args.steps} steps - 150 steps: " + ", ".join(
-            f"{r['task']} {100 * r['diff']:+.1f} [{100 * r['low']:+.1f}, {100 * r['high']:+.1f}]" for r in rows))
+        print(f"{a}, {args.steps} steps - 150 steps: {paired_text(rows)}")
     print(f"final validation gap {gap[-1][1]:+.4f} nats at step {gap[-1][0]}")
     path = write_result(f"midtrain_longer_{args.steps * 8 * 256 // 1000}k", False, {
         "what": (f"dense continued vs the locally distilled STEM-1/3 KD-linear arm of studies/midtrain-300k.yaml, "
